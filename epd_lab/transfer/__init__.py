@@ -1,0 +1,28 @@
+"""The transfer engine: one-sided writes into memory a peer registered beforehand."""
+from epd_lab.transfer.buffers import as_array, buffer_info
+from epd_lab.transfer.engine import PROTOCOLS, TransferEngine, TransferStatus, parse_session_id
+from epd_lab.transfer.errors import (
+    PeerUnreachable,
+    ProtocolError,
+    RegistrationError,
+    RemoteAccessError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+
+__all__ = [
+    "PROTOCOLS",
+    "PeerUnreachable",
+    "ProtocolError",
+    "RegistrationError",
+    "RemoteAccessError",
+    "TransferEngine",
+    "TransferError",
+    "TransferStatus",
+    "TransferTimeout",
+    "TransportUnavailable",
+    "as_array",
+    "buffer_info",
+    "parse_session_id",
+]

@@ -1,0 +1,346 @@
+"""`TransferEngine`: one-sided writes into memory a peer registered beforehand (the Mooncake model).
+
+The API follows Mooncake's Python binding as the seeds use it (`session_id`, `register`, `deregister`,
+`transfer_sync_write`, `batch_transfer_sync_write`, `batch_transfer_async_write`,
+`get_batch_transfer_status`, `allocate_managed_buffer`), with one deliberate difference: failures raise
+(see `epd_lab.transfer.errors`) instead of returning negative codes that callers forget to check.
+
+Every engine is also a memory owner: it listens on `session_id` and places incoming writes into its
+registered memory after checking them against its registration table. Paths to a peer:
+
+- ``shm``: same host. Writes into the peer's managed buffers are one memcpy into a shared mapping;
+  writes into memory the peer registered from elsewhere go through ``process_vm_writev``. Both check
+  the registration table the peer publishes (and pin the region so a deregister waits for them).
+- ``tcp``: any host. Header + bytes; the peer's server thread receives straight into the destination.
+- ``verbs``: RDMA WRITE over an RC QP (see `epd_lab.transfer.verbs`); needs an RDMA device.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Sequence
+
+from epd_lab import _native
+from epd_lab.transfer.buffers import buffer_info
+from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
+
+PROTOCOLS = ("auto", "tcp", "shm", "verbs")
+
+
+class TransferStatus(Enum):
+    """State of an asynchronous batch (`get_batch_transfer_status`)."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+def parse_session_id(session_id: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (IPv6 as ``"[::1]:port"``) and check it."""
+    host, sep, port = session_id.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"session_id {session_id!r} is not 'host:port'")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class _Peer:
+    """What this engine holds for one remote session: the path and its connections."""
+
+    session_id: str
+    path: str
+    host: str
+    port: int
+    timeout_ms: int
+    shm: Any = None  # _native.ShmPeer
+    verbs: Any = None  # verbs.VerbsPeer
+    idle: list = field(default_factory=list)  # idle _native.TcpConn
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def conn(self) -> "_native.TcpConn":
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+        return _native.TcpConn(self.host, self.port, self.timeout_ms)
+
+    def give_back(self, conn: "_native.TcpConn") -> None:
+        if conn.broken:
+            conn.close()
+            return
+        with self.lock:
+            self.idle.append(conn)
+
+    def close(self) -> None:
+        with self.lock:
+            conns, self.idle = self.idle, []
+        for c in conns:
+            c.close()
+        for obj in (self.shm, self.verbs):
+            if obj is not None:
+                obj.close()
+
+
+class TransferEngine:
+    """A transfer engine on this host; see the module docstring.
+
+    Args:
+        hostname: address to listen on and to publish in `session_id` (loopback by default).
+        protocol: ``"auto"`` (verbs where an RDMA device exists, else shm for a same-host peer, else tcp),
+            or force ``"tcp"``, ``"shm"`` or ``"verbs"``.
+        port: 0 lets the OS choose.
+        timeout: seconds a peer may make no progress before a transfer fails (idle timeout), also the
+            bound on connecting and on a deregister waiting for writes in flight.
+        async_workers: threads for `batch_transfer_async_write`.
+    """
+
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "auto", *, port: int = 0,
+                 timeout: float = 5.0, async_workers: int = 4) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)} "
+                             f"(or epd_lab.transfer.MooncakeTransferEngine for the real Mooncake engine)")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.hostname = hostname
+        self.protocol = protocol
+        self.timeout = timeout
+        self._verbs = self._open_verbs(protocol)
+        self._owner = _native.Owner(hostname, port, max(1, int(timeout * 1000)))
+        self._owner.control_handler = self._on_control
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=async_workers, thread_name_prefix="epd-transfer")
+        self._batches: dict[int, Future] = {}
+        self._batch_ids = itertools.count(1)
+        self._out = {"writes_out": 0, "bytes_out": 0, "failures_out": 0}
+
+    @staticmethod
+    def _open_verbs(protocol: str):
+        if protocol not in ("verbs", "auto"):
+            return None
+        from epd_lab.transfer import verbs
+
+        if protocol == "auto" and verbs.unavailable_reason() is not None:
+            return None
+        return verbs.VerbsTransport()  # raises TransportUnavailable with the reason and the alternatives
+
+    # ---- identity ----
+    @property
+    def session_id(self) -> str:
+        """``"host:rpc_port"``: what peers pass to write into this engine's memory."""
+        host = f"[{self.hostname}]" if ":" in self.hostname else self.hostname
+        return f"{host}:{self._owner.port}"
+
+    def get_rpc_port(self) -> int:
+        """The port this engine listens on (Mooncake's name)."""
+        return self._owner.port
+
+    # ---- registration (owner side) ----
+    def register(self, ptr: int, length: int) -> None:
+        """Register ``[ptr, ptr+length)`` so peers may write into it (and this engine may write from it).
+
+        Raises `RegistrationError` on zero length, overlap or double registration.
+        """
+        self._owner.register(ptr, length)
+        if self._verbs is not None:
+            try:
+                self._verbs.register(ptr, length)
+            except BaseException:
+                self._owner.deregister(ptr)
+                raise
+
+    def deregister(self, ptr: int) -> None:
+        """Deregister the region starting at `ptr`. When it returns, no write can land there any more
+        (it waits, up to the timeout, for writes already in flight). Raises on an unknown pointer."""
+        if self._verbs is not None:
+            self._verbs.deregister(ptr)
+        self._owner.deregister(ptr)
+
+    def registrations(self) -> list[tuple[int, int, str]]:
+        """The registration table: ``(address, length, "managed" | "external")`` per region."""
+        return self._owner.regions()
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """Allocate `length` bytes that same-host peers map directly (memcpy speed). Not registered:
+        register the parts you hand out, and deregister them after use."""
+        return self._owner.allocate_managed(length)
+
+    def free_managed_buffer(self, ptr: int) -> None:
+        """Free a managed buffer; fails while a region inside it is still registered."""
+        self._owner.free_managed(ptr)
+
+    # ---- writes (writer side) ----
+    def transfer_sync_write(self, session_id: str, src_ptr: int, dst_ptr: int, length: int) -> None:
+        """Write `length` bytes from local registered memory at `src_ptr` to the peer's `dst_ptr`.
+        Returns once the bytes are in place in the peer's memory."""
+        self.batch_transfer_sync_write(session_id, (src_ptr,), (dst_ptr,), (length,))
+
+    def batch_transfer_sync_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
+                                  lengths: Sequence[int]) -> None:
+        """Write several blocks in one call. The batch fails as a whole on the first refused or failed
+        block; which of the other blocks landed is then unspecified."""
+        peer = self._peer(session_id)
+        try:
+            if peer.path == "shm":
+                n = peer.shm.write(self._owner, srcs, dsts, lengths)
+            elif peer.path == "verbs":
+                peer.verbs.write_batch(srcs, dsts, lengths, self.timeout)
+                n = sum(lengths)
+            else:
+                conn = peer.conn()
+                try:
+                    n = conn.write(self._owner, srcs, dsts, lengths)
+                finally:
+                    peer.give_back(conn)
+        except PeerUnreachable:
+            self._drop_peer(session_id)
+            self._count(failed=True)
+            raise
+        except (TransferError, ValueError):
+            self._count(failed=True)
+            raise
+        self._count(len(lengths), n)
+
+    def batch_transfer_async_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
+                                   lengths: Sequence[int]) -> int:
+        """Submit a batch; returns a batch id for `get_batch_transfer_status` / `wait_batch`."""
+        srcs, dsts, lengths = list(srcs), list(dsts), list(lengths)
+        fut = self._pool.submit(self.batch_transfer_sync_write, session_id, srcs, dsts, lengths)
+        batch_id = next(self._batch_ids)
+        self._batches[batch_id] = fut
+        return batch_id
+
+    def get_batch_transfer_status(self, batch_id: int) -> TransferStatus:
+        """PENDING, COMPLETED or FAILED (`wait_batch` gives the error)."""
+        fut = self._batch(batch_id)
+        if not fut.done():
+            return TransferStatus.PENDING
+        return TransferStatus.FAILED if fut.exception() is not None else TransferStatus.COMPLETED
+
+    def wait_batch(self, batch_id: int, timeout: float | None = None) -> None:
+        """Wait for a batch, forget it, and raise its error if it failed."""
+        fut = self._batch(batch_id)
+        fut.result(timeout)  # raises the transfer's error, or TimeoutError while still pending
+        del self._batches[batch_id]
+
+    def _batch(self, batch_id: int) -> Future:
+        try:
+            return self._batches[batch_id]
+        except KeyError:
+            raise ValueError(f"unknown batch id {batch_id}") from None
+
+    # ---- tensors and arrays ----
+    def register_buffer(self, obj: Any) -> tuple[int, int]:
+        """Register a contiguous torch tensor, numpy array or buffer; returns ``(ptr, nbytes)``."""
+        ptr, nbytes = buffer_info(obj)
+        self.register(ptr, nbytes)
+        return ptr, nbytes
+
+    def deregister_buffer(self, obj: Any) -> None:
+        """Deregister what `register_buffer` registered."""
+        self.deregister(buffer_info(obj)[0])
+
+    def write_buffer(self, session_id: str, src: Any, dst_ptr: int) -> int:
+        """Write a whole registered tensor/array to the peer's `dst_ptr`; returns the bytes written."""
+        ptr, nbytes = buffer_info(src)
+        self.transfer_sync_write(session_id, ptr, dst_ptr, nbytes)
+        return nbytes
+
+    # ---- peers ----
+    def path_to(self, session_id: str) -> str:
+        """The path writes to this session take: ``"shm"``, ``"tcp"`` or ``"verbs"``."""
+        return self._peer(session_id).path
+
+    def _peer(self, session_id: str) -> _Peer:
+        peer = self._peers.get(session_id)
+        if peer is not None:
+            return peer
+        if self._owner.closed:
+            raise ValueError("the engine is closed")
+        host, port = parse_session_id(session_id)
+        peer = _Peer(session_id, "tcp", host, port, self._owner.timeout_ms)
+        conn = peer.conn()  # raises PeerUnreachable / TransferTimeout
+        try:
+            self._choose_path(peer, conn)
+        except BaseException:
+            conn.close()
+            raise
+        peer.give_back(conn)
+        with self._lock:
+            return self._peers.setdefault(session_id, peer)
+
+    def _choose_path(self, peer: _Peer, conn: "_native.TcpConn") -> None:
+        if self._verbs is not None:
+            peer.verbs = self._verbs.connect(conn.control)
+            peer.path = "verbs"
+            return
+        if self.protocol not in ("shm", "auto"):
+            return
+        pid, table_fd, nonce = conn.hello()
+        try:
+            peer.shm = _native.ShmPeer(pid, table_fd, nonce, self._owner.timeout_ms)
+            peer.path = "shm"
+        except PeerUnreachable as exc:
+            if self.protocol == "shm":
+                raise TransportUnavailable(
+                    f"protocol='shm' needs the peer {peer.session_id} on this host: {exc}; "
+                    f"use protocol='tcp' (any host) or 'auto'") from exc
+
+    def _drop_peer(self, session_id: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(session_id, None)
+        if peer is not None:
+            peer.close()
+
+    def _on_control(self, request: bytes) -> bytes:
+        if self._verbs is None:
+            raise TransportUnavailable("this engine has no verbs transport")
+        return self._verbs.handle_control(request)
+
+    # ---- counters and lifetime ----
+    def _count(self, writes: int = 0, nbytes: int = 0, failed: bool = False) -> None:
+        with self._lock:
+            self._out["writes_out"] += writes
+            self._out["bytes_out"] += nbytes
+            self._out["failures_out"] += failed
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``regions``, ``registered_bytes``, ``writes_in``, ``bytes_in`` (written into this
+        engine by peers), ``writes_refused`` (incoming writes refused by the registration check),
+        ``managed_buffers``, ``managed_bytes``, ``deregister_timeouts``, and ``writes_out``,
+        ``bytes_out``, ``failures_out`` (this engine as a writer)."""
+        with self._lock:
+            out = dict(self._out)
+        return {**self._owner.stats(), **out}
+
+    def close(self) -> None:
+        """Stop serving, drop peer connections and free managed buffers. Idempotent."""
+        if self._owner.closed:
+            return
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
+        if self._verbs is not None:
+            self._verbs.close()
+        self._owner.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # a notebook cell that re-creates an engine must not leave the old server thread running
+        owner = getattr(self, "_owner", None)
+        if owner is not None and not owner.closed:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._owner.closed else self.session_id
+        return f"TransferEngine({state}, protocol={self.protocol!r})"
+

@@ -1,0 +1,330 @@
+# cython: boundscheck=False, wraparound=False
+"""epd_lab._native: the binding of native/epd_core.c.
+
+Setup (objects, registration, errors) happens here with the GIL; every data path runs in C with the
+GIL released. `epd_lab.transfer.engine.TransferEngine` is the public API built on these objects.
+"""
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.errno cimport errno
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from epd_core cimport *
+
+from epd_lab.transfer.errors import (
+    PeerUnreachable,
+    ProtocolError,
+    RegistrationError,
+    RemoteAccessError,
+    TransferError,
+    TransferTimeout,
+)
+
+_ERRORS = {
+    EPD_EINVAL: RegistrationError,
+    EPD_EREFUSED: RemoteAccessError,
+    EPD_ETIMEDOUT: TransferTimeout,
+    EPD_ECONN: PeerUnreachable,
+    EPD_EPROTO: ProtocolError,
+}
+
+
+cdef int check(int rc, const char *err, int err_no) except -1:
+    """Turn a native status into the matching exception."""
+    if rc == EPD_OK:
+        return 0
+    msg = err.decode("utf-8", "replace")
+    cls = _ERRORS.get(rc)
+    if cls is RegistrationError:
+        raise RegistrationError(msg)
+    if cls is not None:
+        raise cls(msg, err_no or None)
+    raise TransferError(msg, err_no if rc == EPD_ESYS else None)
+
+
+cdef class Owner
+
+
+cdef class _Vectors:
+    """Three C arrays of uint64 (sources, destinations, lengths) built from Python sequences."""
+    cdef uint64_t *srcs
+    cdef uint64_t *dsts
+    cdef uint64_t *lens
+    cdef int n
+
+    def __cinit__(self, srcs, dsts, lengths):
+        cdef Py_ssize_t n = len(srcs)
+        if n == 0 or len(dsts) != n or len(lengths) != n:
+            raise ValueError(f"need equal, non-empty lists of sources, destinations and lengths "
+                             f"(got {len(srcs)}, {len(dsts)}, {len(lengths)})")
+        self.n = n
+        self.srcs = <uint64_t *> malloc(3 * n * sizeof(uint64_t))
+        if self.srcs == NULL:
+            raise MemoryError()
+        self.dsts = self.srcs + n
+        self.lens = self.srcs + 2 * n
+        for i in range(n):
+            length = lengths[i]
+            if length <= 0:
+                raise ValueError(f"length {length} of write {i}: must be positive")
+            self.srcs[i] = srcs[i]
+            self.dsts[i] = dsts[i]
+            self.lens[i] = length
+
+    def __dealloc__(self):
+        free(self.srcs)
+
+    cdef int check_sources(self, Owner owner) except -1:
+        """Sources must lie in the writer's own registrations (the lkey's role)."""
+        for i in range(self.n):
+            if not epd_owner_covers(owner.o, self.srcs[i], self.lens[i]):
+                raise RegistrationError(
+                    f"source 0x{self.srcs[i]:x} ({self.lens[i]} bytes) of write {i} is not inside memory "
+                    f"registered with this engine; register() it first")
+        return 0
+
+
+cdef int _control_callback(void *ctx, const uint8_t *req, uint32_t length, uint8_t **resp,
+                           uint32_t *resp_len) noexcept nogil:
+    with gil:
+        return _control_call(<Owner> ctx, req, length, resp, resp_len)
+
+
+cdef int _control_call(Owner owner, const uint8_t *req, uint32_t length, uint8_t **resp,
+                       uint32_t *resp_len) noexcept:
+    cdef int status = 0
+    try:
+        handler = owner.control_handler
+        if handler is None:
+            raise ProtocolError("this engine takes no control requests")
+        out = bytes(handler(PyBytes_FromStringAndSize(<const char *> req, length)))
+    except BaseException as exc:  # a handler's failure goes back to the requester, never kills the server
+        out = f"{type(exc).__name__}: {exc}".encode()
+        status = -1
+    cdef Py_ssize_t n = len(out)
+    cdef uint8_t *buf = <uint8_t *> malloc(n if n else 1)
+    if buf == NULL:
+        return -1
+    memcpy(buf, <const char *> out, n)
+    resp[0] = buf
+    resp_len[0] = <uint32_t> n
+    return status
+
+
+cdef class Owner:
+    """Memory owner: the registration table, managed buffers and the TCP server placing incoming writes."""
+    cdef epd_owner *o
+    cdef epd_server *srv
+    cdef readonly str host
+    cdef readonly int port
+    cdef readonly int timeout_ms
+    cdef public object control_handler
+
+    def __cinit__(self, str host, int port, int timeout_ms):
+        cdef char err[EPD_ERRLEN]
+        cdef bytes bhost = host.encode()
+        cdef const char *chost = bhost
+        cdef int rc
+        if timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
+        self.host = host
+        self.timeout_ms = timeout_ms
+        check(epd_owner_create(&self.o, timeout_ms, err), err, errno)
+        with nogil:
+            rc = epd_server_start(&self.srv, self.o, chost, port, timeout_ms, _control_callback, <void *> self, err)
+        if rc != EPD_OK:
+            epd_owner_destroy(self.o)
+            self.o = NULL
+            check(rc, err, errno)
+        self.port = epd_server_port(self.srv)
+
+    cdef int _alive(self) except -1:
+        if self.o == NULL:
+            raise ValueError("the engine is closed")
+        return 0
+
+    def register(self, uint64_t addr, uint64_t length) -> None:
+        cdef char err[EPD_ERRLEN]
+        self._alive()
+        check(epd_owner_register(self.o, addr, length, err), err, errno)
+
+    def deregister(self, uint64_t addr) -> None:
+        cdef char err[EPD_ERRLEN]
+        cdef int rc
+        self._alive()
+        with nogil:
+            rc = epd_owner_deregister(self.o, addr, err)
+        check(rc, err, errno)
+
+    def covers(self, uint64_t addr, uint64_t length) -> bool:
+        self._alive()
+        return bool(epd_owner_covers(self.o, addr, length))
+
+    def allocate_managed(self, uint64_t length) -> int:
+        cdef char err[EPD_ERRLEN]
+        cdef uint64_t addr = 0
+        cdef int rc
+        self._alive()
+        with nogil:
+            rc = epd_owner_alloc_managed(self.o, length, &addr, err)
+        check(rc, err, errno)
+        return addr
+
+    def free_managed(self, uint64_t addr) -> None:
+        cdef char err[EPD_ERRLEN]
+        self._alive()
+        check(epd_owner_free_managed(self.o, addr, err), err, errno)
+
+    def regions(self) -> list:
+        cdef int cap = 64, n
+        cdef epd_region *buf
+        self._alive()
+        while True:
+            buf = <epd_region *> malloc(cap * sizeof(epd_region))
+            if buf == NULL:
+                raise MemoryError()
+            n = epd_owner_regions(self.o, buf, cap)
+            if n <= cap:
+                out = [(buf[i].addr, buf[i].length, "managed" if buf[i].kind else "external") for i in range(n)]
+                free(buf)
+                return out
+            free(buf)
+            cap = n
+
+    def stats(self) -> dict:
+        cdef epd_owner_stats s
+        self._alive()
+        epd_owner_stats_get(self.o, &s)
+        return dict(regions=s.regions, registered_bytes=s.registered_bytes, writes_in=s.writes_in,
+                    bytes_in=s.bytes_in, writes_refused=s.writes_refused, managed_buffers=s.managed_arenas,
+                    managed_bytes=s.managed_bytes, deregister_timeouts=s.deregister_timeouts)
+
+    def hello(self) -> tuple:
+        cdef epd_hello h = epd_owner_hello(self.o)
+        return (h.pid, h.table_fd, h.nonce)
+
+    def close(self) -> None:
+        """Stop the server and free the table and managed buffers. Idempotent."""
+        cdef epd_server *srv = self.srv
+        self.srv = NULL
+        if srv != NULL:
+            with nogil:
+                epd_server_stop(srv)
+        if self.o != NULL:
+            epd_owner_destroy(self.o)
+            self.o = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.o == NULL
+
+
+cdef class TcpConn:
+    """A writer's TCP connection to one peer engine; one reply per write, pipelined in batches."""
+    cdef epd_conn *c
+    cdef readonly str peer
+
+    def __cinit__(self, str host, int port, int timeout_ms):
+        cdef char err[EPD_ERRLEN]
+        cdef bytes bhost = host.encode()
+        cdef const char *chost = bhost
+        cdef int rc
+        self.peer = f"{host}:{port}"
+        with nogil:
+            rc = epd_conn_open(&self.c, chost, port, timeout_ms, err)
+        check(rc, err, errno)
+
+    def write(self, Owner owner, srcs, dsts, lengths) -> int:
+        """Write each (src, dst, length); returns the bytes written. Raises on the first failure."""
+        cdef char err[EPD_ERRLEN]
+        cdef _Vectors v = _Vectors(srcs, dsts, lengths)
+        cdef int rc
+        if self.c == NULL:
+            raise ValueError("the connection is closed")
+        v.check_sources(owner)
+        with nogil:
+            rc = epd_conn_write(self.c, v.srcs, v.dsts, v.lens, v.n, err)
+        check(rc, err, errno)
+        return sum(lengths)
+
+    def hello(self) -> tuple:
+        cdef char err[EPD_ERRLEN]
+        cdef epd_hello h
+        cdef int rc
+        with nogil:
+            rc = epd_conn_hello(self.c, &h, err)
+        check(rc, err, errno)
+        return (h.pid, h.table_fd, h.nonce)
+
+    def control(self, bytes request) -> bytes:
+        cdef char err[EPD_ERRLEN]
+        cdef uint8_t *resp = NULL
+        cdef uint32_t resp_len = 0
+        cdef const uint8_t *req = request
+        cdef uint32_t n = len(request)
+        cdef int rc
+        with nogil:
+            rc = epd_conn_control(self.c, req, n, &resp, &resp_len, err)
+        check(rc, err, errno)
+        try:
+            return PyBytes_FromStringAndSize(<const char *> resp, resp_len)
+        finally:
+            free(resp)
+
+    @property
+    def broken(self) -> bool:
+        return self.c == NULL or bool(epd_conn_broken(self.c))
+
+    def close(self) -> None:
+        if self.c != NULL:
+            epd_conn_close(self.c)
+            self.c = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+
+cdef class ShmPeer:
+    """A writer's view of a same-host peer: its registration table and managed buffers, mapped."""
+    cdef epd_shm_peer *p
+    cdef readonly int pid
+
+    def __cinit__(self, int pid, int table_fd, uint64_t nonce, int timeout_ms):
+        cdef char err[EPD_ERRLEN]
+        cdef epd_hello h
+        h.pid = pid
+        h.table_fd = table_fd
+        h.nonce = nonce
+        self.pid = pid
+        check(epd_shm_attach(&self.p, &h, timeout_ms, err), err, errno)
+
+    def write(self, Owner owner, srcs, dsts, lengths) -> int:
+        """Write each (src, dst, length) into the peer; returns the bytes written."""
+        cdef char err[EPD_ERRLEN]
+        cdef _Vectors v = _Vectors(srcs, dsts, lengths)
+        cdef int rc
+        if self.p == NULL:
+            raise ValueError("the peer is detached")
+        v.check_sources(owner)
+        with nogil:
+            rc = epd_shm_write(self.p, v.srcs, v.dsts, v.lens, v.n, err)
+        check(rc, err, errno)
+        return sum(lengths)
+
+    def close(self) -> None:
+        if self.p != NULL:
+            epd_shm_detach(self.p)
+            self.p = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+
+def copy(uint64_t dst, uint64_t src, uint64_t length) -> None:
+    """memcpy with the GIL released (the single-thread limit the benchmark compares against)."""
+    with nogil:
+        memcpy(<void *> dst, <const void *> src, length)

@@ -1,0 +1,114 @@
+/* epd_core: the native data paths of epd_lab's transfer engine.
+ *
+ * Owner side: a registration table that lives in a memfd (so same-host peers can map and check it),
+ * managed arenas (memfd memory peers map directly), and a TCP server whose connection threads place
+ * incoming writes straight into registered memory after checking them against the table.
+ * Writer side: a TCP connection (header + bytes, one reply per write) and a same-host shm peer
+ * (memcpy into a mapped arena, process_vm_writev elsewhere), both checking the owner's table.
+ *
+ * Every function returns 0 or a negative EPD_E* code and writes a sentence into `err` (EPD_ERRLEN).
+ * No function here touches Python; all of them may run without the GIL.
+ */
+#ifndef EPD_CORE_H
+#define EPD_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define EPD_ERRLEN 320
+
+enum {
+    EPD_OK = 0,
+    EPD_EINVAL = -1,    /* misuse: zero length, overlap, unknown pointer */
+    EPD_EREFUSED = -2,  /* the owner refused a write outside its registrations */
+    EPD_ETIMEDOUT = -3, /* no progress within the timeout */
+    EPD_ECONN = -4,     /* could not connect, or the peer closed/died */
+    EPD_EPROTO = -5,    /* bytes that are not the protocol */
+    EPD_ESYS = -6,      /* a system call failed; errno is kept */
+    EPD_EBUSY = -7,     /* deregister waited out the timeout for in-flight writes */
+};
+
+/* wire protocol (little-endian hosts only; checked at build time in epd_core.c) */
+#define EPD_WIRE_MAGIC 0x57445045u /* "EPDW" */
+#define EPD_WIRE_VERSION 1
+enum { EPD_OP_WRITE = 1, EPD_OP_HELLO = 2, EPD_OP_CONTROL = 3 };
+enum { EPD_ST_OK = 0, EPD_ST_REFUSED = 1, EPD_ST_BADREQ = 2, EPD_ST_CONTROL_ERR = 3 };
+#define EPD_CONTROL_MAX (1u << 20)
+
+typedef struct {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t op;
+    uint64_t seq;
+    uint64_t addr;
+    uint64_t length; /* payload bytes that follow */
+} epd_wire_req;
+
+typedef struct {
+    uint32_t magic;
+    int32_t status;
+    uint64_t seq;
+    uint64_t length; /* payload bytes that follow (HELLO, CONTROL) */
+} epd_wire_rep;
+
+typedef struct {
+    int32_t pid;
+    int32_t table_fd;
+    uint64_t nonce;
+} epd_hello;
+
+/* ---- owner: table + managed arenas ---- */
+typedef struct epd_owner epd_owner;
+
+typedef struct {
+    uint64_t addr, length;
+    uint32_t kind; /* 0 external (process_vm_writev), 1 inside a managed arena */
+} epd_region;
+
+typedef struct {
+    uint64_t regions, registered_bytes;
+    uint64_t writes_in, bytes_in, writes_refused;
+    uint64_t managed_arenas, managed_bytes;
+    uint64_t deregister_timeouts;
+} epd_owner_stats;
+
+int epd_owner_create(epd_owner **out, int timeout_ms, char *err);
+void epd_owner_destroy(epd_owner *o);
+int epd_owner_register(epd_owner *o, uint64_t addr, uint64_t length, char *err);
+int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err);
+int epd_owner_covers(epd_owner *o, uint64_t addr, uint64_t length);
+int epd_owner_alloc_managed(epd_owner *o, uint64_t length, uint64_t *addr_out, char *err);
+int epd_owner_free_managed(epd_owner *o, uint64_t addr, char *err);
+int epd_owner_regions(epd_owner *o, epd_region *out, int cap);
+void epd_owner_stats_get(epd_owner *o, epd_owner_stats *s);
+epd_hello epd_owner_hello(epd_owner *o);
+
+/* ---- owner: TCP server ---- */
+typedef struct epd_server epd_server;
+/* CONTROL requests go to this callback (it may take the GIL); *resp is malloc'ed by the callback. */
+typedef int (*epd_control_fn)(void *ctx, const uint8_t *req, uint32_t len, uint8_t **resp, uint32_t *resp_len);
+
+int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, int timeout_ms,
+                     epd_control_fn control, void *control_ctx, char *err);
+int epd_server_port(epd_server *s);
+void epd_server_stop(epd_server *s);
+
+/* ---- writer: TCP connection ---- */
+typedef struct epd_conn epd_conn;
+int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, char *err);
+void epd_conn_close(epd_conn *c);
+int epd_conn_broken(epd_conn *c);
+int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+                   char *err);
+int epd_conn_hello(epd_conn *c, epd_hello *h, char *err);
+int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t len, uint8_t **resp, uint32_t *resp_len,
+                     char *err);
+
+/* ---- writer: same-host peer ---- */
+typedef struct epd_shm_peer epd_shm_peer;
+int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char *err);
+void epd_shm_detach(epd_shm_peer *p);
+int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+                  char *err);
+
+#endif

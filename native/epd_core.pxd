@@ -1,0 +1,73 @@
+# C declarations of native/epd_core.h, and nothing else.
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+
+
+cdef extern from "epd_core.h" nogil:
+    enum:
+        EPD_ERRLEN
+        EPD_OK
+        EPD_EINVAL
+        EPD_EREFUSED
+        EPD_ETIMEDOUT
+        EPD_ECONN
+        EPD_EPROTO
+        EPD_ESYS
+        EPD_EBUSY
+
+    ctypedef struct epd_hello:
+        int32_t pid
+        int32_t table_fd
+        uint64_t nonce
+
+    ctypedef struct epd_region:
+        uint64_t addr
+        uint64_t length
+        uint32_t kind
+
+    ctypedef struct epd_owner_stats:
+        uint64_t regions, registered_bytes
+        uint64_t writes_in, bytes_in, writes_refused
+        uint64_t managed_arenas, managed_bytes
+        uint64_t deregister_timeouts
+
+    ctypedef struct epd_owner:
+        pass
+    ctypedef struct epd_server:
+        pass
+    ctypedef struct epd_conn:
+        pass
+    ctypedef struct epd_shm_peer:
+        pass
+
+    ctypedef int (*epd_control_fn)(void *ctx, const uint8_t *req, uint32_t length, uint8_t **resp,
+                                   uint32_t *resp_len) noexcept nogil
+
+    int epd_owner_create(epd_owner **out, int timeout_ms, char *err)
+    void epd_owner_destroy(epd_owner *o)
+    int epd_owner_register(epd_owner *o, uint64_t addr, uint64_t length, char *err)
+    int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err)
+    int epd_owner_covers(epd_owner *o, uint64_t addr, uint64_t length)
+    int epd_owner_alloc_managed(epd_owner *o, uint64_t length, uint64_t *addr_out, char *err)
+    int epd_owner_free_managed(epd_owner *o, uint64_t addr, char *err)
+    int epd_owner_regions(epd_owner *o, epd_region *out, int cap)
+    void epd_owner_stats_get(epd_owner *o, epd_owner_stats *s)
+    epd_hello epd_owner_hello(epd_owner *o)
+
+    int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, int timeout_ms,
+                         epd_control_fn control, void *control_ctx, char *err)
+    int epd_server_port(epd_server *s)
+    void epd_server_stop(epd_server *s)
+
+    int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, char *err)
+    void epd_conn_close(epd_conn *c)
+    int epd_conn_broken(epd_conn *c)
+    int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+                       char *err)
+    int epd_conn_hello(epd_conn *c, epd_hello *h, char *err)
+    int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t length, uint8_t **resp, uint32_t *resp_len,
+                         char *err)
+
+    int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char *err)
+    void epd_shm_detach(epd_shm_peer *p)
+    int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+                      char *err)
