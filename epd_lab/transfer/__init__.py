@@ -1,6 +1,6 @@
 """The transfer engine: one-sided writes into memory a peer registered beforehand."""
 from epd_lab.transfer.buffers import as_array, buffer_info
-from epd_lab.transfer.engine import PROTOCOLS, TransferEngine, TransferStatus, parse_session_id
+from epd_lab.transfer.engine import PROTOCOLS, TransferEngine, TransferStatus, open_engine, parse_session_id
 from epd_lab.transfer.errors import (
     PeerUnreachable,
     ProtocolError,
@@ -24,5 +24,6 @@ __all__ = [
     "TransportUnavailable",
     "as_array",
     "buffer_info",
+    "open_engine",
     "parse_session_id",
 ]

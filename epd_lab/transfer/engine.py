@@ -222,8 +222,11 @@ class TransferEngine:
     def wait_batch(self, batch_id: int, timeout: float | None = None) -> None:
         """Wait for a batch, forget it, and raise its error if it failed."""
         fut = self._batch(batch_id)
-        fut.result(timeout)  # raises the transfer's error, or TimeoutError while still pending
-        del self._batches[batch_id]
+        try:
+            fut.result(timeout)  # raises the transfer's error, or TimeoutError while still pending
+        finally:
+            if fut.done():
+                self._batches.pop(batch_id, None)
 
     def _batch(self, batch_id: int) -> Future:
         try:
@@ -344,3 +347,13 @@ class TransferEngine:
         state = "closed" if self._owner.closed else self.session_id
         return f"TransferEngine({state}, protocol={self.protocol!r})"
 
+
+
+def open_engine(protocol: str = "auto", hostname: str = "127.0.0.1", timeout: float = 5.0):
+    """An engine by protocol name: ours for ``auto``/``tcp``/``shm``/``verbs``, the real Mooncake
+    engine (`epd_lab.transfer.mooncake.MooncakeTransferEngine`, same API) for ``mooncake``."""
+    if protocol == "mooncake":
+        from epd_lab.transfer.mooncake import MooncakeTransferEngine
+
+        return MooncakeTransferEngine(hostname)
+    return TransferEngine(hostname, protocol, timeout=timeout)

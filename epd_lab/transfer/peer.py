@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from epd_lab.transfer.buffers import as_array
-from epd_lab.transfer.engine import TransferEngine
+from epd_lab.transfer.engine import TransferEngine, open_engine
 
 
 def checksum(ptr: int, nbytes: int) -> int:
@@ -93,7 +93,7 @@ class _Target:
 def serve(protocol: str, timeout: float) -> None:
     """Run the command loop on stdin/stdout until ``{"cmd": "exit"}`` or end of input."""
     out = sys.stdout
-    with TransferEngine(protocol=protocol, timeout=timeout) as engine:
+    with open_engine(protocol, timeout=timeout) as engine:
         target = _Target(engine)
         print(json.dumps({"session_id": engine.session_id, "pid": os.getpid()}), file=out, flush=True)
         for line in sys.stdin:

@@ -1,0 +1,336 @@
+"""`epd-lab bench transfer`: every transfer path beside its baselines, in one run, between two processes.
+
+For each size (and for one batch of 256 scattered 64 KiB blocks) each path writes from a registered
+source into memory a second process registered; a write counts once the writer knows the bytes are
+in place (the engine's completion, or the receiver's ack for the socket/ZMQ baselines). Reported:
+the median over repeats (GB/s = bytes / median time), the range (slowest and fastest repeat), and
+for 4 KiB the median round trip in µs.
+
+Paths: ``shm`` (into the peer's managed buffer), ``shm_registered`` (into memory the peer registered
+from elsewhere, via process_vm_writev), ``tcp``, ``verbs`` (where an RDMA device exists),
+``mooncake`` (the real Mooncake engine on tcp, where installed); baselines ``memcpy`` (single-thread
+numpy.copyto: the limit), ``socket`` (raw TCP sendall/recv_into + ack), ``zmq`` (PUSH/PULL raw frames
++ ack), ``zmq_pickle`` (a pickled dict holding the array, as SGLang's ZMQ backends send it).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import zmq
+
+from epd_lab.bench.receivers import HEADER
+from epd_lab.transfer import TransferEngine
+from epd_lab.transfer.peer import PeerProcess
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB)
+SCATTER_BLOCKS, SCATTER_BLOCK = 256, 64 * KiB
+PATHS = ("memcpy", "shm", "shm_registered", "tcp", "verbs", "mooncake", "socket", "zmq", "zmq_pickle")
+OURS = ("shm", "shm_registered", "tcp", "verbs")
+
+
+@dataclass
+class Row:
+    """One measured point; `size` is the total bytes of one transfer, `blocks` how many blocks."""
+
+    path: str
+    size: int
+    blocks: int
+    gbps: float
+    rtt_us: float | None
+    gbps_min: float
+    gbps_max: float
+    repeats: int
+
+
+def _measure(fn: Callable[[], None], budget_s: float, min_reps: int = 5, max_reps: int = 400) -> list[float]:
+    fn()
+    fn()  # warm: connections, mappings, page tables
+    times: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() < end):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _row(path: str, size: int, blocks: int, times: list[float]) -> Row:
+    med = statistics.median(times)
+    rtt = med * 1e6 if size == 4 * KiB and blocks == 1 and path != "memcpy" else None
+    return Row(path, size, blocks, size / med / 1e9, rtt, size / max(times) / 1e9, size / min(times) / 1e9,
+               len(times))
+
+
+@contextlib.contextmanager
+def _child(kind: str, max_bytes: int) -> Iterator[dict]:
+    proc = subprocess.Popen([sys.executable, "-m", "epd_lab.bench.receivers", kind, "--max-bytes", str(max_bytes)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+class _Bench:
+    """Holds the source buffer, writer engines, peers and baseline receivers for one run."""
+
+    def __init__(self, stack: contextlib.ExitStack, paths: tuple[str, ...], max_size: int, timeout: float) -> None:
+        self.stack = stack
+        self.max = max(max_size, 2 * SCATTER_BLOCKS * SCATTER_BLOCK)
+        self.src = np.random.default_rng(0).integers(0, 256, self.max, dtype=np.uint8)
+        self.src_ptr = self.src.ctypes.data
+        self.timeout = timeout
+        self.skipped: dict[str, str] = {}
+        self.writers: dict[str, tuple[Callable[[int], None], Callable[[], None] | None]] = {}
+        # scattered destinations: every other 64 KiB block of the first 32 MiB, in a shuffled order
+        order = np.random.default_rng(1).permutation(SCATTER_BLOCKS)
+        self.scatter_offsets = [int(i) * 2 * SCATTER_BLOCK for i in order]
+        self.src_offsets = [i * SCATTER_BLOCK for i in range(SCATTER_BLOCKS)]
+        for path in paths:
+            try:
+                self.writers[path] = getattr(self, f"_setup_{path}")()
+            except Exception as exc:  # a path that cannot run here is reported, the others go on
+                self.skipped[path] = f"{type(exc).__name__}: {exc}"
+
+    def _engine_path(self, protocol: str, dst_managed: bool, peer_protocol: str = "tcp"):
+        peer = self.stack.enter_context(PeerProcess(protocol=peer_protocol, timeout=self.timeout))
+        dst = peer.alloc(self.max, managed=dst_managed)
+        if protocol == "mooncake":
+            from epd_lab.transfer.mooncake import MooncakeTransferEngine
+
+            eng = self.stack.enter_context(MooncakeTransferEngine())
+        else:
+            eng = self.stack.enter_context(TransferEngine(protocol=protocol, timeout=self.timeout))
+        eng.register(self.src_ptr, self.max)
+        sid, src = peer.session_id, self.src_ptr
+        srcs = [src + o for o in self.src_offsets]
+        dsts = [dst + o for o in self.scatter_offsets]
+        lens = [SCATTER_BLOCK] * SCATTER_BLOCKS
+
+        def write(n: int) -> None:
+            eng.transfer_sync_write(sid, src, dst, n)
+
+        def scatter() -> None:
+            eng.batch_transfer_sync_write(sid, srcs, dsts, lens)
+
+        return write, scatter
+
+    def _setup_memcpy(self):
+        dst = np.empty(self.max, dtype=np.uint8)
+        dst[:] = 0
+        blocks = [(dst[o:o + SCATTER_BLOCK], self.src[s:s + SCATTER_BLOCK])
+                  for o, s in zip(self.scatter_offsets, self.src_offsets)]
+
+        def scatter() -> None:
+            for d, s in blocks:
+                np.copyto(d, s)
+
+        return (lambda n: np.copyto(dst[:n], self.src[:n])), scatter
+
+    def _setup_shm(self):
+        return self._engine_path("shm", dst_managed=True)
+
+    def _setup_shm_registered(self):
+        return self._engine_path("shm", dst_managed=False)
+
+    def _setup_tcp(self):
+        return self._engine_path("tcp", dst_managed=False)
+
+    def _setup_verbs(self):
+        from epd_lab.transfer import verbs
+
+        reason = verbs.unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        return self._engine_path("verbs", dst_managed=False, peer_protocol="verbs")
+
+    def _setup_mooncake(self):
+        from epd_lab.transfer import mooncake
+
+        reason = mooncake.unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        return self._engine_path("mooncake", dst_managed=False, peer_protocol="mooncake")
+
+    def _setup_socket(self):
+        info = self.stack.enter_context(_child("socket", self.max))
+        sock = self.stack.enter_context(socket.create_connection(("127.0.0.1", info["port"])))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = memoryview(self.src)
+
+        def write(n: int) -> None:
+            sock.sendall(HEADER.pack(n))
+            sock.sendall(view[:n])
+            if sock.recv(1) != b"k":
+                raise RuntimeError("socket receiver closed")
+
+        return write, None
+
+    def _zmq(self, kind: str):
+        info = self.stack.enter_context(_child(kind, self.max))
+        ctx = zmq.Context()
+        self.stack.callback(ctx.term)
+        push, ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        for s in (push, ack):
+            s.setsockopt(zmq.LINGER, 0)
+            self.stack.callback(s.close)
+        push.connect(f"tcp://127.0.0.1:{info['port']}")
+        ack.connect(f"tcp://127.0.0.1:{info['ack_port']}")
+        return push, ack
+
+    def _setup_zmq(self):
+        push, ack = self._zmq("zmq")
+        view = memoryview(self.src)
+
+        def write(n: int) -> None:
+            push.send(view[:n], copy=n < 64 * KiB)
+            ack.recv()
+
+        return write, None
+
+    def _setup_zmq_pickle(self):
+        push, ack = self._zmq("zmq_pickle")
+
+        def write(n: int) -> None:
+            push.send(pickle.dumps({"req_id": "bench", "embedding": self.src[:n]}))  # as send_pyobj does
+            ack.recv()
+
+        return write, None
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
+    model = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"host": platform.node(), "cpu": model, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
+            "kernel": platform.release(), "python": platform.python_version(), "numpy": np.__version__}
+
+
+def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s: float = 0.5,
+        scatter: bool = True, timeout: float = 10.0, log: Callable[[str], None] = print) -> dict:
+    """Measure; returns ``{"machine", "rows", "skipped", "ratios"}`` (rows as in the JSON file)."""
+    unknown = set(paths) - set(PATHS)
+    if unknown:
+        raise ValueError(f"unknown paths {sorted(unknown)}; choose from {', '.join(PATHS)}")
+    rows: list[Row] = []
+    with contextlib.ExitStack() as stack:
+        bench = _Bench(stack, paths, max(sizes), timeout)
+        for path, reason in bench.skipped.items():
+            log(f"  {path}: skipped ({reason})")
+        # all paths one size after another, so that the ratios of one size are measured side by side
+        for size in sizes:
+            for path, (write, _) in bench.writers.items():
+                rows.append(_row(path, size, 1, _measure(lambda: write(size), budget_s)))
+                log(_fmt(rows[-1]))
+        if scatter:
+            for path, (write, scat) in bench.writers.items():
+                if scat is None:
+                    continue
+                total = SCATTER_BLOCKS * SCATTER_BLOCK
+                if total not in sizes:  # the contiguous twin the scattered batch is compared with
+                    rows.append(_row(path, total, 1, _measure(lambda: write(total), budget_s)))
+                    log(_fmt(rows[-1]))
+                rows.append(_row(path, total, SCATTER_BLOCKS, _measure(scat, budget_s)))
+                log(_fmt(rows[-1]))
+    result = {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "rows": [asdict(r) for r in rows], "skipped": bench.skipped}
+    result["ratios"] = ratios(result["rows"])
+    return result
+
+
+def _fmt(r: Row) -> str:
+    rtt = f"{r.rtt_us:8.1f}" if r.rtt_us is not None else "       -"
+    return (f"  {r.path:15s} {_size(r.size):>8s} x{r.blocks:<4d} {r.gbps:7.2f} GB/s "
+            f"[{r.gbps_min:6.2f} .. {r.gbps_max:6.2f}]  rtt {rtt} us  (n={r.repeats})")
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """The issue's targets as ratios of medians measured in this run; `ok` is None where a side is missing."""
+    def g(path: str, size: int, blocks: int = 1) -> float | None:
+        for r in rows:
+            if r["path"] == path and r["size"] == size and r["blocks"] == blocks:
+                return r["gbps"]
+        return None
+
+    def rtt(path: str) -> float | None:
+        return next((r["rtt_us"] for r in rows if r["path"] == path and r["rtt_us"] is not None), None)
+
+    out = []
+
+    def add(name: str, num: float | None, den: float | None, target: float, higher_is_better: bool = True) -> None:
+        value = num / den if num and den else None
+        ok = None if value is None else (value >= target if higher_is_better else value <= target)
+        out.append({"name": name, "value": value, "target": target, "ok": ok})
+
+    for size in (16 * MiB, 256 * MiB):
+        add(f"shm / memcpy @ {_size(size)}", g("shm", size), g("memcpy", size), 0.8)
+        add(f"shm_registered / memcpy @ {_size(size)} (report)", g("shm_registered", size), g("memcpy", size), 0.0)
+    add("tcp / mooncake @ 1 MiB", g("tcp", MiB), g("mooncake", MiB), 1.0)
+    add("tcp / socket @ 1 MiB", g("tcp", MiB), g("socket", MiB), 0.9)
+    for size in (16 * MiB, 256 * MiB):
+        add(f"tcp / mooncake @ {_size(size)}", g("tcp", size), g("mooncake", size), 1.5)
+    add("tcp rtt / mooncake rtt @ 4 KiB", rtt("tcp"), rtt("mooncake"), 1.0, higher_is_better=False)
+    total = SCATTER_BLOCKS * SCATTER_BLOCK
+    for path in ("shm", "shm_registered", "tcp", "verbs", "mooncake"):
+        add(f"{path} 256 scattered / contiguous @ 16 MiB", g(path, total, SCATTER_BLOCKS), g(path, total), 0.7)
+    for size in (16 * MiB, 256 * MiB):
+        add(f"shm / zmq_pickle @ {_size(size)}", g("shm", size), g("zmq_pickle", size), 5.0)
+        add(f"tcp / zmq_pickle @ {_size(size)}", g("tcp", size), g("zmq_pickle", size), 1.5)
+    return out
+
+
+def format_ratios(result: dict) -> str:
+    lines = ["", "targets (ratios of medians, this run):"]
+    for r in result["ratios"]:
+        if r["value"] is None:
+            lines.append(f"  {r['name']:48s}      -   (a side was not measured)")
+            continue
+        verdict = "report" if r["target"] == 0.0 else ("ok" if r["ok"] else "MISS")
+        cmp = "<=" if "rtt" in r["name"] else ">="
+        lines.append(f"  {r['name']:48s} {r['value']:6.2f}   target {cmp} {r['target']:.1f}   {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="epd-lab bench transfer", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH", help="write the result here")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of: " + ", ".join(PATHS))
+    ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="bytes, comma-separated")
+    ap.add_argument("--budget", type=float, default=0.5, help="seconds of repeats per point (at least 5)")
+    ap.add_argument("--no-scatter", action="store_true", help="skip the 256-block scattered batch")
+    args = ap.parse_args(argv)
+    paths = tuple(p for p in args.paths.split(",") if p)
+    sizes = tuple(int(s) for s in args.sizes.split(",") if s)
+    print(f"epd-lab bench transfer: {len(paths)} paths x {len(sizes)} sizes, {args.budget} s per point")
+    result = run(paths, sizes, args.budget, scatter=not args.no_scatter)
+    print(format_ratios(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0

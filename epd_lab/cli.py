@@ -1,0 +1,36 @@
+"""The `epd-lab` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `epd-lab`."""
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="epd-lab", description="EPD disaggregation workbench")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    bench = sub.add_parser("bench", help="benchmarks", add_help=False)
+    bench.add_argument("what", choices=["transfer"])
+    sub.add_parser("demo", help="loopback transfer demo between two processes")
+    sub.add_parser("rdma-info", help="RDMA devices, ports and GIDs (pyverbs and the own binding)")
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "bench":
+        from epd_lab.bench import transfer
+
+        return transfer.main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "demo":
+        from epd_lab import demo
+
+        demo.run()
+    elif args.cmd == "rdma-info":
+        from epd_lab.rdma_info import format_rdma_info, rdma_info
+
+        print(format_rdma_info(rdma_info()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
