@@ -229,8 +229,9 @@ int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err) {
     }
     STORE(&s->state, SLOT_REVOKING);
     pthread_mutex_unlock(&o->mu);
-    /* No write may land after deregister returns: wait for pinned writers, bounded by the timeout. */
-    uint64_t deadline = now_ns() + (uint64_t)o->timeout_ms * 1000000ULL;
+    /* No write may land after deregister returns: wait for pinned writers. A stalled TCP writer is cut
+     * off by its connection's idle timeout, so wait twice that; only a frozen shm writer outlasts it. */
+    uint64_t deadline = now_ns() + 2 * (uint64_t)o->timeout_ms * 1000000ULL;
     int expired = 0;
     while (LOAD(&s->inflight) > 0) {
         if (now_ns() > deadline) {
@@ -248,7 +249,7 @@ int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err) {
         return fail(err, EPD_EBUSY,
                     "0x%lx was deregistered, but a writer stalled mid-write for over %d ms; its late bytes may "
                     "still land there",
-                    addr, o->timeout_ms);
+                    addr, 2 * o->timeout_ms);
     return EPD_OK;
 }
 

@@ -1,0 +1,198 @@
+"""Dead, frozen and unreachable peers fail within the timeout; garbage on the port never writes anywhere;
+a deregister waits for a write in flight."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from epd_lab.transfer import PeerUnreachable, TransferEngine, TransferTimeout, parse_session_id
+from epd_lab.transfer.peer import PeerError, PeerProcess
+
+MiB = 1 << 20
+REQ = struct.Struct("<IHHQQQ")  # magic, version, op, seq, addr, length (native/epd_core.h)
+REP = struct.Struct("<IiQQ")  # magic, status, seq, length
+MAGIC, WRITE = 0x57445045, 1
+
+
+@pytest.fixture
+def src():
+    a = np.arange(MiB, dtype=np.uint32).view(np.uint8)[:MiB].copy()
+    return a
+
+
+def raw_conn(session_id: str) -> socket.socket:
+    s = socket.create_connection(parse_session_id(session_id), timeout=5)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def test_unreachable_peer_fails_fast(src):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with TransferEngine(timeout=1.0) as e:
+        e.register_buffer(src)
+        with pytest.raises(PeerUnreachable, match="connect"):
+            e.transfer_sync_write(f"127.0.0.1:{port}", src.ctypes.data, 0x1000, 16)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_dead_peer_is_an_error(src, protocol):
+    with PeerProcess(protocol="tcp") as peer, TransferEngine(protocol=protocol, timeout=1.0) as e:
+        e.register_buffer(src)
+        dst = peer.alloc(MiB, managed=True)
+        e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, MiB)
+        peer.proc.kill()
+        peer.proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable):
+            e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, MiB)
+        assert time.monotonic() - t0 < 5
+        assert e.stats()["failures_out"] == 1
+
+
+def test_frozen_peer_times_out_over_tcp(src):
+    """Mooncake waits 30 s here (5 s at its floor); we fail after the engine's timeout."""
+    with PeerProcess(protocol="tcp") as peer, TransferEngine(protocol="tcp", timeout=0.5) as e:
+        e.register_buffer(src)
+        dst = peer.alloc(MiB)
+        e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, MiB)
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout, match="no progress for 500 ms"):
+                e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, MiB)
+            assert time.monotonic() - t0 < 5
+            # a fresh engine whose first contact is the frozen peer (Mooncake: 60 s) fails the same way
+            with TransferEngine(protocol="auto", timeout=0.5) as fresh:
+                with pytest.raises(TransferTimeout):
+                    fresh.path_to(peer.session_id)
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        # the peer thawed: the engine reconnects and writes again
+        e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, MiB)
+        assert peer.checksum(dst, MiB) == zlib.crc32(src)
+
+
+def test_garbage_on_the_port_never_writes(peer):
+    dst = peer.alloc(MiB, fill=0x5A)
+    want = zlib.crc32(bytes([0x5A]) * MiB)
+    outside = peer.alloc(MiB, register=False, fill=0x5A)  # exists in the peer, but is not registered
+    rng = np.random.default_rng(7)
+    # random bytes, a wrong magic, a wrong version, a truncated header
+    for junk in (rng.bytes(4096), REQ.pack(0xDEADBEEF, 1, WRITE, 0, dst, 16) + bytes(16),
+                 REQ.pack(MAGIC, 99, WRITE, 0, dst, 16) + bytes(16), REQ.pack(MAGIC, 1, WRITE, 0, dst, 16)[:20]):
+        with raw_conn(peer.session_id) as s:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(64) == b""  # the engine closed the connection without answering
+    # a forged, well-formed write into unregistered memory is refused and drained
+    with raw_conn(peer.session_id) as s:
+        s.sendall(REQ.pack(MAGIC, 1, WRITE, 42, outside, 4096) + bytes(4096))
+        magic, status, seq, _ = REP.unpack(s.recv(REP.size, socket.MSG_WAITALL))
+        assert (magic, status, seq) == (MAGIC, 1, 42)
+        # an absurd length is not drained: the connection is closed
+        s.sendall(REQ.pack(MAGIC, 1, WRITE, 43, outside, 1 << 50))
+        assert s.recv(64) == b""
+    assert peer.checksum(dst, MiB) == want
+    assert peer.checksum(outside, MiB) == want
+    assert peer.stats()["writes_refused"] == 2
+    # and the engine still serves real writes
+    src = np.ones(4096, dtype=np.uint8)
+    with TransferEngine(protocol="tcp") as e:
+        e.register_buffer(src)
+        e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, 4096)
+    assert peer.read(dst, 4) == b"\x01" * 4
+
+
+def test_deregister_waits_for_a_write_in_flight():
+    with PeerProcess(protocol="tcp", timeout=3.0) as peer:
+        dst = peer.alloc(MiB)
+        payload = bytes(range(256)) * (MiB // 256)
+        with raw_conn(peer.session_id) as s:
+            s.sendall(REQ.pack(MAGIC, 1, WRITE, 1, dst, MiB) + payload[: MiB // 2])
+
+            def finish() -> None:
+                time.sleep(0.5)
+                s.sendall(payload[MiB // 2:])
+
+            t = threading.Thread(target=finish)
+            t.start()
+            peer.call("deregister", ptr=dst)  # returns only once the write in flight has landed
+            t.join()
+            assert REP.unpack(s.recv(REP.size, socket.MSG_WAITALL))[1] == 0
+        assert peer.checksum(dst, MiB) == zlib.crc32(payload)
+        assert peer.stats()["deregister_timeouts"] == 0
+
+
+def test_a_stalled_tcp_writer_is_cut_off():
+    """A writer that stops mid-payload loses its connection after the idle timeout, which releases the
+    region: the deregister waiting for it returns."""
+    with PeerProcess(protocol="tcp", timeout=0.5) as peer:
+        dst = peer.alloc(MiB)
+        with raw_conn(peer.session_id) as s:
+            s.sendall(REQ.pack(MAGIC, 1, WRITE, 1, dst, MiB) + bytes(1000))  # then the writer stalls
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            peer.call("deregister", ptr=dst, timeout=10)
+            assert time.monotonic() - t0 < 5
+            assert s.recv(64) == b""
+        s = peer.stats()
+        assert (s["deregister_timeouts"], s["regions"]) == (0, 0)
+
+
+FROZEN_WRITER = """
+import sys, numpy as np
+from epd_lab.transfer import RemoteAccessError, TransferEngine
+sid, dst, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+src = np.ones(n, dtype=np.uint8)
+with TransferEngine(protocol="shm") as e:
+    e.register_buffer(src)
+    print("ready", flush=True)
+    while True:
+        try:
+            e.transfer_sync_write(sid, src.ctypes.data, dst, n)
+        except RemoteAccessError:  # between a deregister and the register that follows it
+            pass
+"""
+
+
+def test_deregister_of_a_frozen_shm_writer_is_bounded():
+    """An shm writer frozen mid-copy pins the region; deregister gives up after twice the timeout and
+    says so (the one case where late bytes can still land: in pool memory, never elsewhere)."""
+    import subprocess
+    import sys
+
+    n = 256 * MiB
+    with PeerProcess(protocol="tcp", timeout=0.5) as peer:
+        dst = peer.alloc(n, managed=True)
+        w = subprocess.Popen([sys.executable, "-c", FROZEN_WRITER, peer.session_id, str(dst), str(n)],
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            assert w.stdout.readline().strip() == "ready"
+            for _ in range(20):  # a 256 MiB copy takes ~25 ms and the loop ~10 us: freeze until mid-copy
+                time.sleep(0.05)
+                os.kill(w.pid, signal.SIGSTOP)
+                try:
+                    peer.call("deregister", ptr=dst, timeout=10)
+                except PeerError as exc:
+                    assert "stalled mid-write" in str(exc)
+                    break
+                os.kill(w.pid, signal.SIGCONT)
+                peer.call("register", ptr=dst, nbytes=n)
+            else:
+                pytest.fail("never froze the writer mid-copy in 20 tries")
+        finally:
+            w.kill()
+            w.wait()
+            w.stdout.close()
+        s = peer.stats()
+        assert (s["deregister_timeouts"], s["regions"]) == (1, 0)
