@@ -323,8 +323,3 @@ cdef class ShmPeer:
     def __dealloc__(self):
         self.close()
 
-
-def copy(uint64_t dst, uint64_t src, uint64_t length) -> None:
-    """memcpy with the GIL released (the single-thread limit the benchmark compares against)."""
-    with nogil:
-        memcpy(<void *> dst, <const void *> src, length)

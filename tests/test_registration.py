@@ -114,3 +114,16 @@ def test_closed_engine_frees_its_port():
         port = e.get_rpc_port()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_verbs_protocol_without_a_device_names_the_alternatives():
+    from epd_lab.transfer import TransportUnavailable, verbs
+
+    if verbs.unavailable_reason() is None:
+        pytest.skip("an RDMA device exists here")
+    with pytest.raises(TransportUnavailable) as err:
+        TransferEngine(protocol="verbs")
+    for alternative in ('"shm"', '"tcp"', '"mooncake"', "rdma link add"):
+        assert alternative in str(err.value)
+    with TransferEngine(protocol="auto") as e:  # auto never picks verbs without a device
+        assert e._verbs is None
