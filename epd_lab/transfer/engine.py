@@ -66,6 +66,14 @@ class _Peer:
                 return self.idle.pop()
         return _native.TcpConn(self.host, self.port, self.timeout_ms)
 
+    def control(self, request: bytes) -> bytes:
+        """A control request to the peer's engine (the verbs QP exchange and rkey lookups)."""
+        conn = self.conn()
+        try:
+            return conn.control(request)
+        finally:
+            self.give_back(conn)
+
     def give_back(self, conn: "_native.TcpConn") -> None:
         if conn.broken:
             conn.close()
@@ -276,7 +284,7 @@ class TransferEngine:
 
     def _choose_path(self, peer: _Peer, conn: "_native.TcpConn") -> None:
         if self._verbs is not None:
-            peer.verbs = self._verbs.connect(conn.control)
+            peer.verbs = self._verbs.connect(peer.control)
             peer.path = "verbs"
             return
         if self.protocol not in ("shm", "auto"):
