@@ -197,7 +197,7 @@ cdef class Owner:
         self._alive()
         epd_owner_stats_get(self.o, &s)
         return dict(regions=s.regions, registered_bytes=s.registered_bytes, writes_in=s.writes_in,
-                    bytes_in=s.bytes_in, writes_refused=s.writes_refused, managed_buffers=s.managed_arenas,
+                    bytes_in=s.bytes_in, writes_refused=s.writes_refused, writes_in_flight=s.writes_in_flight, managed_buffers=s.managed_arenas,
                     managed_bytes=s.managed_bytes, deregister_timeouts=s.deregister_timeouts)
 
     def hello(self) -> tuple:

@@ -67,7 +67,7 @@ typedef struct {
 
 typedef struct {
     uint64_t regions, registered_bytes;
-    uint64_t writes_in, bytes_in, writes_refused;
+    uint64_t writes_in, bytes_in, writes_refused, writes_in_flight;
     uint64_t managed_arenas, managed_bytes;
     uint64_t deregister_timeouts;
 } epd_owner_stats;

@@ -15,6 +15,7 @@ import pytest
 
 from epd_lab.transfer import PeerUnreachable, TransferEngine, TransferTimeout, parse_session_id
 from epd_lab.transfer.peer import PeerError, PeerProcess
+from procs import freeze
 
 MiB = 1 << 20
 REQ = struct.Struct("<IHHQQQ")  # magic, version, op, seq, addr, length (native/epd_core.h)
@@ -65,7 +66,7 @@ def test_frozen_peer_times_out_over_tcp(src):
         e.register_buffer(src)
         dst = peer.alloc(MiB)
         e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, MiB)
-        os.kill(peer.pid, signal.SIGSTOP)
+        freeze(peer.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout, match="no progress for 500 ms"):
@@ -124,6 +125,10 @@ def test_deregister_waits_for_a_write_in_flight():
                 time.sleep(0.5)
                 s.sendall(payload[MiB // 2:])
 
+            deadline = time.monotonic() + 10
+            while peer.stats()["writes_in_flight"] != 1:  # the owner has pinned the region
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             t = threading.Thread(target=finish)
             t.start()
             peer.call("deregister", ptr=dst)  # returns only once the write in flight has landed
@@ -140,13 +145,16 @@ def test_a_stalled_tcp_writer_is_cut_off():
         dst = peer.alloc(MiB)
         with raw_conn(peer.session_id) as s:
             s.sendall(REQ.pack(MAGIC, 1, WRITE, 1, dst, MiB) + bytes(1000))  # then the writer stalls
-            time.sleep(0.1)
+            deadline = time.monotonic() + 10
+            while peer.stats()["writes_in_flight"] != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             t0 = time.monotonic()
             peer.call("deregister", ptr=dst, timeout=10)
             assert time.monotonic() - t0 < 5
             assert s.recv(64) == b""
         s = peer.stats()
-        assert (s["deregister_timeouts"], s["regions"]) == (0, 0)
+        assert (s["deregister_timeouts"], s["regions"], s["writes_in_flight"]) == (0, 0, 0)
 
 
 FROZEN_WRITER = """
@@ -180,7 +188,7 @@ def test_deregister_of_a_frozen_shm_writer_is_bounded():
             assert w.stdout.readline().strip() == "ready"
             for _ in range(20):  # a 256 MiB copy takes ~25 ms and the loop ~10 us: freeze until mid-copy
                 time.sleep(0.05)
-                os.kill(w.pid, signal.SIGSTOP)
+                freeze(w.pid)
                 try:
                     peer.call("deregister", ptr=dst, timeout=10)
                 except PeerError as exc:

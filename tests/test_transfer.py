@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from epd_lab.transfer import RegistrationError, RemoteAccessError, TransferEngine, TransferStatus
-from epd_lab.transfer.peer import PeerProcess
+from procs import freeze
 
 MiB = 1 << 20
 
@@ -109,7 +109,7 @@ def test_shm_write_lands_while_the_owner_is_frozen(peer):
     with TransferEngine(protocol="shm", timeout=2.0) as e:
         e.register_buffer(src)
         e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, 16)  # connect while it runs
-        os.kill(peer.pid, signal.SIGSTOP)
+        freeze(peer.pid)
         try:
             e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, MiB)
         finally:

@@ -549,6 +549,14 @@ def writer() -> Iterator[verbs.VerbsTransport]:
         yield transport
 
 
+def _send(conn: multiprocessing.connection.Connection, obj: object) -> None:
+    conn.send_bytes(msgspec.msgpack.encode(obj))  # msgpack, never pickle, even between test processes
+
+
+def _recv(conn: multiprocessing.connection.Connection) -> Any:
+    return msgspec.msgpack.decode(conn.recv_bytes())
+
+
 def _owner_main(conn: multiprocessing.connection.Connection) -> None:
     """The owner process: registers two buffers and serves control requests and test commands."""
     with verbs.VerbsTransport() as transport:
@@ -556,18 +564,18 @@ def _owner_main(conn: multiprocessing.connection.Connection) -> None:
         addrs = [b.ctypes.data for b in buffers]
         for addr in addrs:
             transport.register(addr, OWNER_SIZE)
-        conn.send(addrs)
+        _send(conn, addrs)
         while True:
-            command, *args = conn.recv()
+            command, *args = _recv(conn)
             if command == "control":
-                conn.send(transport.handle_control(args[0]))
+                _send(conn, transport.handle_control(args[0]))
             elif command == "read":
-                conn.send(buffers[args[0]].tobytes())
+                _send(conn, buffers[args[0]].tobytes())
             elif command == "deregister":
                 transport.deregister(addrs[args[0]])
-                conn.send(None)
+                _send(conn, None)
             elif command == "num_refused":
-                conn.send(transport.num_refused)
+                _send(conn, transport.num_refused)
             else:
                 return
 
@@ -578,10 +586,10 @@ class _Owner:
     addrs: list[int]
 
     def ask(self, *command: object) -> Any:
-        self.conn.send(command)
+        _send(self.conn, command)
         if not self.conn.poll(REPLY_TIMEOUT_S):
             raise TimeoutError(f"the owner process did not answer {command[0]!r}")
-        return self.conn.recv()
+        return _recv(self.conn)
 
     def control(self, request: bytes) -> bytes:
         """What the engine's TCP channel does: carry a request to handle_control, bring the reply."""
@@ -597,8 +605,8 @@ def owner(writer: verbs.VerbsTransport) -> Iterator[_Owner]:
     try:
         if not conn.poll(REPLY_TIMEOUT_S):
             raise TimeoutError("the owner process did not start")
-        yield _Owner(conn, conn.recv())
-        conn.send(("stop",))
+        yield _Owner(conn, _recv(conn))
+        _send(conn, ("stop",))
         process.join(REPLY_TIMEOUT_S)
         assert process.exitcode == 0
     finally:

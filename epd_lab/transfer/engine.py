@@ -320,6 +320,7 @@ class TransferEngine:
     def stats(self) -> dict[str, int]:
         """Counters: ``regions``, ``registered_bytes``, ``writes_in``, ``bytes_in`` (written into this
         engine by peers), ``writes_refused`` (incoming writes refused by the registration check),
+        ``writes_in_flight`` (incoming writes placing bytes right now),
         ``managed_buffers``, ``managed_bytes``, ``deregister_timeouts``, and ``writes_out``,
         ``bytes_out``, ``failures_out`` (this engine as a writer)."""
         with self._lock:
