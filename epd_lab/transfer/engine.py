@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from epd_lab import _native
 from epd_lab.transfer.buffers import buffer_info
+from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
 
 PROTOCOLS = ("auto", "tcp", "shm", "verbs")
@@ -122,7 +123,7 @@ class TransferEngine:
         self._pool = ThreadPoolExecutor(max_workers=async_workers, thread_name_prefix="epd-transfer")
         self._batches: dict[int, Future] = {}
         self._batch_ids = itertools.count(1)
-        self._out = {"writes_out": 0, "bytes_out": 0, "failures_out": 0}
+        self._out = WriteCounters()
 
     @staticmethod
     def _open_verbs(protocol: str):
@@ -204,12 +205,12 @@ class TransferEngine:
                     peer.give_back(conn)
         except PeerUnreachable:
             self._drop_peer(session_id)
-            self._count(failed=True)
+            self._out.count(failed=True)
             raise
         except (TransferError, ValueError):
-            self._count(failed=True)
+            self._out.count(failed=True)
             raise
-        self._count(len(lengths), n)
+        self._out.count(len(lengths), n)
 
     def batch_transfer_async_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                                    lengths: Sequence[int]) -> int:
@@ -311,21 +312,13 @@ class TransferEngine:
         return self._verbs.handle_control(request)
 
     # ---- counters and lifetime ----
-    def _count(self, writes: int = 0, nbytes: int = 0, failed: bool = False) -> None:
-        with self._lock:
-            self._out["writes_out"] += writes
-            self._out["bytes_out"] += nbytes
-            self._out["failures_out"] += failed
-
     def stats(self) -> dict[str, int]:
         """Counters: ``regions``, ``registered_bytes``, ``writes_in``, ``bytes_in`` (written into this
         engine by peers), ``writes_refused`` (incoming writes refused by the registration check),
         ``writes_in_flight`` (incoming writes placing bytes right now),
         ``managed_buffers``, ``managed_bytes``, ``deregister_timeouts``, and ``writes_out``,
         ``bytes_out``, ``failures_out`` (this engine as a writer)."""
-        with self._lock:
-            out = dict(self._out)
-        return {**self._owner.stats(), **out}
+        return {**self._owner.stats(), **self._out.snapshot()}
 
     def close(self) -> None:
         """Stop serving, drop peer connections and free managed buffers. Idempotent."""

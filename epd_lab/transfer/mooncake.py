@@ -57,6 +57,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import (
     PeerUnreachable,
     RegistrationError,
@@ -150,7 +151,7 @@ class MooncakeTransferEngine:
         self._lock = threading.Lock()
         self._regions: dict[int, int] = {}  # ptr -> length, what this engine registered
         self._managed: dict[int, tuple[mmap.mmap, ctypes.Array]] = {}  # ptr -> (mapping, its export)
-        self._out = {"writes_out": 0, "bytes_out": 0, "failures_out": 0}
+        self._out = WriteCounters()
 
     @staticmethod
     def _create(cls: Any, timeout: int | None) -> Any:
@@ -277,9 +278,9 @@ class MooncakeTransferEngine:
         else:
             rc = engine.batch_transfer_sync_write(session_id, srcs, dsts, lengths)
         if rc != 0:
-            self._count(failed=True)
+            self._out.count(failed=True)
             raise self._failure(engine, session_id, rc, time.monotonic() - start, n, sum(lengths))
-        self._count(n, sum(lengths))
+        self._out.count(n, sum(lengths))
 
     def _covers(self, ptr: int, length: int) -> bool:
         with self._lock:
@@ -301,12 +302,6 @@ class MooncakeTransferEngine:
                              f"destination outside its registered memory; Mooncake's log says which)")
 
     # ---- counters and lifetime ----
-    def _count(self, writes: int = 0, nbytes: int = 0, failed: bool = False) -> None:
-        with self._lock:
-            self._out["writes_out"] += writes
-            self._out["bytes_out"] += nbytes
-            self._out["failures_out"] += failed
-
     def stats(self) -> dict[str, int]:
         """Counters: ``regions``, ``registered_bytes``, ``managed_buffers``, ``managed_bytes`` and, as a
         writer, ``writes_out``, ``bytes_out``, ``failures_out``. Mooncake does not count incoming writes,
@@ -317,7 +312,7 @@ class MooncakeTransferEngine:
                 "registered_bytes": sum(self._regions.values()),
                 "managed_buffers": len(self._managed),
                 "managed_bytes": sum(len(m) for m, _ in self._managed.values()),
-                **self._out,
+                **self._out.snapshot(),
             }
 
     def close(self) -> None:
