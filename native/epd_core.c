@@ -25,6 +25,9 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire format is little-endian");
 _Static_assert(sizeof(epd_wire_req) == 32 && sizeof(epd_wire_rep) == 24, "wire structs are packed by layout");
@@ -35,6 +38,8 @@ _Static_assert(sizeof(epd_wire_req) == 32 && sizeof(epd_wire_rep) == 24, "wire s
 #define DRAIN_MAX (1ULL << 40)   /* a refused write longer than this is garbage: close instead of draining */
 #define RECV_CHUNK (256 << 10) /* see recv_all */
 #define SPIN_NS 50000           /* see spin_until_readable */
+#define STREAM_MIN (4 << 10)    /* see copy_block */
+#define STREAM_BATCH_MIN (4 << 20)
 #define WINDOW 512               /* pipelined writes per batch window (replies are 24 bytes each) */
 #define MAX_ARENAS 256
 #define TABLE_CAP 8192
@@ -917,6 +922,32 @@ static char *arena_local(epd_shm_peer *p, const slot_t *s, char *err) {
     return local;
 }
 
+/* Copy into a peer's managed buffer. A batch of many blocks (the scattered KV/embedding case) would
+ * use glibc's cached stores per block, which read each destination line before writing it;
+ * streaming stores skip that read, as glibc itself does for one large copy. */
+static void copy_block(char *dst, const char *src, uint64_t len, int stream) {
+#if defined(__x86_64__)
+    if (stream && len >= STREAM_MIN) {
+        uint64_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head, src += head, len -= head;
+        uint64_t n = len & ~(uint64_t)63;
+        for (uint64_t i = 0; i < n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32)), d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        memcpy(dst + n, src + n, len - n);
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(dst, src, len);
+}
+
 static int vm_write(epd_shm_peer *p, struct iovec *liov, struct iovec *riov, int cnt, char *err) {
     while (cnt > 0) {
         int k = cnt > IOV_MAX ? IOV_MAX : cnt;
@@ -945,6 +976,9 @@ int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, c
                   char *err) {
     if (!peer_alive(p)) return fail(err, EPD_ECONN, "peer pid %d has exited", p->pid);
     table_t *t = p->t;
+    uint64_t total = 0;
+    for (int i = 0; i < n; i++) total += lens[i];
+    int stream = total >= STREAM_BATCH_MIN;
     slot_t *pinned[WINDOW];
     struct iovec liov[WINDOW], riov[WINDOW];
     int rc = EPD_OK;
@@ -971,7 +1005,7 @@ int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, c
                     rc = EPD_ECONN;
                     break;
                 }
-                memcpy(local + (dst - t->arenas[s->arena_idx].base), (const void *)src, len);
+                copy_block(local + (dst - t->arenas[s->arena_idx].base), (const char *)src, len, stream);
             } else {
                 liov[nvm] = (struct iovec){(void *)src, len};
                 riov[nvm++] = (struct iovec){(void *)dst, len};
@@ -983,6 +1017,9 @@ int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, c
         if (rc == EPD_OK && nvm) rc = vm_write(p, liov, riov, nvm, err);
         for (int i = 0; i < npin; i++) table_release(pinned[i]);
     }
+#if defined(__x86_64__)
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered: complete them before returning */
+#endif
     if (rc == EPD_OK) {
         ADD(&t->writes_in, (uint64_t)written);
         ADD(&t->bytes_in, bytes);
