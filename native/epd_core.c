@@ -11,6 +11,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -45,13 +46,6 @@ _Static_assert(sizeof(epd_wire_req) == 32 && sizeof(epd_wire_rep) == 24, "wire s
 #define TABLE_CAP 8192
 #define TABLE_MAGIC 0x31304C4254445045ULL /* "EPDTBL01" */
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ volatile("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
 #define ADD(p, v) __atomic_add_fetch((p), (v), __ATOMIC_SEQ_CST)
@@ -428,14 +422,15 @@ static void spin_until_readable(int fd) {
     while (now_ns() < end) {
         ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
         if (r > 0 || r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return;
-        CPU_RELAX();
+        /* Sockets wake their peer thread onto the waker's CPU: yield, or we would spin in its way. */
+        sched_yield();
     }
 }
 
-static int send_all(int fd, struct iovec *iov, int cnt) {
+static int send_all(int fd, struct iovec *iov, int cnt, int flags) {
     while (cnt > 0) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)(cnt > IOV_MAX ? IOV_MAX : cnt)};
-        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL | flags);
         if (w < 0) {
             if (errno == EINTR) continue;
             return errno;
@@ -455,7 +450,7 @@ static int send_all(int fd, struct iovec *iov, int cnt) {
 
 static int send_buf(int fd, const void *buf, size_t len) {
     struct iovec iov = {(void *)buf, len};
-    return send_all(fd, &iov, 1);
+    return send_all(fd, &iov, 1, 0);
 }
 
 /* ===================== owner: TCP server ===================== */
@@ -478,10 +473,15 @@ struct epd_server {
     srv_conn *conns;
 };
 
+/* While the next request of a pipelined batch is already waiting, hold the reply back (MSG_MORE) so
+ * that a batch's replies leave in a few segments instead of one per block; the reply sent when
+ * nothing is waiting flushes them all. */
 static int reply(int fd, uint64_t seq, int32_t status, const void *payload, uint64_t len) {
     epd_wire_rep rep = {EPD_WIRE_MAGIC, status, seq, len};
     struct iovec iov[2] = {{&rep, sizeof(rep)}, {(void *)payload, len}};
-    return send_all(fd, iov, len ? 2 : 1) == RECV_DONE;
+    char c;
+    int more = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) > 0 ? MSG_MORE : 0;
+    return send_all(fd, iov, len ? 2 : 1, more) == RECV_DONE;
 }
 
 /* Discard the payload of a refused write: it never goes anywhere. */
@@ -756,7 +756,7 @@ int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, cons
             iov[2 * i] = (struct iovec){&hdr[i], sizeof(hdr[i])};
             iov[2 * i + 1] = (struct iovec){(void *)srcs[base + i], lens[base + i]};
         }
-        int rc = send_all(c->fd, iov, 2 * m);
+        int rc = send_all(c->fd, iov, 2 * m, 0);
         if (rc != RECV_DONE) return conn_fail(c, err, "sending the write", rc);
         for (int i = 0; i < m; i++) {
             epd_wire_rep rep;
@@ -774,7 +774,7 @@ static int conn_request(epd_conn *c, uint16_t op, const void *payload, uint64_t 
     if (c->broken) return fail(err, EPD_ECONN, "connection to %s is broken", c->peer);
     epd_wire_req q = {EPD_WIRE_MAGIC, EPD_WIRE_VERSION, op, c->seq++, 0, len};
     struct iovec iov[2] = {{&q, sizeof(q)}, {(void *)payload, len}};
-    int rc = send_all(c->fd, iov, len ? 2 : 1);
+    int rc = send_all(c->fd, iov, len ? 2 : 1, 0);
     if (rc != RECV_DONE) return conn_fail(c, err, "sending a request", rc);
     return read_reply(c, rep, q.seq, err);
 }
