@@ -109,7 +109,7 @@ class TransferEngine:
                  timeout: float = 5.0, async_workers: int = 4) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)} "
-                             f"(or epd_lab.transfer.MooncakeTransferEngine for the real Mooncake engine)")
+                             f"(open_engine('mooncake') gives the real Mooncake engine behind the same API)")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.hostname = hostname
@@ -281,7 +281,10 @@ class TransferEngine:
             raise
         peer.give_back(conn)
         with self._lock:
-            return self._peers.setdefault(session_id, peer)
+            kept = self._peers.setdefault(session_id, peer)
+        if kept is not peer:  # another thread connected first
+            peer.close()
+        return kept
 
     def _choose_path(self, peer: _Peer, conn: "_native.TcpConn") -> None:
         if self._verbs is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 import zlib
@@ -127,8 +128,6 @@ class PeerProcess:
         self.pid: int = hello["pid"]
 
     def _readline(self, timeout: float | None = None) -> dict:
-        import select
-
         if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
             self.close()
             raise TimeoutError(f"peer process gave no answer within {timeout} s")
