@@ -11,14 +11,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="epd-lab", description="EPD disaggregation workbench")
     sub = ap.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="benchmarks", add_help=False)
-    bench.add_argument("what", choices=["transfer"])
+    bench.add_argument("what", choices=["transfer", "epd"])
+    sub.add_parser("encoder", help="an encode server (FastAPI): /encode, /send, /scheduler_receive_url", add_help=False)
+    sub.add_parser("launch", help="start encoders on loopback and keep them up until Ctrl-C", add_help=False)
     sub.add_parser("demo", help="loopback transfer demo between two processes")
     sub.add_parser("rdma-info", help="RDMA devices, ports and GIDs (pyverbs and the own binding)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "bench":
-        from epd_lab.bench import transfer
+        from epd_lab.bench import epd, transfer
 
-        return transfer.main(rest)
+        return (transfer if args.what == "transfer" else epd).main(rest)
+    if args.cmd == "encoder":
+        from epd_lab.epd import encoder
+
+        return encoder.main(rest) or 0
+    if args.cmd == "launch":
+        from epd_lab import launch
+
+        return launch.main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "demo":

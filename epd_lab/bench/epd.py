@@ -1,0 +1,108 @@
+"""`epd-lab bench epd`: E→P per backend and encoder count, decomposed into the seed's stages.
+
+For each backend and encoder count a cluster of real encode servers is started; for each point of the
+sweep (images per request × image side) it runs N requests one after another through the receiver and
+the prefill runner, and reports per-stage medians (ms), the end-to-end median and the control-plane
+overhead: everything except the slowest part's ``vit + transfer`` and ``prefill`` (see
+`epd_lab.trace.request_breakdown`). The first request of each point is a warm-up and not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+from PIL import Image
+
+from epd_lab.bench.transfer import machine_info
+from epd_lab.epd.messages import BACKENDS
+from epd_lab.epd.prefill import EPDPrefill
+from epd_lab.launch import Cluster, Topology
+from epd_lab.models import configure_torch, load_model
+from epd_lab.trace import STAGES, Recorder, request_breakdown
+
+
+def make_images(directory: str, side: int, count: int, seed: int) -> list[str]:
+    """`count` random RGB PNGs of `side`², distinct (so no encoder cache hit)."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        path = os.path.join(directory, f"img_{side}_{seed}_{i}.png")
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def run(backends: tuple[str, ...], encoders: tuple[int, ...], images: tuple[int, ...], sides: tuple[int, ...],
+        requests: int, transport: str = "auto", pool_bytes: int = 0, log=print) -> dict:
+    """Measure; returns ``{"machine", "rows"}`` with one row per (backend, encoders, images, side)."""
+    configure_torch()
+    model = load_model()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
+        for backend in backends:
+            for n_enc in encoders:
+                topo = Topology(encoders=n_enc, backend=backend, transport=transport, pool_bytes=pool_bytes,
+                                timeout=60)
+                with Cluster(topo) as cluster, cluster.receiver(Recorder("prefill")) as rx:
+                    epd = EPDPrefill(rx, model)
+                    for n_img in images:
+                        for side in sides:
+                            rows.append(_point(epd, tmp, backend, n_enc, n_img, side, requests))
+                            log(_fmt(rows[-1]))
+    return {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "transport": transport, "pool_bytes": pool_bytes, "rows": rows}
+
+
+def _point(epd: EPDPrefill, tmp: str, backend: str, n_enc: int, n_img: int, side: int, requests: int) -> dict:
+    breakdowns = []
+    nbytes = 0
+    for r in range(requests + 1):
+        paths = make_images(tmp, side, n_img, seed=hash((backend, n_enc, r)) & 0xFFFF)
+        result = epd.prefill("describe the images", paths)
+        nbytes = result.received.nbytes
+        if r:  # the first request warms connections, mappings and caches
+            breakdowns.append(request_breakdown(result.spans))
+    keys = sorted({k for b in breakdowns for k in b})
+    med = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in keys}
+    return {"backend": backend, "encoders": n_enc, "images": n_img, "side": side, "embedding_bytes": nbytes,
+            "requests": requests, "e2e_ms": med.pop("e2e"), "control_plane_ms": med.pop("control_plane"),
+            "control_plane_range_ms": [min(b["control_plane"] for b in breakdowns),
+                                       max(b["control_plane"] for b in breakdowns)],
+            "stages_ms": {s: med[s] for s in STAGES if s in med}}
+
+
+def _fmt(row: dict) -> str:
+    stages = " ".join(f"{k}={v:.2f}" for k, v in row["stages_ms"].items())
+    return (f"  {row['backend']:17s} enc={row['encoders']} img={row['images']}x{row['side']}px "
+            f"{row['embedding_bytes'] / 2**20:7.2f} MiB  e2e {row['e2e_ms']:8.2f} ms  "
+            f"control {row['control_plane_ms']:6.2f} ms  [{stages}]")
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="epd-lab bench epd", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--encoders", default="1,2")
+    ap.add_argument("--images", default="1,4")
+    ap.add_argument("--sides", default="224,448,896")
+    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--transport", default="auto")
+    ap.add_argument("--pool-bytes", type=int, default=0, help="receiver pool (0: a buffer per request)")
+    args = ap.parse_args(argv)
+    result = run(tuple(args.backends.split(",")), _ints(args.encoders), _ints(args.images), _ints(args.sides),
+                 args.requests, args.transport, args.pool_bytes)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,644 @@
+"""The encode server (E of EPD): SGLang's ``encode_server.py`` (seed 000) as a FastAPI app.
+
+Routes:
+
+- ``POST /encode`` (`EncodeRequest` → `EncodeResponse`): load the images and answer their sizes, computed
+  from the image sizes alone. Per backend:
+  ``mooncake``: answer at once; the ViT runs in a background worker and the embedding is held under
+  ``req_id`` until ``/send`` comes (or its TTL passes).
+  ``zmq_to_tokenizer``: run the ViT, PUSH an `EmbeddingData` (bytes inside) to
+  ``tcp://prefill_host:embedding_port``, then answer.
+  ``zmq_to_scheduler``: the same, to the URL given by ``/scheduler_receive_url`` for that ``req_id``.
+- ``POST /send`` (mooncake; `SendRequest` → `SendResponse`): one-sided write of the held embedding to
+  ``buffer_address`` in engine ``session_id``, then PUSH a metadata-only `EmbeddingNotify`. Once a /send is
+  accepted, the receiver always gets a notify, with ``error`` set when the write could not be done.
+- ``POST /scheduler_receive_url`` (zmq_to_scheduler; `SchedulerReceiveUrl`), ``GET /health``, ``GET /metrics``.
+
+Spans (`epd_lab.trace`): ``vit``, ``transfer`` (the one-sided write, or the ZMQ send of the bytes) and
+``notify`` travel in the message's ``spans``. The message cannot carry the duration of its own sending, so
+its last span (``notify`` for mooncake, ``transfer`` for the zmq backends) has ``t_end_ns == t_start_ns``,
+the moment the send began; the receiver closes it with its receipt time (one host shares CLOCK_MONOTONIC).
+The encoder's own `Recorder` keeps the full spans.
+
+Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang): the server reads any file
+its user may, which is why it binds 127.0.0.1 unless told otherwise.
+
+Run: ``python -m epd_lab.epd.encoder --port 0 --backend mooncake`` prints ``{"url": ..., "pid": ...}``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import msgspec
+import torch
+import uvicorn
+import zmq
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from PIL import Image
+
+from epd_lab import models
+from epd_lab.epd.media import MediaError, content_hash, decode_image, fetch_media
+from epd_lab.epd.messages import (
+    BACKENDS,
+    MAX_JSON_BYTES,
+    MODALITIES,
+    EmbeddingData,
+    EmbeddingNotify,
+    EncodeRequest,
+    EncodeResponse,
+    SchedulerReceiveUrl,
+    SendRequest,
+    SendResponse,
+    encode_zmq,
+)
+from epd_lab.trace import Recorder, Span
+from epd_lab.transfer import (
+    RegistrationError,
+    RemoteAccessError,
+    TransferEngine,
+    TransferError,
+    TransferTimeout,
+    parse_session_id,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TRANSPORTS = ("auto", "tcp", "shm")
+MAX_MEDIA_BYTES = 32 << 20  # per media item, after base64 decoding or download
+ROUTES = ("/encode", "/send", "/scheduler_receive_url", "/health", "/metrics")
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class EncoderSettings:
+    """What an encode server is started with; checked on construction (`ValueError`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks
+    backend: str = "mooncake"
+    model: str | None = None  # a local model directory; None: the tiny random Qwen2-VL
+    dtype: str = "float32"
+    transport: str = "auto"  # the transfer engine's protocol (mooncake backend)
+    timeout: float = 10.0  # bounds every wait: media fetch, embedding, receive URL, transfer, ZMQ send
+    embedding_ttl: float = 60.0  # a held embedding whose /send never came is released after this
+    cache_bytes: int = 256 << 20  # embedding cache capacity; 0 disables it
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("timeout", "embedding_ttl"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+
+    @property
+    def model_name(self) -> str:
+        return self.model or "tiny-qwen2-vl"
+
+
+class EmbeddingCache:
+    """Embeddings by content key, capped in bytes, least recently used evicted first. Thread-safe."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.num_bytes = 0
+        self.hits = self.misses = self.evictions = 0
+        self._entries: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        with self._lock:
+            tensor = self._entries.get(key)
+            if tensor is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return tensor
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Keep `tensor` (owned by the cache from now on: never registered or written to)."""
+        nbytes = tensor.nbytes
+        if nbytes > self.capacity_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.num_bytes -= old.nbytes
+            while self.num_bytes + nbytes > self.capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.num_bytes -= evicted.nbytes
+                self.evictions += 1
+            self._entries[key] = tensor
+            self.num_bytes += nbytes
+
+
+class _Pushers:
+    """ZMQ PUSH sockets, one per destination URL, from one context; ``LINGER=0`` so closing never hangs.
+
+    At most `max_sockets` are kept (least recently used closed first): zmq_to_scheduler receivers may
+    bind a new port per request.
+    """
+
+    def __init__(self, send_timeout: float, max_sockets: int = 64) -> None:
+        self._ctx = zmq.Context()
+        self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        self._max_sockets = max_sockets
+        self._send_timeout_ms = max(1, int(send_timeout * 1000))
+        self._lock = threading.Lock()  # a ZMQ socket is not thread-safe; sends come from worker threads
+
+    def push(self, url: str, frame: bytes) -> None:
+        """Queue `frame` for `url`; raises `zmq.Again` when it cannot be queued within the timeout."""
+        with self._lock:
+            sock = self._sockets.get(url)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+                try:
+                    sock.connect(url)
+                except zmq.ZMQError:
+                    sock.close()
+                    raise
+                self._sockets[url] = sock
+                if len(self._sockets) > self._max_sockets:
+                    self._sockets.popitem(last=False)[1].close()
+            self._sockets.move_to_end(url)
+            sock.send(frame, copy=False)
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._sockets.values():
+                sock.close()
+            self._sockets.clear()
+            self._ctx.term()
+
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """A mooncake part between /encode and /send: its metadata and the ViT's future."""
+
+    req_id: str
+    part_idx: int
+    modality: str
+    grid_thw: list[list[int]]
+    shape: list[int]
+    nbytes: int
+    embedding_port: int | None
+    future: concurrent.futures.Future  # -> (embedding tensor, vit span)
+    created: float
+
+
+@dataclasses.dataclass(slots=True)
+class _ReceiveUrl:
+    """zmq_to_scheduler: where a req_id's embedding goes, possibly not known yet."""
+
+    url: str | None
+    event: asyncio.Event
+    created: float
+
+
+class MMEncoder:
+    """The encoder's state: model, worker, transfer engine, held embeddings, cache, sockets, counters.
+
+    All dictionaries are touched only from the event loop; the worker thread runs the ViT and the cache,
+    other threads do blocking transfers and sends.
+    """
+
+    def __init__(self, settings: EncoderSettings) -> None:
+        self.settings = settings
+        self.dtype = DTYPES[settings.dtype]
+        models.configure_torch(threads=1)  # the same kernels, hence the same bits, as every other role
+        self.model = models.load_model(settings.model, dtype=self.dtype)
+        self.vision = models.VisionEncoder(self.model)
+        self.embedding_dim = self.vision.hidden_size
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.recorder = Recorder(node=f"encoder:{settings.port}")
+        self.cache = EmbeddingCache(settings.cache_bytes)
+        self.engine = (TransferEngine(settings.host, settings.transport, timeout=settings.timeout)
+                       if settings.backend == "mooncake" else None)
+        self.pushers = _Pushers(settings.timeout)
+        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-vit")
+        self.held: dict[str, _Held] = {}
+        self.receive_urls: dict[str, _ReceiveUrl] = {}
+        self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.bytes_sent = 0
+        self.embeddings_expired = 0
+
+    # ---- /encode ----
+    async def encode(self, req: EncodeRequest) -> EncodeResponse:
+        """Load the media, answer the sizes; run (mooncake: start) the ViT and send per backend."""
+        self._check_encode(req)
+        loaded = await asyncio.to_thread(self._load, req.mm_items)
+        images = [img for _, img in loaded]
+        keys = [f"{self.settings.model_name}|{self.settings.dtype}|{key}" for key, _ in loaded]
+        grid_thw = [list(models.image_grid(img.size)) for img in images]
+        n_tokens = sum(models.num_image_tokens(img.size) for img in images)
+        resp = EncodeResponse(req.req_id, req.part_idx, n_tokens * self.embedding_dim * self.itemsize, n_tokens,
+                              self.embedding_dim, self.settings.dtype, grid_thw)
+        if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
+            raise HTTPException(409, f"req_id {req.req_id!r} is already held here, waiting for /send")
+        future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, images, keys)
+        if self.settings.backend == "mooncake":
+            self.held[req.req_id] = _Held(req.req_id, req.part_idx, req.modality, grid_thw,
+                                          [n_tokens, self.embedding_dim], resp.embedding_size,
+                                          req.embedding_port, future, time.monotonic())
+            return resp
+        await self._encode_and_push(req, resp, future)
+        return resp
+
+    def _check_encode(self, req: EncodeRequest) -> None:
+        if req.modality not in MODALITIES:
+            raise HTTPException(400, f"unknown modality {req.modality!r}; this encoder serves "
+                                     f"{', '.join(MODALITIES)}")
+        if not req.mm_items:
+            raise HTTPException(400, "mm_items is empty")
+        if not req.req_id:
+            raise HTTPException(400, "req_id is empty")
+        if not 0 <= req.part_idx < req.num_parts:
+            raise HTTPException(400, f"part_idx {req.part_idx} is not in 0..num_parts-1 ({req.num_parts})")
+        if self.settings.backend == "zmq_to_tokenizer" and req.embedding_port is None:
+            raise HTTPException(400, "the zmq_to_tokenizer backend needs embedding_port")
+
+    def _load(self, items: list[str]) -> list[tuple[str, Image.Image]]:
+        """(content hash, image) per item; a bad item is a 400 naming it."""
+        out = []
+        for idx, item in enumerate(items):
+            try:
+                raw = fetch_media(item, self.settings.timeout, MAX_MEDIA_BYTES)
+                out.append((content_hash(raw), decode_image(raw, item)))
+            except MediaError as exc:
+                raise HTTPException(400, f"mm_items[{idx}]: {exc}") from None
+        return out
+
+    def _run_vit(self, req_id: str, part_idx: int, images: list[Image.Image],
+                 keys: list[str]) -> tuple[torch.Tensor, Span]:
+        """In the worker thread: the embedding of all images, from the cache where possible."""
+        t0 = time.monotonic_ns()
+        pieces: list[torch.Tensor | None] = [self.cache.get(key) for key in keys]
+        missing = [i for i, piece in enumerate(pieces) if piece is None]
+        if missing:
+            with torch.inference_mode():
+                emb, _ = self.vision.encode_images([images[i] for i in missing])
+            counts = [models.num_image_tokens(images[i].size) for i in missing]
+            if sum(counts) != emb.shape[0]:
+                raise RuntimeError(f"the ViT gave {emb.shape[0]} tokens, the image sizes say {sum(counts)}")
+            for i, piece in zip(missing, emb.to(self.dtype).split(counts)):
+                pieces[i] = piece.clone()  # its own storage, so the cache accounts exactly its bytes
+                self.cache.put(keys[i], pieces[i])
+        # a fresh tensor, owned by this request: it is registered and sent, the cache's pieces never are
+        embedding = torch.cat(pieces)
+        span = Span(req_id, part_idx, "vit", self.recorder.node, t0, time.monotonic_ns(), embedding.nbytes)
+        self.recorder.add(span)
+        return embedding, span
+
+    async def _encode_and_push(self, req: EncodeRequest, resp: EncodeResponse,
+                               future: concurrent.futures.Future) -> None:
+        """zmq backends: wait for the ViT, then PUSH the bytes (or the error) to the receiver."""
+        msg = EmbeddingData(req.req_id, req.part_idx, req.modality, [resp.embedding_len, resp.embedding_dim],
+                            self.settings.dtype, resp.grid_thw)
+        url: str | None = None
+        try:
+            if self.settings.backend == "zmq_to_tokenizer":
+                url = f"tcp://{req.prefill_host}:{req.embedding_port}"
+            embedding, vit_span = await self._bounded(asyncio.wrap_future(future), f"the ViT of {req.req_id!r}")
+            if url is None:
+                url = await self._wait_receive_url(req.req_id)
+            msg.data = _raw_bytes(embedding)
+            msg.spans = [vit_span]
+        except HTTPException as exc:
+            if url is None:
+                raise
+            raise await self._send_error(url, msg, "transfer", exc) from None
+        await self._send_zmq(url, msg, "transfer")
+        self.bytes_sent += len(msg.data)
+
+    async def _wait_receive_url(self, req_id: str) -> str:
+        entry = self.receive_urls.setdefault(req_id, _ReceiveUrl(None, asyncio.Event(), time.monotonic()))
+        try:
+            await self._bounded(entry.event.wait(), f"/scheduler_receive_url for {req_id!r}")
+        finally:
+            self.receive_urls.pop(req_id, None)
+        assert entry.url is not None  # the event is set only together with the URL
+        return entry.url
+
+    # ---- /scheduler_receive_url ----
+    def set_receive_url(self, req: SchedulerReceiveUrl) -> None:
+        """zmq_to_scheduler: remember where `req.req_id`'s embedding goes (and wake its /encode)."""
+        if self.settings.backend != "zmq_to_scheduler":
+            raise HTTPException(400, f"/scheduler_receive_url is for the zmq_to_scheduler backend; "
+                                     f"this encoder runs {self.settings.backend}")
+        host, sep, port = req.receive_url.removeprefix("tcp://").rpartition(":")
+        if not req.receive_url.startswith("tcp://") or not sep or not host or not port.isdigit():
+            raise HTTPException(400, f"receive_url {req.receive_url!r} is not 'tcp://host:port'")
+        entry = self.receive_urls.setdefault(req.req_id, _ReceiveUrl(None, asyncio.Event(), time.monotonic()))
+        entry.url = req.receive_url
+        entry.event.set()
+
+    # ---- /send ----
+    async def send(self, req: SendRequest) -> SendResponse:
+        """mooncake: write the held embedding into the receiver's buffer, then notify it."""
+        if self.settings.backend != "mooncake":
+            raise HTTPException(400, f"/send is for the mooncake backend; this encoder runs {self.settings.backend}")
+        held = self.held.get(req.req_id)
+        if held is None:
+            raise HTTPException(404, f"req_id {req.req_id!r} is not held here: never encoded, already sent, "
+                                     f"or released after embedding_ttl={self.settings.embedding_ttl} s")
+        if req.part_idx != held.part_idx:
+            raise HTTPException(400, f"part_idx {req.part_idx} does not match the encoded part {held.part_idx}")
+        if req.embedding_size != held.nbytes:
+            raise HTTPException(400, f"embedding_size {req.embedding_size} does not match the part's "
+                                     f"{held.nbytes} bytes")
+        port = req.embedding_port if req.embedding_port is not None else held.embedding_port
+        if port is None:
+            raise HTTPException(400, "no embedding_port to notify (neither in /send nor in /encode)")
+        try:
+            parse_session_id(req.session_id)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        # accepted: from here the part is released whatever happens, and the receiver always hears back
+        del self.held[req.req_id]
+        url = f"tcp://{req.prefill_host}:{port}"
+        notify = EmbeddingNotify(held.req_id, held.part_idx, held.modality, held.shape, self.settings.dtype,
+                                 held.grid_thw)
+        try:
+            embedding, vit_span = await self._bounded(asyncio.wrap_future(held.future),
+                                                      f"the ViT of {req.req_id!r}")
+            notify.spans = [vit_span]
+            path = await asyncio.to_thread(self._write, req, embedding, notify.spans)
+        except HTTPException as exc:
+            raise await self._send_error(url, notify, "notify", exc) from None
+        self.bytes_sent += held.nbytes
+        await self._send_zmq(url, notify, "notify")
+        return SendResponse(req.req_id, req.part_idx, held.nbytes, path)
+
+    def _write(self, req: SendRequest, embedding: torch.Tensor, spans: list[Span]) -> str:
+        """One-sided write of `embedding` (registered for the write only); returns the path taken."""
+        engine = self.engine
+        assert engine is not None  # the mooncake backend always has one
+        t0 = time.monotonic_ns()
+        try:
+            path = engine.path_to(req.session_id)
+            ptr, nbytes = engine.register_buffer(embedding)
+            try:
+                engine.transfer_sync_write(req.session_id, ptr, req.buffer_address, nbytes)
+            finally:
+                engine.deregister(ptr)
+        except RemoteAccessError as exc:
+            raise HTTPException(403, f"the receiver refused the write: {exc}") from None
+        except TransferTimeout as exc:
+            raise HTTPException(504, f"transfer to {req.session_id} timed out: {exc}") from None
+        except RegistrationError as exc:
+            raise HTTPException(500, f"registering the embedding failed: {exc}") from None
+        except TransferError as exc:
+            raise HTTPException(502, f"transfer to {req.session_id} failed: {exc}") from None
+        span = Span(req.req_id, req.part_idx, "transfer", self.recorder.node, t0, time.monotonic_ns(), nbytes)
+        self.recorder.add(span)
+        spans.append(span)
+        return path
+
+    # ---- ZMQ ----
+    async def _send_zmq(self, url: str, msg: EmbeddingNotify, stage: str) -> None:
+        await asyncio.to_thread(self._push, url, msg, stage)
+
+    async def _send_error(self, url: str, msg: EmbeddingNotify, stage: str, exc: HTTPException) -> HTTPException:
+        """Tell the receiver why its part will not come (so it fails fast); the error to answer with."""
+        msg.error = exc.detail
+        try:
+            await self._send_zmq(url, msg, stage)
+        except HTTPException as push_exc:
+            return HTTPException(exc.status_code, f"{exc.detail}; telling the receiver failed too: {push_exc.detail}")
+        return exc
+
+    def _push(self, url: str, msg: EmbeddingNotify, stage: str) -> None:
+        """Send `msg` to `url`, its last span being this send's start (the receiver closes it)."""
+        t0 = time.monotonic_ns()
+        nbytes = len(msg.data) if isinstance(msg, EmbeddingData) else 0
+        msg.spans = [*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)]
+        try:
+            self.pushers.push(url, encode_zmq(msg))
+        except zmq.ZMQError as exc:
+            raise HTTPException(502, f"ZMQ send to {url} failed: {exc}") from None
+        self.recorder.add(Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, time.monotonic_ns(),
+                               nbytes))
+
+    # ---- lifetime ----
+    async def _bounded(self, aw: Awaitable[T], what: str) -> T:
+        """Await `aw` at most `timeout` seconds (504); an error of the ViT becomes a 500 with its message."""
+        try:
+            return await asyncio.wait_for(aw, self.settings.timeout)
+        except asyncio.TimeoutError:
+            raise HTTPException(504, f"{what} did not come within {self.settings.timeout} s") from None
+        except HTTPException:
+            raise
+        except Exception as exc:  # whatever the ViT raised: the caller answers it and tells the receiver
+            raise HTTPException(500, f"{what} failed: {type(exc).__name__}: {exc}") from None
+
+    def sweep(self) -> None:
+        """Release held embeddings and receive URLs older than the TTL."""
+        cutoff = time.monotonic() - self.settings.embedding_ttl
+        for req_id in [r for r, h in self.held.items() if h.created < cutoff]:
+            self.held.pop(req_id).future.cancel()  # drops the embedding (or a ViT not yet started)
+            self.embeddings_expired += 1
+        for req_id in [r for r, u in self.receive_urls.items() if u.created < cutoff and u.url is not None]:
+            del self.receive_urls[req_id]
+
+    async def sweep_forever(self) -> None:
+        period = min(1.0, self.settings.embedding_ttl / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.sweep()
+
+    def health(self) -> dict:
+        return {"status": "ok", "backend": self.settings.backend, "model": self.settings.model_name,
+                "dtype": self.settings.dtype, "node": self.recorder.node,
+                "session_id": self.engine.session_id if self.engine is not None else None,
+                "embeddings_held": len(self.held)}
+
+    def metrics(self) -> str:
+        """Prometheus text exposition of the counters."""
+        lines = ["# HELP epd_encoder_requests_total HTTP requests by route and status",
+                 "# TYPE epd_encoder_requests_total counter"]
+        lines += [f'epd_encoder_requests_total{{route="{route}",status="{status}"}} {n}'
+                  for (route, status), n in sorted(self.requests.items())]
+        for name, kind, value, help_ in (
+            ("embeddings_held", "gauge", len(self.held), "embeddings waiting for /send"),
+            ("embeddings_expired_total", "counter", self.embeddings_expired, "embeddings released by the TTL"),
+            ("bytes_sent_total", "counter", self.bytes_sent, "embedding bytes written or sent over ZMQ"),
+            ("cache_hits_total", "counter", self.cache.hits, "images found in the embedding cache"),
+            ("cache_misses_total", "counter", self.cache.misses, "images the ViT had to encode"),
+            ("cache_evictions_total", "counter", self.cache.evictions, "cache entries evicted"),
+            ("cache_entries", "gauge", len(self.cache), "images in the cache"),
+            ("cache_bytes", "gauge", self.cache.num_bytes, "bytes in the cache"),
+        ):
+            lines += [f"# HELP epd_encoder_{name} {help_}", f"# TYPE epd_encoder_{name} {kind}",
+                      f"epd_encoder_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        """Stop the worker, close the sockets and the engine."""
+        self.worker.shutdown(wait=True, cancel_futures=True)
+        self.held.clear()
+        self.pushers.close()
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (msgpack copies them once into the frame); bfloat16 too."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, at most MAX_JSON_BYTES (413 beyond)."""
+    length = request.headers.get("content-length", "")
+    too_large = HTTPException(413, f"request body larger than {MAX_JSON_BYTES} bytes")
+    if length.isdigit() and int(length) > 2 * MAX_JSON_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        # keep draining (up to twice the cap) so the client reads the 413 rather than a reset connection
+        if len(body) > 2 * MAX_JSON_BYTES:
+            break
+    if len(body) > MAX_JSON_BYTES:
+        raise too_large
+    return bytes(body)
+
+
+async def _decode(request: Request, typ: type[T]) -> T:
+    try:
+        return msgspec.json.decode(await _read_body(request), type=typ)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise HTTPException(400, f"malformed {typ.__name__}: {exc}") from None
+
+
+def _json(msg: msgspec.Struct) -> Response:
+    return Response(msgspec.json.encode(msg), media_type="application/json")
+
+
+def create_app(settings: EncoderSettings) -> FastAPI:
+    """The encode server's app; the model loads, and the engine and worker start, in its lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        encoder = MMEncoder(settings)
+        app.state.encoder = encoder
+        sweeper = asyncio.create_task(encoder.sweep_forever())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await asyncio.gather(sweeper, return_exceptions=True)
+            encoder.close()
+
+    app = FastAPI(title="epd_lab encoder", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next: Callable) -> Response:
+        response = await call_next(request)
+        route = request.url.path if request.url.path in ROUTES else "other"
+        app.state.encoder.requests[route, response.status_code] += 1
+        return response
+
+    @app.post("/encode")
+    async def encode(request: Request) -> Response:
+        return _json(await app.state.encoder.encode(await _decode(request, EncodeRequest)))
+
+    @app.post("/send")
+    async def send(request: Request) -> Response:
+        return _json(await app.state.encoder.send(await _decode(request, SendRequest)))
+
+    @app.post("/scheduler_receive_url")
+    async def scheduler_receive_url(request: Request) -> JSONResponse:
+        req = await _decode(request, SchedulerReceiveUrl)
+        app.state.encoder.set_receive_url(req)
+        return JSONResponse({"req_id": req.req_id, "receive_url": req.receive_url})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(app.state.encoder.health())
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(app.state.encoder.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> EncoderSettings:
+    """`EncoderSettings` from the command line (errors exit with the usage)."""
+    default = {f.name: f.default for f in dataclasses.fields(EncoderSettings)}
+    ap = argparse.ArgumentParser(prog="epd-lab encoder", description="the EPD encode server (ViT → embeddings)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap.add_argument("--backend", default="mooncake", choices=BACKENDS)
+    ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--transport", default="auto", choices=TRANSPORTS, help="transfer engine protocol")
+    ap.add_argument("--timeout", type=float, default=default["timeout"], help="seconds, bounds every wait")
+    ap.add_argument("--embedding-ttl", type=float, default=default["embedding_ttl"],
+                    help="seconds a held embedding waits for /send")
+    ap.add_argument("--cache-bytes", type=int, default=default["cache_bytes"], help="embedding cache capacity (0: off)")
+    args = ap.parse_args(argv)
+    try:
+        return EncoderSettings(args.host, args.port, args.backend, args.model, args.dtype, args.transport,
+                               args.timeout, args.embedding_ttl, args.cache_bytes)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, url: str) -> bool:
+    """Serve until told to stop; False when start-up (the model load) failed."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:  # the launcher reads this line to learn the port
+        print(json.dumps({"url": url, "pid": os.getpid()}), flush=True)
+    await task
+    return server.started
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``epd-lab encoder``: serve until SIGINT/SIGTERM."""
+    settings = parse_args(argv)
+    # bind here, not in uvicorn, so the port the OS picked is known to the app (its span node name)
+    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
+    # socket says it is TCP (with proto 0, Nagle + delayed ACK add ~40 ms to every answer)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=int(settings.timeout) + 1)
+    return 0 if asyncio.run(_serve(uvicorn.Server(config), sock, f"http://{host}:{settings.port}")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Media items of an /encode request: file paths, ``data:`` URIs and http(s) URLs, fetched with bounded
+time and size, then decoded into RGB images.
+
+An item that cannot be fetched or decoded raises `MediaError` (a `ValueError`), whose message names the
+item, so the encoder can answer 400 with it.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import time
+import warnings
+from urllib.parse import unquote, urlsplit
+
+import httpx
+from PIL import Image
+
+
+class MediaError(ValueError):
+    """A media item that could not be fetched or decoded."""
+
+
+def _short(item: str, limit: int = 80) -> str:
+    """The item as an error message shows it (a data: URI can be megabytes long)."""
+    return item if len(item) <= limit else item[:limit] + f"... ({len(item)} chars)"
+
+
+def _from_data_uri(item: str, max_bytes: int) -> bytes:
+    header, sep, payload = item.partition(",")
+    if not sep:
+        raise MediaError(f"data URI without a ',' separator: {_short(item)}")
+    if not header.endswith(";base64"):
+        raise MediaError(f"data URI is not base64 (expected 'data:<type>;base64,...'): {_short(item)}")
+    if len(payload) // 4 * 3 > max_bytes + 2:  # refuse before decoding what would be too large
+        raise MediaError(f"data URI carries more than {max_bytes} bytes")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"data URI is not valid base64 ({exc}): {_short(item)}") from None
+    if len(raw) > max_bytes:
+        raise MediaError(f"data URI carries {len(raw)} bytes, more than {max_bytes}")
+    return raw
+
+
+def _from_url(item: str, timeout: float, max_bytes: int) -> bytes:
+    # httpx's timeout bounds each operation; the deadline bounds the whole download (a slow trickle)
+    deadline = time.monotonic() + timeout
+    try:
+        with (httpx.Client(timeout=timeout, follow_redirects=True, max_redirects=3) as client,
+              client.stream("GET", item) as resp):
+            if resp.status_code != 200:
+                raise MediaError(f"GET {_short(item)} answered {resp.status_code}")
+            length = resp.headers.get("content-length", "")
+            if length.isdigit() and int(length) > max_bytes:
+                raise MediaError(f"GET {_short(item)}: {length} bytes, more than {max_bytes}")
+            chunks, got = [], 0
+            for chunk in resp.iter_bytes():
+                got += len(chunk)
+                if got > max_bytes:
+                    raise MediaError(f"GET {_short(item)}: more than {max_bytes} bytes")
+                if time.monotonic() > deadline:
+                    raise MediaError(f"GET {_short(item)}: not complete within {timeout} s")
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except httpx.HTTPError as exc:
+        raise MediaError(f"GET {_short(item)} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _from_file(item: str, max_bytes: int) -> bytes:
+    path = unquote(urlsplit(item).path) if item.startswith("file://") else item
+    try:
+        size = os.stat(path).st_size
+        if size > max_bytes:
+            raise MediaError(f"file {_short(path)}: {size} bytes, more than {max_bytes}")
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)  # the file may have grown since stat
+    except OSError as exc:
+        raise MediaError(f"cannot read {_short(path)}: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:
+        raise MediaError(f"file {_short(path)}: more than {max_bytes} bytes")
+    return raw
+
+
+def fetch_media(item: str, timeout: float, max_bytes: int) -> bytes:
+    """The raw bytes of a media item: a ``data:<type>;base64,`` URI, an ``http(s)://`` URL (fetched within
+    `timeout` seconds in all), or a file path (or ``file://`` URI). At most `max_bytes` are accepted."""
+    if not isinstance(item, str) or not item:
+        raise MediaError("empty media item")
+    if item.startswith("data:"):
+        return _from_data_uri(item, max_bytes)
+    if item.startswith(("http://", "https://")):
+        return _from_url(item, timeout, max_bytes)
+    return _from_file(item, max_bytes)
+
+
+def decode_image(raw: bytes, name: str = "image") -> Image.Image:
+    """Decode image bytes (any format PIL reads) into a fully loaded RGB image."""
+    try:
+        with warnings.catch_warnings():
+            # PIL warns below its bomb limit and raises above it: a warning is an error here
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(raw))
+            img.load()
+    except Image.UnidentifiedImageError:
+        raise MediaError(f"{_short(name)} is not an image in a format PIL reads ({len(raw)} bytes)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning,
+            Image.DecompressionBombError) as exc:
+        raise MediaError(f"{_short(name)} does not decode as an image: {exc}") from None
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def load_image(item: str, timeout: float, max_bytes: int) -> Image.Image:
+    """Fetch (`fetch_media`) and decode (`decode_image`) one image item; raises `MediaError`."""
+    return decode_image(fetch_media(item, timeout, max_bytes), item)
+
+
+def content_hash(raw: bytes) -> str:
+    """A stable key of media content (sha256, hex)."""
+    return hashlib.sha256(raw).hexdigest()

@@ -1,0 +1,39 @@
+"""Prefill on embeddings that came from the encoders: the receiver plus the model's prefill runner."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from epd_lab.epd.receiver import EmbeddingReceiver, ReceivedEmbeddings
+from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids
+from epd_lab.trace import Span
+
+
+@dataclass
+class EPDResult:
+    """What one request's E→P prefill produced, with every span of it (encoders' included)."""
+
+    rid: str
+    prefill: PrefillResult
+    received: ReceivedEmbeddings
+    spans: list[Span]
+
+
+class EPDPrefill:
+    """The prefill role of E→P: collect a request's image embeddings, then run prefill on them."""
+
+    def __init__(self, receiver: EmbeddingReceiver, model: torch.nn.Module) -> None:
+        self.receiver = receiver
+        self.runner = PrefillRunner(model)
+
+    def prefill(self, text: str, mm_items: list[str], rid: str | None = None) -> EPDResult:
+        """Encode `mm_items` on the encoders and prefill the prompt (images first, then `text`)."""
+        rid = rid or uuid.uuid4().hex
+        got = self.receiver.receive(mm_items, rid)
+        grids = got.grid_thw["image"]
+        input_ids = build_input_ids(text, grids)
+        with self.receiver.recorder.span("prefill", rid):
+            result = self.runner.prefill(input_ids, got.embeddings["image"], torch.tensor(grids))
+        return EPDResult(rid, result, got, self.receiver.recorder.spans(rid))

@@ -1,0 +1,374 @@
+"""The prefill side of E→P: split a request's media across encoders and collect their embeddings.
+
+This is SGLang's `MMReceiver` (seed 000, `encode_receiver.py`) over epd_lab's transfer engine. Per
+request:
+
+1. `assign_items_by_modality`: shuffled encoders, per modality an even split, part ids running
+   across modalities (``{rid}_local_part_{idx}``).
+2. POST /encode to every encoder at once.
+3. ``mooncake``: one contiguous buffer for the whole request (the sum of the parts' sizes, parts in
+   `part_idx` order), registered with the engine, then POST /send to each encoder with
+   ``buffer_address = base + offset``. Each encoder writes its part straight into the buffer and
+   pushes a metadata-only notification over ZMQ. ``zmq_to_tokenizer`` / ``zmq_to_scheduler``: the
+   bytes come inside the ZMQ message (``zmq_to_scheduler`` first tells each encoder where to send
+   through /scheduler_receive_url).
+4. Wait for every part (bounded by the timeout), deregister, slice each part by shape and dtype,
+   concatenate per modality.
+
+Every failure reaches the caller as an `EPDError` within the timeout, and the request's buffer is
+deregistered whatever happened.
+"""
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+import torch
+import zmq
+
+from epd_lab.epd.messages import (
+    BACKENDS,
+    EmbeddingNotify,
+    EncodeRequest,
+    EncodeResponse,
+    SchedulerReceiveUrl,
+    SendRequest,
+    decode_zmq,
+    part_req_id,
+)
+from epd_lab.trace import Recorder
+from epd_lab.transfer import TransferEngine, as_array
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EPDError(RuntimeError):
+    """A request could not be served: which part, which encoder and why."""
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """One part of a request: which encoder encodes which items."""
+
+    part_idx: int
+    encoder: int
+    modality: str
+    items: list[str]
+
+
+def assign_items_by_modality(items_by_modality: dict[str, list[str]], encoder_num: int,
+                             rng: random.Random | None = None) -> list[PartPlan]:
+    """The seed's `_assign_items_by_modality`: shuffle the encoders (against hot spots), split each
+    modality's items evenly (the first `remainder` encoders take one more), give each encoder a
+    contiguous run of items, and number the parts across modalities in that order."""
+    if encoder_num < 1:
+        raise ValueError("need at least one encoder")
+    order = list(range(encoder_num))
+    (rng or random).shuffle(order)
+    plans: list[PartPlan] = []
+    for modality, items in items_by_modality.items():
+        base, remainder = divmod(len(items), encoder_num)
+        start = 0
+        for i, enc in enumerate(order):
+            n = base + (1 if i < remainder else 0)
+            if n:
+                plans.append(PartPlan(len(plans), enc, modality, items[start:start + n]))
+            start += n
+    return plans
+
+
+@dataclass
+class ReceivedEmbeddings:
+    """A request's embeddings, per modality in item order, with what the LLM needs besides."""
+
+    rid: str
+    embeddings: dict[str, torch.Tensor]
+    grid_thw: dict[str, list[list[int]]]
+    nbytes: int
+    parts: list[PartPlan] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ReceiverConfig:
+    """How the receiver talks to its encoders.
+
+    Args:
+        encoder_urls: base URLs of the encode servers.
+        backend: ``mooncake`` (one-sided write), ``zmq_to_tokenizer`` or ``zmq_to_scheduler``.
+        timeout: seconds a request may take to collect every part before it fails.
+        pool_bytes: 0 to allocate and register one buffer per request (as the seed does); otherwise
+            the size of a persistent managed pool that request buffers are carved from.
+        host: the address encoders push notifications to (and the engine listens on).
+        transport: the transfer engine's protocol for this side.
+        seed: seeds the shuffle of encoders (None: random).
+    """
+
+    encoder_urls: list[str]
+    backend: str = "mooncake"
+    timeout: float = 10.0
+    pool_bytes: int = 0
+    host: str = "127.0.0.1"
+    transport: str = "auto"
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.encoder_urls:
+            raise ValueError("need at least one encoder URL")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.pool_bytes < 0:
+            raise ValueError(f"pool_bytes must be >= 0, got {self.pool_bytes}")
+
+
+class _Pool:
+    """First-fit allocator over one managed buffer: request buffers come from here, and the memory is
+    never handed to anything but the pool (so a late write can only land in pool memory)."""
+
+    def __init__(self, engine: TransferEngine, nbytes: int) -> None:
+        self.engine = engine
+        self.base = engine.allocate_managed_buffer(nbytes)
+        self.view = torch.from_numpy(as_array(self.base, nbytes))
+        self.free = [(0, nbytes)]  # (offset, length), sorted
+        self.lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int:
+        size = (nbytes + 63) & ~63  # cache-line aligned slices
+        with self.lock:
+            for i, (off, length) in enumerate(self.free):
+                if length >= size:
+                    self.free[i:i + 1] = [(off + size, length - size)] if length > size else []
+                    return off
+        raise EPDError(f"embedding pool exhausted: {nbytes} bytes wanted; raise pool_bytes")
+
+    def release(self, off: int, nbytes: int) -> None:
+        size = (nbytes + 63) & ~63
+        with self.lock:
+            self.free.append((off, size))
+            self.free.sort()
+            merged: list[tuple[int, int]] = []
+            for o, n in self.free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((o, n))
+            self.free = merged
+
+    def close(self) -> None:
+        self.engine.free_managed_buffer(self.base)
+
+
+class EmbeddingReceiver:
+    """Collects embeddings from encode servers; a context manager (closes its engine and sockets)."""
+
+    def __init__(self, config: ReceiverConfig, recorder: Recorder | None = None) -> None:
+        self.config = config
+        self.recorder = recorder or Recorder("prefill")
+        self.engine = TransferEngine(config.host, config.transport, timeout=config.timeout)
+        self._rng = random.Random(config.seed)
+        self._pool = _Pool(self.engine, config.pool_bytes) if config.pool_bytes else None
+        self._http = httpx.Client(timeout=config.timeout, limits=httpx.Limits(max_keepalive_connections=64))
+        self._io = ThreadPoolExecutor(max_workers=32, thread_name_prefix="epd-receiver")
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self.counters = collections.Counter()
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self.embedding_port = self._pull.bind_to_random_port(f"tcp://{config.host}")
+        self._closing = threading.Event()
+        self._listener = threading.Thread(target=self._listen, name="epd-receiver-zmq", daemon=True)
+        self._listener.start()
+
+    # ---- notifications ----
+    def _listen(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._closing.is_set():
+            if not poller.poll(100):
+                continue
+            frame = self._pull.recv(copy=False)
+            t_recv = time.monotonic_ns()
+            try:
+                msg = decode_zmq(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.counters["invalid_messages"] += 1  # validated, never trusted: drop it
+                continue
+            if msg.spans and msg.spans[-1].t_end_ns == msg.spans[-1].t_start_ns:
+                # a message cannot time its own sending: it ends when it arrives (one host, one clock)
+                msg.spans[-1] = msgspec.structs.replace(msg.spans[-1], t_end_ns=t_recv)
+            with self._lock:
+                fut = self._pending.get(msg.req_id)
+            if fut is None or fut.done():
+                self.counters["stray_messages"] += 1  # a part that already failed or timed out
+                continue
+            fut.set_result(msg)
+
+    # ---- the request ----
+    def receive(self, mm_items: list[str], rid: str | None = None, modality: str = "image") -> ReceivedEmbeddings:
+        """Encode `mm_items` on the encoders and return their embeddings (raises `EPDError`)."""
+        return self.receive_by_modality({modality: list(mm_items)}, rid)
+
+    def receive_by_modality(self, items_by_modality: dict[str, list[str]],
+                            rid: str | None = None) -> ReceivedEmbeddings:
+        """As `receive`, for several modalities at once (parts numbered across them)."""
+        rid = rid or uuid.uuid4().hex
+        deadline = time.monotonic() + self.config.timeout
+        plans = assign_items_by_modality(items_by_modality, len(self.config.encoder_urls), self._rng)
+        if not plans:
+            raise EPDError(f"request {rid} has no media items")
+        futures = {part_req_id(rid, p.part_idx): Future() for p in plans}
+        with self._lock:
+            self._pending.update(futures)
+        try:
+            if self.config.backend == "zmq_to_scheduler":
+                self._parallel(plans, lambda p: self._scheduler_receive_url(rid, p))
+            responses = self._parallel(plans, lambda p: self._encode(rid, len(plans), p))
+            if self.config.backend == "mooncake":
+                return self._receive_mooncake(rid, plans, responses, futures, deadline)
+            messages = self._wait(rid, plans, futures, deadline)
+            with self.recorder.span("reassemble", rid, nbytes=sum(len(m.data) for m in messages)):
+                tensors = [_tensor_from_bytes(m, bytearray(m.data)) for m in messages]
+                return self._assemble(rid, plans, messages, tensors)
+        finally:
+            with self._lock:
+                for key in futures:
+                    self._pending.pop(key, None)
+
+    def _receive_mooncake(self, rid: str, plans: list[PartPlan], responses: list[EncodeResponse],
+                          futures: dict[str, Future], deadline: float) -> ReceivedEmbeddings:
+        sizes = [r.embedding_size for r in responses]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        total = sum(sizes)
+        with self.recorder.span("buffer_alloc", rid, nbytes=total):
+            if self._pool is not None:
+                pool_off = self._pool.alloc(total)
+                buf = self._pool.view[pool_off:pool_off + total]
+            else:
+                buf = torch.empty(total, dtype=torch.uint8)
+        base = buf.data_ptr()
+        try:
+            with self.recorder.span("register", rid, nbytes=total):
+                self.engine.register(base, total)
+            try:
+                self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx], sizes[p.part_idx]))
+                messages = self._wait(rid, plans, futures, deadline)
+            finally:
+                self.engine.deregister(base)  # no write can land once this returns
+            with self.recorder.span("reassemble", rid, nbytes=total):
+                # pool memory goes back to the pool: copy out; a per-request buffer is viewed in place
+                tensors = [_tensor_from_bytes(m, buf[offsets[i]:offsets[i] + sizes[i]], copy=self._pool is not None)
+                           for i, m in enumerate(messages)]
+                return self._assemble(rid, plans, messages, tensors)
+        finally:
+            if self._pool is not None:
+                self._pool.release(pool_off, total)
+
+    def _assemble(self, rid: str, plans: list[PartPlan], messages: list[EmbeddingNotify],
+                  tensors: list[torch.Tensor]) -> ReceivedEmbeddings:
+        """`MultiModalEmbeddingData`: concatenate each modality's parts in part order."""
+        by_mod: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+        grids: dict[str, list[list[int]]] = collections.defaultdict(list)
+        for plan, msg, t in zip(plans, messages, tensors, strict=True):
+            by_mod[plan.modality].append(t)
+            grids[plan.modality].extend(msg.grid_thw)
+        embeddings = {m: ts[0] if len(ts) == 1 else torch.cat(ts) for m, ts in by_mod.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return ReceivedEmbeddings(rid, embeddings, dict(grids), nbytes, plans)
+
+    def _wait(self, rid: str, plans: list[PartPlan], futures: dict[str, Future],
+              deadline: float) -> list[EmbeddingNotify]:
+        """Every part's message, in part order; the first error or the deadline fails the request."""
+        out = []
+        for plan in plans:
+            key = part_req_id(rid, plan.part_idx)
+            try:
+                msg = futures[key].result(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise EPDError(f"{key}: no notification from encoder {self._url(plan)} within "
+                               f"{self.config.timeout} s (encoder dead or stuck?)") from None
+            if msg.error:
+                raise EPDError(f"{key}: encoder {self._url(plan)} failed: {msg.error}")
+            self.recorder.extend(msg.spans)
+            out.append(msg)
+        return out
+
+    # ---- HTTP ----
+    def _url(self, plan: PartPlan) -> str:
+        return self.config.encoder_urls[plan.encoder]
+
+    def _parallel(self, plans: list[PartPlan], fn) -> list:
+        futs = [self._io.submit(fn, p) for p in plans]
+        return [f.result() for f in futs]  # re-raises the first failure
+
+    def _post(self, plan: PartPlan, route: str, body: msgspec.Struct) -> bytes:
+        url = self._url(plan) + route
+        try:
+            r = self._http.post(url, content=msgspec.json.encode(body), headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            raise EPDError(f"{route} to {url} failed: {type(exc).__name__}: {exc}") from exc
+        if r.status_code != 200:
+            raise EPDError(f"{route} to {url} answered {r.status_code}: {r.text[:300]}")
+        return r.content
+
+    def _encode(self, rid: str, num_parts: int, plan: PartPlan) -> EncodeResponse:
+        req = EncodeRequest(plan.items, num_parts, plan.part_idx, part_req_id(rid, plan.part_idx), plan.modality,
+                            self.config.host, self.embedding_port)
+        with self.recorder.span("http_encode", rid, plan.part_idx):
+            raw = self._post(plan, "/encode", req)
+        return msgspec.json.decode(raw, type=EncodeResponse)
+
+    def _send(self, rid: str, plan: PartPlan, address: int, size: int) -> None:
+        req = SendRequest(part_req_id(rid, plan.part_idx), plan.part_idx, self.engine.session_id, address, size,
+                          self.config.host, self.embedding_port)
+        with self.recorder.span("http_send", rid, plan.part_idx, nbytes=size):
+            self._post(plan, "/send", req)
+
+    def _scheduler_receive_url(self, rid: str, plan: PartPlan) -> None:
+        url = f"tcp://{self.config.host}:{self.embedding_port}"  # this process is the scheduler here
+        self._post(plan, "/scheduler_receive_url", SchedulerReceiveUrl(part_req_id(rid, plan.part_idx), url))
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Stop listening, close sockets, the HTTP client, the pool and the engine. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._listener.join()
+        self._pull.close()
+        self._ctx.term()
+        self._io.shutdown(wait=True, cancel_futures=True)
+        self._http.close()
+        if self._pool is not None:
+            self._pool.close()
+        self.engine.close()
+
+    def __enter__(self) -> "EmbeddingReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tensor_from_bytes(msg: EmbeddingNotify, raw, copy: bool = False) -> torch.Tensor:
+    """View (or copy) the part's bytes as the tensor the notification describes."""
+    dtype = DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise EPDError(f"{msg.req_id}: unknown dtype {msg.dtype!r}")
+    t = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8)
+    want = 1
+    for d in msg.shape:
+        want *= d
+    if t.numel() != want * torch.empty((), dtype=dtype).element_size():
+        raise EPDError(f"{msg.req_id}: {t.numel()} bytes do not hold shape {msg.shape} of {msg.dtype}")
+    out = t.view(dtype).view(msg.shape)
+    return out.clone() if copy else out

@@ -1,0 +1,198 @@
+"""Start a topology of real processes on this host and tear it down without leaving any behind.
+
+    with Cluster(Topology(encoders=2, backend="mooncake")) as cluster:
+        with cluster.receiver() as receiver:
+            got = receiver.receive(["photo.png"])
+
+Each role is a plain process with a CLI (`python -m epd_lab.epd.encoder ...`), started with port 0:
+it prints one JSON line with its URL once it serves, and the cluster then waits for its /health.
+Every process's output goes to a log file kept by the cluster (`cluster.logs`).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from epd_lab.epd.messages import BACKENDS
+from epd_lab.epd.receiver import EmbeddingReceiver, ReceiverConfig
+from epd_lab.trace import Recorder
+
+_LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+
+
+@dataclass(slots=True)
+class Topology:
+    """What to start.
+
+    Args:
+        encoders: number of encode servers.
+        backend: ``mooncake``, ``zmq_to_tokenizer`` or ``zmq_to_scheduler``.
+        transport: the transfer engines' protocol (``auto``, ``shm``, ``tcp``).
+        model: a local model directory; None for the built-in tiny Qwen2-VL.
+        dtype: ``float32`` or ``bfloat16``.
+        timeout: seconds for a request (and for each process to come up, times 6).
+        pool_bytes: the receiver's persistent pool (0: a buffer per request, as the seed).
+    """
+
+    encoders: int = 1
+    backend: str = "mooncake"
+    transport: str = "auto"
+    model: str | None = None
+    dtype: str = "float32"
+    timeout: float = 10.0
+    pool_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.encoders < 1:
+            raise ValueError(f"encoders must be >= 1, got {self.encoders}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.timeout <= 0:
+            raise ValueError("timeout must be positive")
+
+
+class Cluster:
+    """The running processes of a `Topology`; a context manager. `close()` kills them all."""
+
+    def __init__(self, topology: Topology, log_dir: str | None = None) -> None:
+        self.topology = topology
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="epd-lab-"))
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.encoder_urls: list[str] = []
+        _LIVE.add(self)
+        try:
+            for i in range(topology.encoders):
+                self.encoder_urls.append(self._start(f"encoder{i}", self._encoder_cmd()))
+            for url in self.encoder_urls:
+                self._wait_healthy(url)
+        except BaseException:
+            self.close()
+            raise
+
+    def _encoder_cmd(self) -> list[str]:
+        t = self.topology
+        cmd = [sys.executable, "-m", "epd_lab.epd.encoder", "--host", "127.0.0.1", "--port", "0",
+               "--backend", t.backend, "--transport", t.transport, "--dtype", t.dtype, "--timeout", str(t.timeout)]
+        return cmd + (["--model", t.model] if t.model else [])
+
+    def _start(self, name: str, cmd: list[str]) -> str:
+        log = self.log_dir / f"{name}.log"
+        self.logs.append(log)
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 6 * self.topology.timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} while starting; log:\n{_tail(log)}")
+            if select.select([proc.stdout], [], [], 0.1)[0]:
+                line = proc.stdout.readline()
+                if line:
+                    return json.loads(line)["url"]
+        raise TimeoutError(f"{name} did not come up within {6 * self.topology.timeout} s; log:\n{_tail(log)}")
+
+    def _wait_healthy(self, url: str) -> None:
+        deadline = time.monotonic() + 6 * self.topology.timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{url}/health did not answer 200")
+
+    def receiver(self, recorder: Recorder | None = None, **overrides) -> EmbeddingReceiver:
+        """A receiver (the prefill side) wired to this cluster's encoders."""
+        t = self.topology
+        config = ReceiverConfig(self.encoder_urls, t.backend, overrides.pop("timeout", t.timeout),
+                                overrides.pop("pool_bytes", t.pool_bytes), transport=t.transport, **overrides)
+        return EmbeddingReceiver(config, recorder)
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def close(self) -> None:
+        """SIGTERM every process (its whole session), SIGKILL what is left after 5 s. Idempotent."""
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+        self.procs = []
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@atexit.register
+def _close_all() -> None:
+    for cluster in list(_LIVE):
+        cluster.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``epd-lab launch``: start a topology, print its URLs and logs as JSON, serve until Ctrl-C."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="epd-lab launch", description=main.__doc__)
+    ap.add_argument("--encoders", type=int, default=2)
+    ap.add_argument("--backend", default="mooncake", choices=BACKENDS)
+    ap.add_argument("--transport", default="auto", choices=("auto", "shm", "tcp", "verbs"))
+    ap.add_argument("--model", default=None, help="a local model directory (default: the tiny Qwen2-VL)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--timeout", type=float, default=10.0)
+    args = ap.parse_args(argv)
+    topo = Topology(args.encoders, args.backend, args.transport, args.model, args.dtype, args.timeout)
+    with Cluster(topo) as cluster:
+        print(json.dumps({"encoders": cluster.encoder_urls, "backend": topo.backend,
+                          "logs": [str(p) for p in cluster.logs]}), flush=True)
+        try:
+            while all(cluster.alive()):
+                time.sleep(0.5)
+            print("a process exited; stopping the cluster", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 0

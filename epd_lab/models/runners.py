@@ -1,0 +1,133 @@
+"""The model work of each role: the encoder's ViT, the prefill from embeddings, and the monolithic reference.
+
+`VisionEncoder.encode` followed by `PrefillRunner.prefill` computes exactly what one ordinary forward with
+`pixel_values` computes, operation for operation, so the logits are bit-identical (DESIGN.md §4): the same
+`get_image_features` call, the same `masked_scatter` into the text embeddings, the same 3-D mrope positions
+from `get_rope_index`, and `logits_to_keep=1`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+from transformers import DynamicCache, Qwen2VLForConditionalGeneration
+
+from epd_lab.models.processor import preprocess
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What prefill hands to decode: last-position logits, the KV cache and the mrope offset.
+
+    Decode position i (0-based, after the prompt) is `prompt_len + i + rope_delta` on all three mrope axes.
+    """
+
+    logits: torch.Tensor  # [1, vocab], last prompt position
+    past_key_values: DynamicCache
+    rope_delta: int  # mrope max position + 1 - prompt_len (≤ 0 with images: a grid spans fewer positions)
+    prompt_len: int
+
+    @property
+    def next_position(self) -> int:
+        """The mrope position of the first generated token."""
+        return self.prompt_len + self.rope_delta
+
+    def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (key, value), each [1, kv_heads, prompt_len, head_dim]."""
+        return [(layer.keys, layer.values) for layer in self.past_key_values.layers]
+
+
+class VisionEncoder:
+    """The encode role's model work: images → the merged vision embeddings the LLM consumes."""
+
+    def __init__(self, model: Qwen2VLForConditionalGeneration) -> None:
+        self.model = model
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of one embedding row (the LLM hidden size)."""
+        return self.model.config.vision_config.hidden_size
+
+    @torch.no_grad()
+    def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Embeddings [n_tokens, hidden] of all images, concatenated in order (the PatchMerger output)."""
+        features = self.model.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+        return torch.cat(features.pooler_output, dim=0)
+
+    def encode_images(self, images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Preprocess and encode PIL images → (embeddings [n_tokens, hidden], image_grid_thw [n_images, 3])."""
+        pixel_values, image_grid_thw = preprocess(images)
+        return self.encode(pixel_values, image_grid_thw), image_grid_thw
+
+
+class PrefillRunner:
+    """The prefill role's model work: prompt ids + received vision embeddings → logits, KV cache, rope delta."""
+
+    def __init__(self, model: Qwen2VLForConditionalGeneration) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+                image_grid_thw: torch.Tensor | None) -> PrefillResult:
+        """Run the LLM over the prompt with `image_embeds` in place of the image_pad tokens.
+
+        Unlike `model.generate`, this leaves no per-request state on the model (`model.model.rope_deltas`).
+        """
+        image_mask = input_ids == self.model.config.image_token_id
+        n_pads = int(image_mask.sum())
+        n_embeds = 0 if image_embeds is None else image_embeds.shape[0]
+        if n_pads != n_embeds:
+            raise ValueError(f"prompt has {n_pads} image_pad tokens but {n_embeds} image embeddings were given")
+        inputs_embeds = self.model.get_input_embeddings()(input_ids)
+        if image_embeds is not None:
+            # The monolithic forward casts to the embedding dtype before scattering; so do we.
+            image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
+            inputs_embeds = inputs_embeds.masked_scatter(image_mask.unsqueeze(-1), image_embeds)
+        position_ids, rope_deltas = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=image_mask.int(), image_grid_thw=image_grid_thw,
+        )
+        out = self.model(
+            inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1,
+        )
+        return PrefillResult(
+            logits=out.logits[:, -1, :],
+            past_key_values=out.past_key_values,
+            rope_delta=int(rope_deltas[0, 0]),
+            prompt_len=input_ids.shape[1],
+        )
+
+
+def _vision_kwargs(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,
+                   pixel_values: torch.Tensor | None,
+                   image_grid_thw: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    # transformers 5 refuses image inputs without mm_token_type_ids (it no longer infers them from input_ids),
+    # and generate() chokes on an explicit pixel_values=None, so a text-only prompt passes nothing.
+    if pixel_values is None:
+        return {}
+    mm_token_type_ids = (input_ids == model.config.image_token_id).int()
+    return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw, "mm_token_type_ids": mm_token_type_ids}
+
+
+@torch.no_grad()
+def monolithic_prefill(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,
+                       pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """Reference: last-position logits [1, vocab] of one ordinary forward that runs the ViT itself."""
+    out = model(input_ids=input_ids, logits_to_keep=1, **_vision_kwargs(model, input_ids, pixel_values, image_grid_thw))
+    return out.logits[:, -1, :]
+
+
+@torch.no_grad()
+def monolithic_generate(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,
+                        pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+                        max_new_tokens: int) -> list[int]:
+    """Reference: the `max_new_tokens` greedy tokens of `model.generate` (EOS is off, so exactly that many)."""
+    sequences = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        **_vision_kwargs(model, input_ids, pixel_values, image_grid_thw),
+    )
+    return sequences[0, input_ids.shape[1]:].tolist()

@@ -1,0 +1,436 @@
+"""The encode server in real processes on loopback, one per backend, driven as a prefill node would be:
+httpx for /encode and /send, a ZMQ PULL for the notifications, and a real `TransferEngine` owning the
+buffer the encoder writes into. Media loading, the settings and the cache are also tested in-process.
+"""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import http.server
+import io
+import json
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import zmq
+from PIL import Image
+
+from epd_lab import models
+from epd_lab.epd import media
+from epd_lab.epd.encoder import EmbeddingCache, EncoderSettings
+from epd_lab.epd.messages import MAX_JSON_BYTES, EmbeddingData, EmbeddingNotify, decode_zmq
+from epd_lab.transfer import TransferEngine
+
+TIMEOUT = 1.5  # the servers' --timeout: the wait for a receive URL that never comes
+TTL = 2.0  # the mooncake server's --embedding-ttl
+
+
+def png_bytes(size: tuple[int, int], seed: int) -> bytes:
+    """A noise image (a flat one would give near-identical embedding rows and hide misplaced bytes)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_uri(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+# ---- servers ----
+@dataclass
+class Server:
+    """One encoder process and an HTTP client to it."""
+
+    proc: subprocess.Popen
+    url: str
+    client: httpx.Client
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def metric(self, line_start: str) -> float:
+        text = self.client.get("/metrics").text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)]
+        return sum(values)
+
+
+def _start(backend: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "epd_lab.epd.encoder", "--port", "0", "--backend", backend,
+         "--timeout", str(TIMEOUT), "--embedding-ttl", str(TTL), "--cache-bytes", str(4 << 20)],
+        stdout=subprocess.PIPE, text=True)
+
+
+def _ready(proc: subprocess.Popen, deadline: float) -> str:
+    """The URL from the server's JSON line on stdout."""
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    assert ready, "the encoder printed no URL in time"
+    line = proc.stdout.readline()
+    assert line, f"the encoder exited with {proc.wait()}"
+    return json.loads(line)["url"]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, Server]]:
+    """One encoder per backend, started together (each loads the model: seconds), all killed afterwards."""
+    procs = {backend: _start(backend) for backend in ("mooncake", "zmq_to_tokenizer", "zmq_to_scheduler")}
+    try:
+        deadline = time.monotonic() + 90
+        out = {}
+        for backend, proc in procs.items():
+            url = _ready(proc, deadline)
+            out[backend] = Server(proc, url, httpx.Client(base_url=url, timeout=10))
+        yield out
+        for server in out.values():
+            server.client.close()
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            assert proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def vision() -> Iterator[models.VisionEncoder]:
+    """The same model in this process, to compute the embeddings the encoder must deliver."""
+    threads = torch.get_num_threads()
+    models.configure_torch(threads=1)
+    try:
+        yield models.VisionEncoder(models.load_model())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def pull() -> Iterator[tuple[zmq.Socket, int]]:
+    """A ZMQ PULL on an OS-chosen port: the receiver's embedding_port."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield sock, port
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[TransferEngine]:
+    with TransferEngine(timeout=2.0) as engine:
+        yield engine
+
+
+def recv(sock: zmq.Socket, timeout: float = 5.0) -> EmbeddingNotify | EmbeddingData:
+    assert sock.poll(int(timeout * 1000)), "no ZMQ message arrived"
+    return decode_zmq(sock.recv())
+
+
+def local_embedding(vision: models.VisionEncoder, raws: list[bytes]) -> torch.Tensor:
+    images = [media.decode_image(raw) for raw in raws]
+    return vision.encode_images(images)[0]
+
+
+def encode_body(req_id: str, items: list[str], **extra: object) -> dict:
+    return {"mm_items": items, "num_parts": 1, "part_idx": 0, "req_id": req_id, **extra}
+
+
+IMG_A = png_bytes((224, 224), 1)
+IMG_B = png_bytes((168, 112), 2)
+
+
+# ---- mooncake ----
+def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pull, tmp_path):
+    server, (sock, port) = servers["mooncake"], pull
+    sent = server.metric("epd_encoder_bytes_sent_total")
+    path = tmp_path / "b.png"
+    path.write_bytes(IMG_B)
+    t0 = time.perf_counter()
+    resp = server.client.post("/encode", json=encode_body("moon_local_part_0", [data_uri(IMG_A), str(path)]))
+    t_encode = time.perf_counter() - t0
+    assert resp.status_code == 200, resp.text
+    meta = resp.json()
+    # 224² → 16×16 patches → 64 tokens; 168×112 → 12×8 patches → 24 tokens
+    assert meta == {"req_id": "moon_local_part_0", "part_idx": 0, "embedding_size": 88 * 256 * 4,
+                    "embedding_len": 88, "embedding_dim": 256, "dtype": "float32",
+                    "grid_thw": [[1, 16, 16], [1, 8, 12]]}
+
+    # another part's bytes come first in the prefill's buffer: write at base + offset
+    offset = 4096
+    buf = torch.zeros(offset + meta["embedding_size"], dtype=torch.uint8)
+    base, _ = receiver.register_buffer(buf)
+    try:
+        t0 = time.perf_counter()
+        resp = server.client.post("/send", json={
+            "req_id": "moon_local_part_0", "part_idx": 0, "session_id": receiver.session_id,
+            "buffer_address": base + offset, "embedding_size": meta["embedding_size"], "embedding_port": port})
+        t_send = time.perf_counter() - t0
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["path"] in ("shm", "tcp") and resp.json()["embedding_size"] == meta["embedding_size"]
+        msg = recv(sock)
+    finally:
+        receiver.deregister_buffer(buf)
+    print(f"/encode {t_encode * 1e3:.1f} ms, /send {t_send * 1e3:.1f} ms")
+
+    assert type(msg) is EmbeddingNotify and msg.error is None
+    assert (msg.req_id, msg.part_idx, msg.modality) == ("moon_local_part_0", 0, "image")
+    assert (msg.shape, msg.dtype, msg.grid_thw) == ([88, 256], "float32", meta["grid_thw"])
+    assert [s.stage for s in msg.spans] == ["vit", "transfer", "notify"]
+    assert {s.node for s in msg.spans} == {f"encoder:{server.port}"}
+    assert msg.spans[1].nbytes == meta["embedding_size"]
+    assert msg.spans[0].t_end_ns <= msg.spans[1].t_start_ns <= msg.spans[2].t_start_ns
+    assert not buf[:offset].any()
+    landed = buf[offset:].view(torch.float32).reshape(msg.shape)
+    assert torch.equal(landed, local_embedding(vision, [IMG_A, IMG_B]))
+    assert server.metric("epd_encoder_bytes_sent_total") == sent + meta["embedding_size"]
+
+    # released after sending: a second /send is refused
+    resp = server.client.post("/send", json={
+        "req_id": "moon_local_part_0", "part_idx": 0, "session_id": receiver.session_id,
+        "buffer_address": base, "embedding_size": meta["embedding_size"], "embedding_port": port})
+    assert resp.status_code == 404 and "not held" in resp.json()["detail"]
+
+
+def test_mooncake_refused_write_answers_4xx_and_notifies(servers, receiver, pull):
+    server, (sock, port) = servers["mooncake"], pull
+    size = server.client.post("/encode", json=encode_body("refused", [data_uri(IMG_A)])).json()["embedding_size"]
+    buf = torch.zeros(size, dtype=torch.uint8)
+    base, _ = receiver.register_buffer(buf)
+    refused_before = receiver.stats()["writes_refused"]
+    try:
+        # the write would run past the registered region: the receiver's engine refuses it
+        resp = server.client.post("/send", json={
+            "req_id": "refused", "part_idx": 0, "session_id": receiver.session_id,
+            "buffer_address": base + 64, "embedding_size": size, "embedding_port": port})
+    finally:
+        receiver.deregister_buffer(buf)
+    assert resp.status_code == 403 and "refused" in resp.json()["detail"]
+    msg = recv(sock)
+    assert msg.req_id == "refused" and "refused" in msg.error
+    assert receiver.stats()["writes_refused"] == refused_before + 1
+    assert not buf.any()
+    # the encoder keeps serving
+    assert server.client.get("/health").json()["status"] == "ok"
+    assert server.client.post("/encode", json=encode_body("after_refused", [data_uri(IMG_A)])).status_code == 200
+
+
+def test_mooncake_dead_receiver_answers_502_and_notifies(servers, pull):
+    server, (sock, port) = servers["mooncake"], pull
+    size = server.client.post("/encode", json=encode_body("dead", [data_uri(IMG_B)])).json()["embedding_size"]
+    with TransferEngine() as gone:
+        session_id = gone.session_id  # a port nobody listens on once closed
+    resp = server.client.post("/send", json={"req_id": "dead", "part_idx": 0, "session_id": session_id,
+                                             "buffer_address": 4096, "embedding_size": size, "embedding_port": port})
+    assert resp.status_code == 502, resp.text
+    assert recv(sock).error == resp.json()["detail"]
+
+
+def test_mooncake_send_errors(servers, receiver):
+    client = servers["mooncake"].client
+    size = client.post("/encode", json=encode_body("errs", [data_uri(IMG_A)])).json()["embedding_size"]
+    send = {"req_id": "errs", "part_idx": 0, "session_id": receiver.session_id, "buffer_address": 4096,
+            "embedding_size": size, "embedding_port": 1}
+
+    def post(**change: object) -> httpx.Response:
+        return client.post("/send", json={**send, **change})
+
+    assert post(req_id="never_encoded").status_code == 404
+    resp = post(embedding_size=size + 4)
+    assert resp.status_code == 400 and "does not match" in resp.json()["detail"]
+    assert post(part_idx=1).status_code == 400
+    assert post(session_id="no-port").status_code == 400
+    assert post(embedding_port=None).status_code == 400
+    assert client.post("/send", json={**send, "extra": 1}).status_code == 400
+    # still held after the refusals above; a second /encode of the same req_id is a conflict
+    assert client.post("/encode", json=encode_body("errs", [data_uri(IMG_A)])).status_code == 409
+
+
+def test_mooncake_embedding_released_after_ttl(servers, receiver):
+    server = servers["mooncake"]
+    meta = server.client.post("/encode", json=encode_body("ttl", [data_uri(IMG_A)])).json()
+    expired = server.metric("epd_encoder_embeddings_expired_total")
+    deadline = time.monotonic() + TTL + 5
+    while server.client.get("/health").json()["embeddings_held"]:
+        assert time.monotonic() < deadline, "held embeddings were not released"
+        time.sleep(0.1)
+    assert server.metric("epd_encoder_embeddings_expired_total") > expired
+    resp = server.client.post("/send", json={"req_id": "ttl", "part_idx": 0, "session_id": receiver.session_id,
+                                             "buffer_address": 4096, "embedding_size": meta["embedding_size"],
+                                             "embedding_port": 1})
+    assert resp.status_code == 404 and "embedding_ttl" in resp.json()["detail"]
+
+
+def test_encode_request_errors(servers, tmp_path):
+    client = servers["mooncake"].client
+    (tmp_path / "not.png").write_bytes(b"not an image")
+    cases = {
+        b"{": "malformed",
+        b'{"mm_items": [], "num_parts": 1, "part_idx": 0, "req_id": "e"}': "empty",
+        b'{"mm_items": ["x"], "num_parts": 1, "part_idx": 0}': "malformed",
+        b'{"mm_items": ["x"], "num_parts": 1, "part_idx": 0, "req_id": "e", "bogus": 1}': "malformed",
+        b'{"mm_items": ["x"], "num_parts": 1, "part_idx": 1, "req_id": "e"}': "part_idx",
+    }
+    for body, words in cases.items():
+        resp = client.post("/encode", content=body)
+        assert resp.status_code == 400 and words in resp.json()["detail"], (body, resp.text)
+    for items, modality, words in (
+        ([data_uri(IMG_A)], "video", "unknown modality"),
+        ([data_uri(IMG_A), "data:image/png;base64,!!!"], "image", "mm_items[1]"),
+        ([str(tmp_path / "not.png")], "image", "not an image"),
+        ([str(tmp_path / "missing.png")], "image", "cannot read"),
+    ):
+        resp = client.post("/encode", json=encode_body("e", items, modality=modality))
+        assert resp.status_code == 400 and words in resp.json()["detail"], resp.text
+    resp = client.post("/encode", content=b" " * (MAX_JSON_BYTES + 1))
+    assert resp.status_code == 413
+    # routes of other backends
+    assert client.post("/scheduler_receive_url", json={"req_id": "e", "receive_url": "tcp://h:1"}).status_code == 400
+    assert servers["zmq_to_tokenizer"].client.post("/send", json={
+        "req_id": "e", "part_idx": 0, "session_id": "h:1", "buffer_address": 1, "embedding_size": 1}).status_code == 400
+
+
+# ---- zmq backends ----
+def test_zmq_to_tokenizer_pushes_the_bytes_and_caches(servers, vision, pull):
+    server, (sock, port) = servers["zmq_to_tokenizer"], pull
+    hits = server.metric("epd_encoder_cache_hits_total")
+    expected = local_embedding(vision, [IMG_B])
+    for req_id in ("tok_0", "tok_1"):  # the second is a cache hit (same bytes, another request)
+        resp = server.client.post("/encode", json=encode_body(req_id, [data_uri(IMG_B)], embedding_port=port))
+        assert resp.status_code == 200, resp.text
+        msg = recv(sock)
+        assert type(msg) is EmbeddingData and msg.error is None and msg.req_id == req_id
+        assert (msg.shape, msg.grid_thw) == ([24, 256], [[1, 8, 12]])
+        assert [s.stage for s in msg.spans] == ["vit", "transfer"]
+        assert msg.spans[1].nbytes == len(msg.data) == resp.json()["embedding_size"]
+        got = torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape)
+        assert torch.equal(got, expected)
+    assert server.metric("epd_encoder_cache_hits_total") == hits + 1
+    resp = server.client.post("/encode", json=encode_body("tok_x", [data_uri(IMG_B)]))
+    assert resp.status_code == 400 and "embedding_port" in resp.json()["detail"]
+
+
+def test_zmq_to_scheduler_waits_for_the_receive_url(servers, vision, pull):
+    server, (sock, port) = servers["zmq_to_scheduler"], pull
+    url = f"tcp://127.0.0.1:{port}"
+    expected = local_embedding(vision, [IMG_A])
+    # URL after /encode: /encode waits for it
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(server.client.post, "/encode", json=encode_body("sch_0", [data_uri(IMG_A)]))
+        time.sleep(0.2)
+        resp = server.client.post("/scheduler_receive_url", json={"req_id": "sch_0", "receive_url": url})
+        assert resp.status_code == 200
+        assert fut.result().status_code == 200, fut.result().text
+    # URL before /encode
+    assert server.client.post("/scheduler_receive_url", json={"req_id": "sch_1", "receive_url": url}).status_code == 200
+    assert server.client.post("/encode", json=encode_body("sch_1", [data_uri(IMG_A)])).status_code == 200
+    for req_id in ("sch_0", "sch_1"):
+        msg = recv(sock)
+        assert type(msg) is EmbeddingData and msg.req_id == req_id
+        got = torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape)
+        assert torch.equal(got, expected)
+    # no URL ever: an error after the timeout
+    resp = server.client.post("/encode", json=encode_body("sch_none", [data_uri(IMG_A)]))
+    assert resp.status_code == 504 and "/scheduler_receive_url" in resp.json()["detail"]
+    resp = server.client.post("/scheduler_receive_url", json={"req_id": "x", "receive_url": "127.0.0.1"})
+    assert resp.status_code == 400
+
+
+def test_health_and_metrics(servers, pull):
+    server, tokenizer = servers["mooncake"], servers["zmq_to_tokenizer"]
+    assert server.client.post("/encode", content=b"[]").status_code == 400
+    assert server.client.post("/encode", json=encode_body("metrics", [data_uri(png_bytes((56, 56), 3))])).is_success
+    health = server.client.get("/health").json()
+    assert health["backend"] == "mooncake" and health["model"] == "tiny-qwen2-vl"
+    assert health["session_id"].startswith("127.0.0.1:") and health["node"] == f"encoder:{server.port}"
+    assert tokenizer.client.get("/health").json()["session_id"] is None
+    assert server.metric('epd_encoder_requests_total{route="/health",status="200"}') >= 1
+    assert server.metric('epd_encoder_requests_total{route="/encode",status="400"}') >= 1
+    assert server.metric("epd_encoder_embeddings_held") >= 1
+    assert server.metric("epd_encoder_cache_misses_total") >= 1
+    # the zmq backends answer /encode after the ViT: its result is in the cache by now
+    body = encode_body("metrics", [data_uri(png_bytes((56, 56), 4))], embedding_port=pull[1])
+    assert tokenizer.client.post("/encode", json=body).is_success
+    assert 0 < tokenizer.metric("epd_encoder_cache_bytes") <= 4 << 20
+    assert tokenizer.metric("epd_encoder_bytes_sent_total") >= 4 * 256 * 4  # 56² → 4 tokens
+    for proc in (s.proc for s in servers.values()):
+        assert proc.poll() is None
+
+
+# ---- in-process ----
+def test_settings_are_checked():
+    assert EncoderSettings().backend == "mooncake"
+    for bad in ({"backend": "grpc"}, {"dtype": "float16"}, {"transport": "rdma"}, {"port": 70000},
+                {"timeout": 0}, {"embedding_ttl": -1}, {"cache_bytes": -1}):
+        with pytest.raises(ValueError):
+            EncoderSettings(**bad)
+
+
+def test_cache_evicts_least_recently_used():
+    cache = EmbeddingCache(capacity_bytes=3 * 400)
+    for key in "abc":
+        cache.put(key, torch.zeros(100))  # 400 bytes each
+    assert cache.get("a") is not None  # "b" is now the least recently used
+    cache.put("d", torch.zeros(100))
+    assert cache.get("b") is None and cache.get("c") is not None
+    cache.put("huge", torch.zeros(1000))  # larger than the cache: not kept
+    assert (cache.hits, cache.misses, cache.evictions, cache.num_bytes, len(cache)) == (2, 1, 1, 1200, 3)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = {"/a.png": IMG_A, "/big": b"x" * 5000}.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def http_media() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_media_sources(http_media, tmp_path):
+    (tmp_path / "a.png").write_bytes(IMG_A)
+    for item in (data_uri(IMG_A), str(tmp_path / "a.png"), f"file://{tmp_path}/a.png", f"{http_media}/a.png"):
+        assert media.fetch_media(item, 2.0, 1 << 20) == IMG_A
+        assert media.load_image(item, 2.0, 1 << 20).size == (224, 224)
+    assert media.content_hash(IMG_A) == media.content_hash(bytes(IMG_A)) != media.content_hash(IMG_B)
+    for item, words in ((f"{http_media}/missing", "404"), (f"{http_media}/big", "more than"),
+                        ("http://127.0.0.1:1/x", "failed"), ("data:image/png,abc", "not base64"),
+                        ("data:image/png;base64,@@", "not valid base64"), (data_uri(b"x" * 6000), "more than"),
+                        (str(tmp_path / "nope"), "cannot read"), ("", "empty")):
+        with pytest.raises(media.MediaError, match=words):
+            media.fetch_media(item, 2.0, 4096)
+    with pytest.raises(media.MediaError, match="not an image"):
+        media.load_image(data_uri(b"GIF89a broken"), 2.0, 4096)

@@ -1,0 +1,101 @@
+"""The receiver's own logic: the seed's item assignment, config checks, and reassembly in part order
+whatever order the notifications arrive in (real ZMQ sockets)."""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+import zmq
+
+from epd_lab.epd.messages import EmbeddingData, encode_zmq, part_req_id
+from epd_lab.epd.receiver import (
+    EmbeddingReceiver,
+    EPDError,
+    PartPlan,
+    ReceiverConfig,
+    assign_items_by_modality,
+)
+
+
+def test_assignment_follows_the_seed_example():
+    """Seed §7.1: 3 images + 2 videos on 2 encoders -> image parts 0,1, video parts 2,3."""
+    plans = assign_items_by_modality({"image": ["i0", "i1", "i2"], "video": ["v0", "v1"]}, 2, random.Random(0))
+    assert [(p.part_idx, p.modality, p.items) for p in plans] == [
+        (0, "image", ["i0", "i1"]), (1, "image", ["i2"]), (2, "video", ["v0"]), (3, "video", ["v1"])]
+    # the first encoder of the shuffled order takes the larger share of each modality
+    assert plans[0].encoder == plans[2].encoder != plans[1].encoder
+
+
+@pytest.mark.parametrize("n_items,n_enc", [(1, 3), (4, 3), (7, 2), (2, 2), (5, 1)])
+def test_assignment_covers_every_item_once_in_order(n_items, n_enc):
+    items = [f"x{i}" for i in range(n_items)]
+    plans = assign_items_by_modality({"image": items}, n_enc, random.Random(n_items))
+    assert [x for p in plans for x in p.items] == items
+    assert [p.part_idx for p in plans] == list(range(len(plans)))
+    assert len(plans) == min(n_items, n_enc)
+    assert len({p.encoder for p in plans}) == len(plans)
+    sizes = [len(p.items) for p in plans]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_shuffle_spreads_load_over_encoders():
+    first = {assign_items_by_modality({"image": ["a"]}, 3, random.Random(s))[0].encoder for s in range(30)}
+    assert first == {0, 1, 2}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(encoder_urls=[]), "at least one"),
+    (dict(encoder_urls=["http://x"], backend="pickle"), "mooncake"),
+    (dict(encoder_urls=["http://x"], timeout=0), "timeout"),
+    (dict(encoder_urls=["http://x"], pool_bytes=-1), "pool_bytes"),
+])
+def test_config_is_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ReceiverConfig(**kwargs)
+
+
+def test_parts_reassemble_in_part_order_whatever_the_arrival_order():
+    """Notifications pushed in reverse order over a real ZMQ socket still reassemble in part order;
+    invalid frames are dropped and counted."""
+    config = ReceiverConfig(["http://127.0.0.1:9"], backend="zmq_to_tokenizer", timeout=5)
+    parts = [torch.full((i + 2, 4), float(i)) for i in range(4)]
+    rid = "r1"
+    plans = [PartPlan(i, i, "image", [f"img{i}"]) for i in range(4)]
+    with EmbeddingReceiver(config) as rx:
+        futures = {part_req_id(rid, i): Future() for i in range(4)}
+        rx._pending.update(futures)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{rx.embedding_port}")
+        try:
+            push.send(b"\x93not a message")
+            for i in reversed(range(4)):
+                push.send(encode_zmq(EmbeddingData(part_req_id(rid, i), i, "image", list(parts[i].shape), "float32",
+                                                   [[1, 2, 2]], data=parts[i].numpy().tobytes())))
+            msgs = rx._wait(rid, plans, futures, deadline=time.monotonic() + 5)
+        finally:
+            push.close()
+            ctx.term()
+        assert [m.part_idx for m in msgs] == [0, 1, 2, 3]
+        got = rx._assemble(rid, plans, msgs, [torch.frombuffer(bytearray(m.data), dtype=torch.float32).view(m.shape)
+                                              for m in msgs])
+        assert torch.equal(got.embeddings["image"], torch.cat(parts))
+        assert got.grid_thw["image"] == [[1, 2, 2]] * 4
+        assert rx.counters["invalid_messages"] == 1
+
+
+def test_encoder_down_is_an_error_not_a_hang():
+    """No encoder listens at the URL: the request fails at once with the URL in the message."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with EmbeddingReceiver(ReceiverConfig([f"http://127.0.0.1:{port}"], timeout=2)) as rx:
+        with pytest.raises(EPDError, match=f"127.0.0.1:{port}"):
+            rx.receive(["a.png"])
+        assert rx.engine.stats()["regions"] == 0
