@@ -51,8 +51,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from PIL import Image
 
 from epd_lab import models
+from epd_lab.epd.cache import EmbeddingCache
 from epd_lab.epd.media import MediaError, content_hash, decode_image, fetch_media
 from epd_lab.epd.messages import (
+    DTYPES,
     BACKENDS,
     MAX_JSON_BYTES,
     MODALITIES,
@@ -75,7 +77,6 @@ from epd_lab.transfer import (
     parse_session_id,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRANSPORTS = ("auto", "tcp", "shm")
 MAX_MEDIA_BYTES = 32 << 20  # per media item, after base64 decoding or download
 ROUTES = ("/encode", "/send", "/scheduler_receive_url", "/health", "/metrics")
@@ -115,46 +116,6 @@ class EncoderSettings:
     @property
     def model_name(self) -> str:
         return self.model or "tiny-qwen2-vl"
-
-
-class EmbeddingCache:
-    """Embeddings by content key, capped in bytes, least recently used evicted first. Thread-safe."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.num_bytes = 0
-        self.hits = self.misses = self.evictions = 0
-        self._entries: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: str) -> torch.Tensor | None:
-        with self._lock:
-            tensor = self._entries.get(key)
-            if tensor is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return tensor
-
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Keep `tensor` (owned by the cache from now on: never registered or written to)."""
-        nbytes = tensor.nbytes
-        if nbytes > self.capacity_bytes:
-            return
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.num_bytes -= old.nbytes
-            while self.num_bytes + nbytes > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self.num_bytes -= evicted.nbytes
-                self.evictions += 1
-            self._entries[key] = tensor
-            self.num_bytes += nbytes
 
 
 class _Pushers:

@@ -6,9 +6,11 @@ nothing is unpickled. A part of a request is named ``{rid}_local_part_{idx}`` (`
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from epd_lab.trace import Span
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # dtype names on the wire
 BACKENDS = ("mooncake", "zmq_to_tokenizer", "zmq_to_scheduler")
 MODALITIES = ("image",)
 MAX_JSON_BYTES = 8 << 20  # an /encode body carries data: URIs; larger bodies are refused with 413

@@ -36,6 +36,7 @@ import zmq
 
 from epd_lab.epd.messages import (
     BACKENDS,
+    DTYPES,
     EmbeddingNotify,
     EncodeRequest,
     EncodeResponse,
@@ -46,9 +47,6 @@ from epd_lab.epd.messages import (
 )
 from epd_lab.trace import Recorder
 from epd_lab.transfer import TransferEngine, as_array
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class EPDError(RuntimeError):
     """A request could not be served: which part, which encoder and why."""
