@@ -5,6 +5,9 @@ sweep (images per request × image side) it runs N requests one after another th
 the prefill runner, and reports per-stage medians (ms), the end-to-end median and the control-plane
 overhead: everything except the slowest part's ``vit + transfer`` and ``prefill`` (see
 `epd_lab.trace.request_breakdown`). The first request of each point is a warm-up and not counted.
+
+``mooncake_pool`` is the mooncake backend with the receiver's persistent managed pool (request
+buffers carved from one registered-once memfd buffer) instead of a `torch.empty` per request.
 """
 from __future__ import annotations
 
@@ -37,17 +40,24 @@ def make_images(directory: str, side: int, count: int, seed: int) -> list[str]:
     return paths
 
 
+POOL_BYTES = 256 << 20
+VARIANTS = (*BACKENDS, "mooncake_pool")
+
+
 def run(backends: tuple[str, ...], encoders: tuple[int, ...], images: tuple[int, ...], sides: tuple[int, ...],
-        requests: int, transport: str = "auto", pool_bytes: int = 0, log=print) -> dict:
+        requests: int, transport: str = "auto", log=print) -> dict:
     """Measure; returns ``{"machine", "rows"}`` with one row per (backend, encoders, images, side)."""
     configure_torch()
     model = load_model()
     rows = []
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
         for backend in backends:
+            if backend not in VARIANTS:
+                raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(VARIANTS)}")
+            pool_bytes = POOL_BYTES if backend == "mooncake_pool" else 0
             for n_enc in encoders:
-                topo = Topology(encoders=n_enc, backend=backend, transport=transport, pool_bytes=pool_bytes,
-                                timeout=60)
+                topo = Topology(encoders=n_enc, backend=backend.removesuffix("_pool"), transport=transport,
+                                pool_bytes=pool_bytes, timeout=60)
                 with Cluster(topo) as cluster, cluster.receiver(Recorder("prefill")) as rx:
                     epd = EPDPrefill(rx, model)
                     for n_img in images:
@@ -55,7 +65,7 @@ def run(backends: tuple[str, ...], encoders: tuple[int, ...], images: tuple[int,
                             rows.append(_point(epd, tmp, backend, n_enc, n_img, side, requests))
                             log(_fmt(rows[-1]))
     return {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "transport": transport, "pool_bytes": pool_bytes, "rows": rows}
+            "transport": transport, "rows": rows}
 
 
 def _point(epd: EPDPrefill, tmp: str, backend: str, n_enc: int, n_img: int, side: int, requests: int) -> dict:
@@ -90,16 +100,15 @@ def _ints(s: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="epd-lab bench epd", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--backends", default=",".join(VARIANTS))
     ap.add_argument("--encoders", default="1,2")
     ap.add_argument("--images", default="1,4")
     ap.add_argument("--sides", default="224,448,896")
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--transport", default="auto")
-    ap.add_argument("--pool-bytes", type=int, default=0, help="receiver pool (0: a buffer per request)")
     args = ap.parse_args(argv)
     result = run(tuple(args.backends.split(",")), _ints(args.encoders), _ints(args.images), _ints(args.sides),
-                 args.requests, args.transport, args.pool_bytes)
+                 args.requests, args.transport)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
