@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -161,10 +162,15 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 
 def _tail(path: Path, n: int = 20) -> str:
+    """The log's last `n` lines, led by its first error line when that is further up (a failed start
+    ends with the server's own shutdown traceback, below the error that caused it)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    first = next((ln for ln in lines if re.match(r"^\w*(Error|Exception)\b", ln)), None)
+    tail = lines[-n:]
+    return "\n".join(([first, "..."] if first and first not in tail else []) + tail)
 
 
 @atexit.register

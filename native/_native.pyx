@@ -51,19 +51,24 @@ cdef class _Vectors:
     cdef uint64_t *srcs
     cdef uint64_t *dsts
     cdef uint64_t *lens
+    cdef uint64_t *keys  # NULL when no keys were given (bounds checked only)
     cdef int n
 
-    def __cinit__(self, srcs, dsts, lengths):
+    def __cinit__(self, srcs, dsts, lengths, keys=None):
         cdef Py_ssize_t n = len(srcs)
-        if n == 0 or len(dsts) != n or len(lengths) != n:
-            raise ValueError(f"need equal, non-empty lists of sources, destinations and lengths "
+        if n == 0 or len(dsts) != n or len(lengths) != n or (keys is not None and len(keys) != n):
+            raise ValueError(f"need equal, non-empty lists of sources, destinations, lengths (and keys) "
                              f"(got {len(srcs)}, {len(dsts)}, {len(lengths)})")
         self.n = n
-        self.srcs = <uint64_t *> malloc(3 * n * sizeof(uint64_t))
+        self.srcs = <uint64_t *> malloc(4 * n * sizeof(uint64_t))
         if self.srcs == NULL:
             raise MemoryError()
         self.dsts = self.srcs + n
         self.lens = self.srcs + 2 * n
+        self.keys = self.srcs + 3 * n if keys is not None else NULL
+        if keys is not None:
+            for i in range(n):
+                self.keys[i] = keys[i]
         for i in range(n):
             length = lengths[i]
             if length <= 0:
@@ -144,10 +149,13 @@ cdef class Owner:
             raise ValueError("the engine is closed")
         return 0
 
-    def register(self, uint64_t addr, uint64_t length) -> None:
+    def register(self, uint64_t addr, uint64_t length) -> int:
+        """Register; returns the registration's key."""
         cdef char err[EPD_ERRLEN]
+        cdef uint64_t key = 0
         self._alive()
-        check(epd_owner_register(self.o, addr, length, err), err, errno)
+        check(epd_owner_register(self.o, addr, length, &key, err), err, errno)
+        return key
 
     def deregister(self, uint64_t addr) -> None:
         cdef char err[EPD_ERRLEN]
@@ -238,16 +246,16 @@ cdef class TcpConn:
             rc = epd_conn_open(&self.c, chost, port, timeout_ms, err)
         check(rc, err, errno)
 
-    def write(self, Owner owner, srcs, dsts, lengths) -> int:
-        """Write each (src, dst, length); returns the bytes written. Raises on the first failure."""
+    def write(self, Owner owner, srcs, dsts, lengths, keys=None) -> int:
+        """Write each (src, dst, length[, key]); returns the bytes written. Raises on the first failure."""
         cdef char err[EPD_ERRLEN]
-        cdef _Vectors v = _Vectors(srcs, dsts, lengths)
+        cdef _Vectors v = _Vectors(srcs, dsts, lengths, keys)
         cdef int rc
         if self.c == NULL:
             raise ValueError("the connection is closed")
         v.check_sources(owner)
         with nogil:
-            rc = epd_conn_write(self.c, v.srcs, v.dsts, v.lens, v.n, err)
+            rc = epd_conn_write(self.c, v.srcs, v.dsts, v.lens, v.keys, v.n, err)
         check(rc, err, errno)
         return sum(lengths)
 
@@ -302,16 +310,16 @@ cdef class ShmPeer:
         self.pid = pid
         check(epd_shm_attach(&self.p, &h, timeout_ms, err), err, errno)
 
-    def write(self, Owner owner, srcs, dsts, lengths) -> int:
-        """Write each (src, dst, length) into the peer; returns the bytes written."""
+    def write(self, Owner owner, srcs, dsts, lengths, keys=None) -> int:
+        """Write each (src, dst, length[, key]) into the peer; returns the bytes written."""
         cdef char err[EPD_ERRLEN]
-        cdef _Vectors v = _Vectors(srcs, dsts, lengths)
+        cdef _Vectors v = _Vectors(srcs, dsts, lengths, keys)
         cdef int rc
         if self.p == NULL:
             raise ValueError("the peer is detached")
         v.check_sources(owner)
         with nogil:
-            rc = epd_shm_write(self.p, v.srcs, v.dsts, v.lens, v.n, err)
+            rc = epd_shm_write(self.p, v.srcs, v.dsts, v.lens, v.keys, v.n, err)
         check(rc, err, errno)
         return sum(lengths)
 

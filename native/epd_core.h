@@ -30,7 +30,7 @@ enum {
 
 /* wire protocol (little-endian hosts only; checked at build time in epd_core.c) */
 #define EPD_WIRE_MAGIC 0x57445045u /* "EPDW" */
-#define EPD_WIRE_VERSION 1
+#define EPD_WIRE_VERSION 2
 enum { EPD_OP_WRITE = 1, EPD_OP_HELLO = 2, EPD_OP_CONTROL = 3 };
 enum { EPD_ST_OK = 0, EPD_ST_REFUSED = 1, EPD_ST_BADREQ = 2, EPD_ST_CONTROL_ERR = 3 };
 #define EPD_CONTROL_MAX (1u << 20)
@@ -42,6 +42,7 @@ typedef struct {
     uint64_t seq;
     uint64_t addr;
     uint64_t length; /* payload bytes that follow */
+    uint64_t key;    /* WRITE: the registration's key (the rkey's role); 0 checks bounds only */
 } epd_wire_req;
 
 typedef struct {
@@ -74,7 +75,7 @@ typedef struct {
 
 int epd_owner_create(epd_owner **out, int timeout_ms, char *err);
 void epd_owner_destroy(epd_owner *o);
-int epd_owner_register(epd_owner *o, uint64_t addr, uint64_t length, char *err);
+int epd_owner_register(epd_owner *o, uint64_t addr, uint64_t length, uint64_t *key_out, char *err);
 int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err);
 int epd_owner_covers(epd_owner *o, uint64_t addr, uint64_t length);
 int epd_owner_alloc_managed(epd_owner *o, uint64_t length, uint64_t *addr_out, char *err);
@@ -98,7 +99,8 @@ typedef struct epd_conn epd_conn;
 int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, char *err);
 void epd_conn_close(epd_conn *c);
 int epd_conn_broken(epd_conn *c);
-int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
+                   const uint64_t *keys, int n,
                    char *err);
 int epd_conn_hello(epd_conn *c, epd_hello *h, char *err);
 int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t len, uint8_t **resp, uint32_t *resp_len,
@@ -108,7 +110,8 @@ int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t len, uint8_t **re
 typedef struct epd_shm_peer epd_shm_peer;
 int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char *err);
 void epd_shm_detach(epd_shm_peer *p);
-int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
+                  const uint64_t *keys, int n,
                   char *err);
 
 #endif

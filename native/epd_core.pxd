@@ -44,7 +44,7 @@ cdef extern from "epd_core.h" nogil:
 
     int epd_owner_create(epd_owner **out, int timeout_ms, char *err)
     void epd_owner_destroy(epd_owner *o)
-    int epd_owner_register(epd_owner *o, uint64_t addr, uint64_t length, char *err)
+    int epd_owner_register(epd_owner *o, uint64_t addr, uint64_t length, uint64_t *key_out, char *err)
     int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err)
     int epd_owner_covers(epd_owner *o, uint64_t addr, uint64_t length)
     int epd_owner_alloc_managed(epd_owner *o, uint64_t length, uint64_t *addr_out, char *err)
@@ -61,7 +61,8 @@ cdef extern from "epd_core.h" nogil:
     int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, char *err)
     void epd_conn_close(epd_conn *c)
     int epd_conn_broken(epd_conn *c)
-    int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+    int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
+                       const uint64_t *keys, int n,
                        char *err)
     int epd_conn_hello(epd_conn *c, epd_hello *h, char *err)
     int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t length, uint8_t **resp, uint32_t *resp_len,
@@ -69,5 +70,6 @@ cdef extern from "epd_core.h" nogil:
 
     int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char *err)
     void epd_shm_detach(epd_shm_peer *p)
-    int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens, int n,
+    int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
+                      const uint64_t *keys, int n,
                       char *err)

@@ -174,7 +174,7 @@ def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pul
     # another part's bytes come first in the prefill's buffer: write at base + offset
     offset = 4096
     buf = torch.zeros(offset + meta["embedding_size"], dtype=torch.uint8)
-    base, _ = receiver.register_buffer(buf)
+    base, _, _ = receiver.register_buffer(buf)
     try:
         t0 = time.perf_counter()
         resp = server.client.post("/send", json={
@@ -211,7 +211,7 @@ def test_mooncake_refused_write_answers_4xx_and_notifies(servers, receiver, pull
     server, (sock, port) = servers["mooncake"], pull
     size = server.client.post("/encode", json=encode_body("refused", [data_uri(IMG_A)])).json()["embedding_size"]
     buf = torch.zeros(size, dtype=torch.uint8)
-    base, _ = receiver.register_buffer(buf)
+    base, _, _ = receiver.register_buffer(buf)
     refused_before = receiver.stats()["writes_refused"]
     try:
         # the write would run past the registered region: the receiver's engine refuses it

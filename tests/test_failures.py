@@ -18,7 +18,7 @@ from epd_lab.transfer.peer import PeerError, PeerProcess
 from procs import freeze
 
 MiB = 1 << 20
-REQ = struct.Struct("<IHHQQQ")  # magic, version, op, seq, addr, length (native/epd_core.h)
+REQ = struct.Struct("<IHHQQQQ")  # magic, version, op, seq, addr, length, key (native/epd_core.h)
 REP = struct.Struct("<IiQQ")  # magic, status, seq, length
 MAGIC, WRITE = 0x57445045, 1
 
@@ -89,19 +89,19 @@ def test_garbage_on_the_port_never_writes(peer):
     outside = peer.alloc(MiB, register=False, fill=0x5A)  # exists in the peer, but is not registered
     rng = np.random.default_rng(7)
     # random bytes, a wrong magic, a wrong version, a truncated header
-    for junk in (rng.bytes(4096), REQ.pack(0xDEADBEEF, 1, WRITE, 0, dst, 16) + bytes(16),
-                 REQ.pack(MAGIC, 99, WRITE, 0, dst, 16) + bytes(16), REQ.pack(MAGIC, 1, WRITE, 0, dst, 16)[:20]):
+    for junk in (rng.bytes(4096), REQ.pack(0xDEADBEEF, 2, WRITE, 0, dst, 16, 0) + bytes(16),
+                 REQ.pack(MAGIC, 99, WRITE, 0, dst, 16, 0) + bytes(16), REQ.pack(MAGIC, 2, WRITE, 0, dst, 16, 0)[:20]):
         with raw_conn(peer.session_id) as s:
             s.sendall(junk)
             s.shutdown(socket.SHUT_WR)
             assert s.recv(64) == b""  # the engine closed the connection without answering
     # a forged, well-formed write into unregistered memory is refused and drained
     with raw_conn(peer.session_id) as s:
-        s.sendall(REQ.pack(MAGIC, 1, WRITE, 42, outside, 4096) + bytes(4096))
+        s.sendall(REQ.pack(MAGIC, 2, WRITE, 42, outside, 4096, 0) + bytes(4096))
         magic, status, seq, _ = REP.unpack(s.recv(REP.size, socket.MSG_WAITALL))
         assert (magic, status, seq) == (MAGIC, 1, 42)
         # an absurd length is not drained: the connection is closed
-        s.sendall(REQ.pack(MAGIC, 1, WRITE, 43, outside, 1 << 50))
+        s.sendall(REQ.pack(MAGIC, 2, WRITE, 43, outside, 1 << 50, 0))
         assert s.recv(64) == b""
     assert peer.checksum(dst, MiB) == want
     assert peer.checksum(outside, MiB) == want
@@ -119,7 +119,7 @@ def test_deregister_waits_for_a_write_in_flight():
         dst = peer.alloc(MiB)
         payload = bytes(range(256)) * (MiB // 256)
         with raw_conn(peer.session_id) as s:
-            s.sendall(REQ.pack(MAGIC, 1, WRITE, 1, dst, MiB) + payload[: MiB // 2])
+            s.sendall(REQ.pack(MAGIC, 2, WRITE, 1, dst, MiB, 0) + payload[: MiB // 2])
 
             def finish() -> None:
                 time.sleep(0.5)
@@ -144,7 +144,7 @@ def test_a_stalled_tcp_writer_is_cut_off():
     with PeerProcess(protocol="tcp", timeout=0.5) as peer:
         dst = peer.alloc(MiB)
         with raw_conn(peer.session_id) as s:
-            s.sendall(REQ.pack(MAGIC, 1, WRITE, 1, dst, MiB) + bytes(1000))  # then the writer stalls
+            s.sendall(REQ.pack(MAGIC, 2, WRITE, 1, dst, MiB, 0) + bytes(1000))  # then the writer stalls
             deadline = time.monotonic() + 10
             while peer.stats()["writes_in_flight"] != 1:
                 assert time.monotonic() < deadline

@@ -178,3 +178,23 @@ def test_large_unaligned_batch(peer, protocol):
     for s, d, n in zip(srcs, dsts, sizes, strict=True):
         want[d - dst:d - dst + n] = src[s - src.ctypes.data:s - src.ctypes.data + n].tobytes()
     assert got == bytes(want)
+
+
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "external"])
+def test_a_write_naming_an_old_registration_is_refused(peer, writer, managed):
+    """Keys play the rkey's role: after deregister + register at the same address, a write that names
+    the old registration is refused, while bounds-only writes (key 0) and the new key land."""
+    reply = peer.call("alloc", nbytes=MiB, managed=managed)
+    dst, old_key = reply["ptr"], reply["key"]
+    src = writer.src.ctypes.data
+    writer.transfer_sync_write(peer.session_id, src, dst, 4096, rkey=old_key)
+    peer.call("deregister", ptr=dst)
+    new_key = peer.call("register", ptr=dst, nbytes=MiB)["key"]
+    assert new_key != old_key
+    with pytest.raises(RemoteAccessError, match="under that key"):
+        writer.transfer_sync_write(peer.session_id, src, dst, 4096, rkey=old_key)
+    with pytest.raises(RemoteAccessError):
+        writer.batch_transfer_sync_write(peer.session_id, [src, src], [dst, dst + 4096], [16, 16], [new_key, old_key])
+    writer.transfer_sync_write(peer.session_id, src, dst, 4096, rkey=new_key)
+    writer.transfer_sync_write(peer.session_id, src, dst, 4096)
+    assert peer.stats()["writes_refused"] == 2

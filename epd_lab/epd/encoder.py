@@ -360,13 +360,12 @@ class MMEncoder:
     def _write(self, req: SendRequest, embedding: torch.Tensor, spans: list[Span]) -> str:
         """One-sided write of `embedding` (registered for the write only); returns the path taken."""
         engine = self.engine
-        assert engine is not None  # the mooncake backend always has one
         t0 = time.monotonic_ns()
         try:
             path = engine.path_to(req.session_id)
-            ptr, nbytes = engine.register_buffer(embedding)
+            ptr, nbytes, _ = engine.register_buffer(embedding)
             try:
-                engine.transfer_sync_write(req.session_id, ptr, req.buffer_address, nbytes)
+                engine.transfer_sync_write(req.session_id, ptr, req.buffer_address, nbytes, req.rkey)
             finally:
                 engine.deregister(ptr)
         except RemoteAccessError as exc:

@@ -56,6 +56,7 @@ class SendRequest(msgspec.Struct, forbid_unknown_fields=True):
     embedding_size: int
     prefill_host: str = "127.0.0.1"
     embedding_port: int | None = None
+    rkey: int = 0  # the key of the receiver's registration: a late write cannot land in a later request
 
 
 class SendResponse(msgspec.Struct):

@@ -256,9 +256,10 @@ class EmbeddingReceiver:
         base = buf.data_ptr()
         try:
             with self.recorder.span("register", rid, nbytes=total):
-                self.engine.register(base, total)
+                rkey = self.engine.register(base, total)
             try:
-                self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx], sizes[p.part_idx]))
+                self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx], sizes[p.part_idx],
+                                                           rkey))
                 messages = self._wait(rid, plans, futures, deadline)
             finally:
                 self.engine.deregister(base)  # no write can land once this returns
@@ -325,9 +326,9 @@ class EmbeddingReceiver:
             raw = self._post(plan, "/encode", req)
         return msgspec.json.decode(raw, type=EncodeResponse)
 
-    def _send(self, rid: str, plan: PartPlan, address: int, size: int) -> None:
+    def _send(self, rid: str, plan: PartPlan, address: int, size: int, rkey: int) -> None:
         req = SendRequest(part_req_id(rid, plan.part_idx), plan.part_idx, self.engine.session_id, address, size,
-                          self.config.host, self.embedding_port)
+                          self.config.host, self.embedding_port, rkey)
         with self.recorder.span("http_send", rid, plan.part_idx, nbytes=size):
             self._post(plan, "/send", req)
 

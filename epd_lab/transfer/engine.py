@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from epd_lab import _native
 from epd_lab.transfer.buffers import buffer_info
@@ -29,6 +29,14 @@ from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
 
 PROTOCOLS = ("auto", "tcp", "shm", "verbs")
+
+
+class Registration(NamedTuple):
+    """What `register_buffer` registered: the address, the size and the registration's key."""
+
+    ptr: int
+    nbytes: int
+    key: int
 
 
 class TransferStatus(Enum):
@@ -147,18 +155,22 @@ class TransferEngine:
         return self._owner.port
 
     # ---- registration (owner side) ----
-    def register(self, ptr: int, length: int) -> None:
+    def register(self, ptr: int, length: int) -> int:
         """Register ``[ptr, ptr+length)`` so peers may write into it (and this engine may write from it).
 
-        Raises `RegistrationError` on zero length, overlap or double registration.
+        Returns the registration's key, unique for this engine's lifetime (the rkey's role): a writer
+        that passes it (`rkey=`) can only land in this registration, never in a later one that reuses
+        the address after a deregister. Raises `RegistrationError` on zero length, overlap or double
+        registration.
         """
-        self._owner.register(ptr, length)
+        key = self._owner.register(ptr, length)
         if self._verbs is not None:
             try:
                 self._verbs.register(ptr, length)
             except BaseException:
                 self._owner.deregister(ptr)
                 raise
+        return key
 
     def deregister(self, ptr: int) -> None:
         """Deregister the region starting at `ptr`. When it returns, no write can land there any more
@@ -181,26 +193,28 @@ class TransferEngine:
         self._owner.free_managed(ptr)
 
     # ---- writes (writer side) ----
-    def transfer_sync_write(self, session_id: str, src_ptr: int, dst_ptr: int, length: int) -> None:
+    def transfer_sync_write(self, session_id: str, src_ptr: int, dst_ptr: int, length: int, rkey: int = 0) -> None:
         """Write `length` bytes from local registered memory at `src_ptr` to the peer's `dst_ptr`.
-        Returns once the bytes are in place in the peer's memory."""
-        self.batch_transfer_sync_write(session_id, (src_ptr,), (dst_ptr,), (length,))
+        Returns once the bytes are in place in the peer's memory. With `rkey` (the key the peer's
+        `register` returned) the write lands only in that registration."""
+        self.batch_transfer_sync_write(session_id, (src_ptr,), (dst_ptr,), (length,), (rkey,) if rkey else None)
 
     def batch_transfer_sync_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
-                                  lengths: Sequence[int]) -> None:
-        """Write several blocks in one call. The batch fails as a whole on the first refused or failed
-        block; which of the other blocks landed is then unspecified."""
+                                  lengths: Sequence[int], rkeys: Sequence[int] | None = None) -> None:
+        """Write several blocks in one call (`rkeys`: one key per block, 0 for bounds only). The batch
+        fails as a whole on the first refused or failed block; which of the other blocks landed is
+        then unspecified."""
         peer = self._peer(session_id)
         try:
             if peer.path == "shm":
-                n = peer.shm.write(self._owner, srcs, dsts, lengths)
+                n = peer.shm.write(self._owner, srcs, dsts, lengths, rkeys)
             elif peer.path == "verbs":
-                peer.verbs.write_batch(srcs, dsts, lengths, self.timeout)
+                peer.verbs.write_batch(srcs, dsts, lengths, self.timeout)  # the NIC checks its own rkeys
                 n = sum(lengths)
             else:
                 conn = peer.conn()
                 try:
-                    n = conn.write(self._owner, srcs, dsts, lengths)
+                    n = conn.write(self._owner, srcs, dsts, lengths, rkeys)
                 finally:
                     peer.give_back(conn)
         except PeerUnreachable:
@@ -213,10 +227,11 @@ class TransferEngine:
         self._out.count(len(lengths), n)
 
     def batch_transfer_async_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
-                                   lengths: Sequence[int]) -> int:
+                                   lengths: Sequence[int], rkeys: Sequence[int] | None = None) -> int:
         """Submit a batch; returns a batch id for `get_batch_transfer_status` / `wait_batch`."""
         srcs, dsts, lengths = list(srcs), list(dsts), list(lengths)
-        fut = self._pool.submit(self.batch_transfer_sync_write, session_id, srcs, dsts, lengths)
+        rkeys = list(rkeys) if rkeys is not None else None
+        fut = self._pool.submit(self.batch_transfer_sync_write, session_id, srcs, dsts, lengths, rkeys)
         batch_id = next(self._batch_ids)
         self._batches[batch_id] = fut
         return batch_id
@@ -244,20 +259,19 @@ class TransferEngine:
             raise ValueError(f"unknown batch id {batch_id}") from None
 
     # ---- tensors and arrays ----
-    def register_buffer(self, obj: Any) -> tuple[int, int]:
-        """Register a contiguous torch tensor, numpy array or buffer; returns ``(ptr, nbytes)``."""
+    def register_buffer(self, obj: Any) -> Registration:
+        """Register a contiguous torch tensor, numpy array or buffer; returns ``(ptr, nbytes, key)``."""
         ptr, nbytes = buffer_info(obj)
-        self.register(ptr, nbytes)
-        return ptr, nbytes
+        return Registration(ptr, nbytes, self.register(ptr, nbytes))
 
     def deregister_buffer(self, obj: Any) -> None:
         """Deregister what `register_buffer` registered."""
         self.deregister(buffer_info(obj)[0])
 
-    def write_buffer(self, session_id: str, src: Any, dst_ptr: int) -> int:
+    def write_buffer(self, session_id: str, src: Any, dst_ptr: int, rkey: int = 0) -> int:
         """Write a whole registered tensor/array to the peer's `dst_ptr`; returns the bytes written."""
         ptr, nbytes = buffer_info(src)
-        self.transfer_sync_write(session_id, ptr, dst_ptr, nbytes)
+        self.transfer_sync_write(session_id, ptr, dst_ptr, nbytes, rkey)
         return nbytes
 
     # ---- peers ----

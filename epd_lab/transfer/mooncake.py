@@ -189,10 +189,12 @@ class MooncakeTransferEngine:
         return self._engine
 
     # ---- registration ----
-    def register(self, ptr: int, length: int) -> None:
+    def register(self, ptr: int, length: int) -> int:
         """Register ``[ptr, ptr+length)`` so peers may write into it and this engine may write from it.
 
-        Raises `RegistrationError` on a non-positive length, overlap or double registration.
+        Returns 0: Mooncake's API has no per-registration key, so writes into it are checked for
+        bounds only (a late write can land in a later registration at the same address). Raises
+        `RegistrationError` on a non-positive length, overlap or double registration.
         """
         engine = self._live()
         if length <= 0:
@@ -203,6 +205,7 @@ class MooncakeTransferEngine:
                                     f"({_CODES.get(rc, 'error')})")
         with self._lock:
             self._regions[ptr] = length
+        return 0
 
     def deregister(self, ptr: int) -> None:
         """Deregister the region that starts at `ptr`; raises `RegistrationError` on an unknown pointer."""
@@ -252,14 +255,16 @@ class MooncakeTransferEngine:
         mapping.close()
 
     # ---- writes ----
-    def transfer_sync_write(self, session_id: str, src_ptr: int, dst_ptr: int, length: int) -> None:
+    def transfer_sync_write(self, session_id: str, src_ptr: int, dst_ptr: int, length: int, rkey: int = 0) -> None:
         """Write `length` bytes from local registered memory at `src_ptr` to the peer's `dst_ptr`;
-        returns once Mooncake reports the write complete."""
-        self.batch_transfer_sync_write(session_id, (src_ptr,), (dst_ptr,), (length,))
+        returns once Mooncake reports the write complete. `rkey` must be 0 (see `register`)."""
+        self.batch_transfer_sync_write(session_id, (src_ptr,), (dst_ptr,), (length,), (rkey,) if rkey else None)
 
     def batch_transfer_sync_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
-                                  lengths: Sequence[int]) -> None:
+                                  lengths: Sequence[int], rkeys: Sequence[int] | None = None) -> None:
         """Write several blocks in one Mooncake batch; the batch fails as a whole."""
+        if rkeys is not None and any(rkeys):
+            raise TransportUnavailable("Mooncake's API carries no per-registration key; pass rkey=0")
         engine = self._live()
         srcs, dsts, lengths = list(srcs), list(dsts), list(lengths)
         n = len(srcs)

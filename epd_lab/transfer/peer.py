@@ -50,9 +50,8 @@ class _Target:
             ptr = arr.ctypes.data
             self.arrays[ptr] = arr
         as_array(ptr, nbytes)[:] = fill  # touch every page now, not during a timed write
-        if register:
-            self.engine.register(ptr, nbytes)
-        return {"ptr": ptr}
+        key = self.engine.register(ptr, nbytes) if register else 0
+        return {"ptr": ptr, "key": key}
 
     def free(self, ptr: int) -> dict:
         if ptr in self.managed:
@@ -63,8 +62,7 @@ class _Target:
         return {}
 
     def register(self, ptr: int, nbytes: int) -> dict:
-        self.engine.register(ptr, nbytes)
-        return {}
+        return {"key": self.engine.register(ptr, nbytes)}
 
     def deregister(self, ptr: int) -> dict:
         self.engine.deregister(ptr)
@@ -80,8 +78,8 @@ class _Target:
         as_array(ptr, nbytes)[:] = value
         return {}
 
-    def write(self, session_id: str, src: int, dst: int, nbytes: int) -> dict:
-        self.engine.transfer_sync_write(session_id, src, dst, nbytes)
+    def write(self, session_id: str, src: int, dst: int, nbytes: int, rkey: int = 0) -> dict:
+        self.engine.transfer_sync_write(session_id, src, dst, nbytes, rkey)
         return {}
 
     def stats(self) -> dict:
