@@ -95,7 +95,8 @@ class Cluster:
         log = self.log_dir / f"{name}.log"
         self.logs.append(log)
         with open(log, "wb") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
         self.procs.append(proc)
         deadline = time.monotonic() + 6 * self.topology.timeout
         while time.monotonic() < deadline:
@@ -152,6 +153,15 @@ class Cluster:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies, even by SIGKILL, so a
+    killed notebook kernel or benchmark leaves no encoder behind (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

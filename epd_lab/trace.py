@@ -16,7 +16,7 @@ from typing import Iterator
 
 import msgspec
 
-STAGES = ("http_encode", "vit", "buffer_alloc", "register", "http_send", "transfer", "notify", "reassemble",
+STAGES = ("http_encode", "load", "vit", "buffer_alloc", "register", "http_send", "transfer", "notify", "reassemble",
           "prefill")
 
 
@@ -82,8 +82,8 @@ def request_breakdown(spans: list[Span]) -> dict[str, float]:
 
     Per stage: the longest part (parts run in parallel on different encoders). ``e2e``: first span
     start to last span end. ``control_plane``: ``e2e`` minus the data work on the critical path, i.e.
-    minus the slowest part's ``vit + transfer`` and minus ``prefill``: HTTP, allocation, registration,
-    notification, reassembly and waiting.
+    minus the slowest part's ``vit + transfer`` and minus ``prefill``: HTTP, media loading (also
+    reported alone as ``load``), allocation, registration, notification, reassembly and waiting.
     """
     if not spans:
         raise ValueError("no spans")

@@ -191,7 +191,7 @@ def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pul
     assert type(msg) is EmbeddingNotify and msg.error is None
     assert (msg.req_id, msg.part_idx, msg.modality) == ("moon_local_part_0", 0, "image")
     assert (msg.shape, msg.dtype, msg.grid_thw) == ([88, 256], "float32", meta["grid_thw"])
-    assert [s.stage for s in msg.spans] == ["vit", "transfer", "notify"]
+    assert [s.stage for s in msg.spans] == ["load", "vit", "transfer", "notify"]
     assert {s.node for s in msg.spans} == {f"encoder:{server.port}"}
     assert msg.spans[1].nbytes == meta["embedding_size"]
     assert msg.spans[0].t_end_ns <= msg.spans[1].t_start_ns <= msg.spans[2].t_start_ns
@@ -316,7 +316,7 @@ def test_zmq_to_tokenizer_pushes_the_bytes_and_caches(servers, vision, pull):
         msg = recv(sock)
         assert type(msg) is EmbeddingData and msg.error is None and msg.req_id == req_id
         assert (msg.shape, msg.grid_thw) == ([24, 256], [[1, 8, 12]])
-        assert [s.stage for s in msg.spans] == ["vit", "transfer"]
+        assert [s.stage for s in msg.spans] == ["load", "vit", "transfer"]
         assert msg.spans[1].nbytes == len(msg.data) == resp.json()["embedding_size"]
         got = torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape)
         assert torch.equal(got, expected)

@@ -20,9 +20,12 @@ its own that nothing else touches, it just does not wait for it to boot.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -563,3 +566,39 @@ def test_cluster_whose_encoder_fails_to_start_raises_with_its_log(tmp_path):
     leftovers = [pid for pid in _all_pids() if marker in _cmdline(pid)]
     assert leftovers == [], f"processes left behind: {leftovers}"
     assert marker in msg  # the error that names the model path, though the log ends with the server's traceback
+
+
+DRIVER = """
+import json, time
+from epd_lab.launch import Cluster, Topology
+cluster = Cluster(Topology(encoders=1, timeout=30))
+print(json.dumps([p.pid for p in cluster.procs]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_encoders_die_with_a_killed_driver():
+    """A notebook kernel or benchmark killed with SIGKILL runs no cleanup: its encoders still go."""
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(driver.stdout.readline())
+        assert pids and all(os.path.exists(f"/proc/{p}") for p in pids)
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, f"encoders {pids} outlived their killed driver"
+            time.sleep(0.05)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        driver.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

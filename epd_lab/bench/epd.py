@@ -6,6 +6,11 @@ the prefill runner, and reports per-stage medians (ms), the end-to-end median an
 overhead: everything except the slowest part's ``vit + transfer`` and ``prefill`` (see
 `epd_lab.trace.request_breakdown`). The first request of each point is a warm-up and not counted.
 
+Each point also measures **delivery**: the same images sent again and again, so that the encoders
+serve them from their embedding cache, and the receiver only collects the embeddings (no prefill).
+That isolates what the backends differ in (HTTP, allocation, the bytes' path, notification,
+reassembly) from the ViT and prefill, which on this CPU take 10-1000x longer than moving the bytes.
+
 ``mooncake_pool`` is the mooncake backend with the receiver's persistent managed pool (request
 buffers carved from one registered-once memfd buffer) instead of a `torch.empty` per request.
 """
@@ -79,18 +84,31 @@ def _point(epd: EPDPrefill, tmp: str, backend: str, n_enc: int, n_img: int, side
             breakdowns.append(request_breakdown(result.spans))
     keys = sorted({k for b in breakdowns for k in b})
     med = {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in keys}
+    delivery = _delivery(epd, make_images(tmp, side, n_img, seed=0xD0D0 + n_img), requests)
     return {"backend": backend, "encoders": n_enc, "images": n_img, "side": side, "embedding_bytes": nbytes,
             "requests": requests, "e2e_ms": med.pop("e2e"), "control_plane_ms": med.pop("control_plane"),
             "control_plane_range_ms": [min(b["control_plane"] for b in breakdowns),
                                        max(b["control_plane"] for b in breakdowns)],
-            "stages_ms": {s: med[s] for s in STAGES if s in med}}
+            "stages_ms": {s: med[s] for s in STAGES if s in med}, **delivery}
+
+
+def _delivery(epd: EPDPrefill, paths: list[str], requests: int) -> dict:
+    """Median wall time of `receive` for cached images (see the module docstring)."""
+    rx = epd.receiver
+    rx.receive(paths)  # fills the encoders' caches
+    times = []
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        rx.receive(paths)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"delivery_ms": statistics.median(times), "delivery_range_ms": [min(times), max(times)]}
 
 
 def _fmt(row: dict) -> str:
     stages = " ".join(f"{k}={v:.2f}" for k, v in row["stages_ms"].items())
     return (f"  {row['backend']:17s} enc={row['encoders']} img={row['images']}x{row['side']}px "
             f"{row['embedding_bytes'] / 2**20:7.2f} MiB  e2e {row['e2e_ms']:8.2f} ms  "
-            f"control {row['control_plane_ms']:6.2f} ms  [{stages}]")
+            f"control {row['control_plane_ms']:6.2f} ms  delivery {row['delivery_ms']:6.2f} ms  [{stages}]")
 
 
 def _ints(s: str) -> tuple[int, ...]:

@@ -20,6 +20,11 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def contains(self, key: str) -> bool:
+        """Whether `key` is cached now (no hit or miss is counted)."""
+        with self._lock:
+            return key in self._entries
+
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:
             tensor = self._entries.get(key)

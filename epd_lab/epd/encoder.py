@@ -33,6 +33,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import socket
@@ -214,16 +215,19 @@ class MMEncoder:
     async def encode(self, req: EncodeRequest) -> EncodeResponse:
         """Load the media, answer the sizes; run (mooncake: start) the ViT and send per backend."""
         self._check_encode(req)
+        t0 = time.monotonic_ns()
         loaded = await asyncio.to_thread(self._load, req.mm_items)
+        load_span = Span(req.req_id, req.part_idx, "load", self.recorder.node, t0, time.monotonic_ns(),
+                         sum(img.width * img.height * 3 for _, img in loaded))
         images = [img for _, img in loaded]
-        keys = [f"{self.settings.model_name}|{self.settings.dtype}|{key}" for key, _ in loaded]
+        keys = [self._cache_key(digest) for digest, _ in loaded]
         grid_thw = [list(models.image_grid(img.size)) for img in images]
         n_tokens = sum(models.num_image_tokens(img.size) for img in images)
         resp = EncodeResponse(req.req_id, req.part_idx, n_tokens * self.embedding_dim * self.itemsize, n_tokens,
                               self.embedding_dim, self.settings.dtype, grid_thw)
         if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
             raise HTTPException(409, f"req_id {req.req_id!r} is already held here, waiting for /send")
-        future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, images, keys)
+        future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, images, keys, load_span)
         if self.settings.backend == "mooncake":
             self.held[req.req_id] = _Held(req.req_id, req.part_idx, req.modality, grid_thw,
                                           [n_tokens, self.embedding_dim], resp.embedding_size,
@@ -246,19 +250,26 @@ class MMEncoder:
             raise HTTPException(400, "the zmq_to_tokenizer backend needs embedding_port")
 
     def _load(self, items: list[str]) -> list[tuple[str, Image.Image]]:
-        """(content hash, image) per item; a bad item is a 400 naming it."""
+        """(content hash, image) per item; a bad item is a 400 naming it. An image whose embedding is
+        cached is only opened (its header gives the size): these very bytes decoded before."""
         out = []
         for idx, item in enumerate(items):
             try:
                 raw = fetch_media(item, self.settings.timeout, MAX_MEDIA_BYTES)
-                out.append((content_hash(raw), decode_image(raw, item)))
+                digest = content_hash(raw)
+                cached = self.cache.contains(self._cache_key(digest))
+                out.append((digest, Image.open(io.BytesIO(raw)) if cached else decode_image(raw, item)))
             except MediaError as exc:
                 raise HTTPException(400, f"mm_items[{idx}]: {exc}") from None
         return out
 
+    def _cache_key(self, digest: str) -> str:
+        return f"{self.settings.model_name}|{self.settings.dtype}|{digest}"
+
     def _run_vit(self, req_id: str, part_idx: int, images: list[Image.Image],
-                 keys: list[str]) -> tuple[torch.Tensor, Span]:
-        """In the worker thread: the embedding of all images, from the cache where possible."""
+                 keys: list[str], load_span: Span) -> tuple[torch.Tensor, list[Span]]:
+        """In the worker thread: the embedding of all images, from the cache where possible, and the
+        spans so far (media `load`, `vit`)."""
         t0 = time.monotonic_ns()
         pieces: list[torch.Tensor | None] = [self.cache.get(key) for key in keys]
         missing = [i for i, piece in enumerate(pieces) if piece is None]
@@ -274,8 +285,8 @@ class MMEncoder:
         # a fresh tensor, owned by this request: it is registered and sent, the cache's pieces never are
         embedding = torch.cat(pieces)
         span = Span(req_id, part_idx, "vit", self.recorder.node, t0, time.monotonic_ns(), embedding.nbytes)
-        self.recorder.add(span)
-        return embedding, span
+        self.recorder.extend([load_span, span])
+        return embedding, [load_span, span]
 
     async def _encode_and_push(self, req: EncodeRequest, resp: EncodeResponse,
                                future: concurrent.futures.Future) -> None:
@@ -286,11 +297,11 @@ class MMEncoder:
         try:
             if self.settings.backend == "zmq_to_tokenizer":
                 url = f"tcp://{req.prefill_host}:{req.embedding_port}"
-            embedding, vit_span = await self._bounded(asyncio.wrap_future(future), f"the ViT of {req.req_id!r}")
+            embedding, spans = await self._bounded(asyncio.wrap_future(future), f"the ViT of {req.req_id!r}")
             if url is None:
                 url = await self._wait_receive_url(req.req_id)
             msg.data = _raw_bytes(embedding)
-            msg.spans = [vit_span]
+            msg.spans = spans
         except HTTPException as exc:
             if url is None:
                 raise
@@ -347,9 +358,9 @@ class MMEncoder:
         notify = EmbeddingNotify(held.req_id, held.part_idx, held.modality, held.shape, self.settings.dtype,
                                  held.grid_thw)
         try:
-            embedding, vit_span = await self._bounded(asyncio.wrap_future(held.future),
+            embedding, spans = await self._bounded(asyncio.wrap_future(held.future),
                                                       f"the ViT of {req.req_id!r}")
-            notify.spans = [vit_span]
+            notify.spans = spans
             path = await asyncio.to_thread(self._write, req, embedding, notify.spans)
         except HTTPException as exc:
             raise await self._send_error(url, notify, "notify", exc) from None
