@@ -29,6 +29,7 @@ import httpx
 from epd_lab.epd.messages import BACKENDS
 from epd_lab.epd.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.trace import Recorder
+from epd_lab.transfer.engine import ENGINES
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="epd-lab launch", description=main.__doc__)
     ap.add_argument("--encoders", type=int, default=2)
     ap.add_argument("--backend", default="mooncake", choices=BACKENDS)
-    ap.add_argument("--transport", default="auto", choices=("auto", "shm", "tcp", "verbs"))
+    ap.add_argument("--transport", default="auto", choices=ENGINES)
     ap.add_argument("--model", default=None, help="a local model directory (default: the tiny Qwen2-VL)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--timeout", type=float, default=10.0)

@@ -602,3 +602,28 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_mooncake_backend_over_the_real_mooncake_engine(tmp_path):
+    """SGLang's `mooncake` backend with the real Mooncake transfer engine on both sides (the seed's
+    setup): same logits as the monolithic model. Mooncake checks bounds only (no registration keys)."""
+    from epd_lab.transfer import mooncake
+
+    if mooncake.unavailable_reason():
+        pytest.skip(mooncake.unavailable_reason())
+    configure_torch()
+    model = load_model()
+    rng = np.random.default_rng(5)
+    paths = []
+    for i, (w, h) in enumerate([(224, 224), (100, 333)]):
+        paths.append(str(tmp_path / f"m{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    with Cluster(Topology(encoders=1, backend="mooncake", transport="mooncake", timeout=10)) as cluster, \
+            cluster.receiver() as rx:
+        result = EPDPrefill(rx, model).prefill("over mooncake", paths)
+        assert rx.engine.stats()["regions"] == 0
+        health = httpx.get(cluster.encoder_urls[0] + "/health", timeout=10).json()
+    pixel_values, grid = preprocess([Image.open(p).convert("RGB") for p in paths])
+    ref = monolithic_prefill(model, build_input_ids("over mooncake", grid.tolist()), pixel_values, grid)
+    assert torch.equal(ref, result.prefill.logits)
+    assert health["session_id"]  # the encoder's Mooncake engine

@@ -72,13 +72,14 @@ from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
     RemoteAccessError,
-    TransferEngine,
     TransferError,
     TransferTimeout,
+    open_engine,
     parse_session_id,
 )
+from epd_lab.transfer.engine import ENGINES
 
-TRANSPORTS = ("auto", "tcp", "shm")
+TRANSPORTS = ENGINES
 MAX_MEDIA_BYTES = 32 << 20  # per media item, after base64 decoding or download
 ROUTES = ("/encode", "/send", "/scheduler_receive_url", "/health", "/metrics")
 
@@ -201,7 +202,7 @@ class MMEncoder:
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.recorder = Recorder(node=f"encoder:{settings.port}")
         self.cache = EmbeddingCache(settings.cache_bytes)
-        self.engine = (TransferEngine(settings.host, settings.transport, timeout=settings.timeout)
+        self.engine = (open_engine(settings.transport, settings.host, settings.timeout)
                        if settings.backend == "mooncake" else None)
         self.pushers = _Pushers(settings.timeout)
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-vit")

@@ -46,7 +46,7 @@ from epd_lab.epd.messages import (
     part_req_id,
 )
 from epd_lab.trace import Recorder
-from epd_lab.transfer import TransferEngine, as_array
+from epd_lab.transfer import TransferEngine, as_array, open_engine
 
 class EPDError(RuntimeError):
     """A request could not be served: which part, which encoder and why."""
@@ -171,7 +171,7 @@ class EmbeddingReceiver:
     def __init__(self, config: ReceiverConfig, recorder: Recorder | None = None) -> None:
         self.config = config
         self.recorder = recorder or Recorder("prefill")
-        self.engine = TransferEngine(config.host, config.transport, timeout=config.timeout)
+        self.engine = open_engine(config.transport, config.host, config.timeout)
         self._rng = random.Random(config.seed)
         self._pool = _Pool(self.engine, config.pool_bytes) if config.pool_bytes else None
         self._http = httpx.Client(timeout=config.timeout, limits=httpx.Limits(max_keepalive_connections=64))

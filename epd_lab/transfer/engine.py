@@ -17,6 +17,7 @@ registered memory after checking them against its registration table. Paths to a
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
 
 PROTOCOLS = ("auto", "tcp", "shm", "verbs")
+ENGINES = (*PROTOCOLS, "mooncake")  # what `open_engine` takes
 
 
 class Registration(NamedTuple):
@@ -370,9 +372,10 @@ class TransferEngine:
 
 def open_engine(protocol: str = "auto", hostname: str = "127.0.0.1", timeout: float = 5.0):
     """An engine by protocol name: ours for ``auto``/``tcp``/``shm``/``verbs``, the real Mooncake
-    engine (`epd_lab.transfer.mooncake.MooncakeTransferEngine`, same API) for ``mooncake``."""
+    engine (`epd_lab.transfer.mooncake.MooncakeTransferEngine`, same API) for ``mooncake``, whose
+    timeout is whole seconds and at least 5."""
     if protocol == "mooncake":
         from epd_lab.transfer.mooncake import MooncakeTransferEngine
 
-        return MooncakeTransferEngine(hostname)
+        return MooncakeTransferEngine(hostname, timeout=max(5, math.ceil(timeout)))
     return TransferEngine(hostname, protocol, timeout=timeout)

@@ -57,7 +57,9 @@ import threading
 import time
 from typing import Any, Sequence
 
+from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
+from epd_lab.transfer.engine import Registration
 from epd_lab.transfer.errors import (
     PeerUnreachable,
     RegistrationError,
@@ -255,6 +257,19 @@ class MooncakeTransferEngine:
         mapping.close()
 
     # ---- writes ----
+    def register_buffer(self, obj: Any) -> Registration:
+        """Register a contiguous torch tensor, numpy array or buffer; returns ``(ptr, nbytes, 0)``."""
+        ptr, nbytes = buffer_info(obj)
+        return Registration(ptr, nbytes, self.register(ptr, nbytes))
+
+    def deregister_buffer(self, obj: Any) -> None:
+        """Deregister what `register_buffer` registered."""
+        self.deregister(buffer_info(obj)[0])
+
+    def path_to(self, session_id: str) -> str:
+        """Always ``"mooncake"``: Mooncake's own transport (tcp here) carries every write."""
+        return "mooncake"
+
     def transfer_sync_write(self, session_id: str, src_ptr: int, dst_ptr: int, length: int, rkey: int = 0) -> None:
         """Write `length` bytes from local registered memory at `src_ptr` to the peer's `dst_ptr`;
         returns once Mooncake reports the write complete. `rkey` must be 0 (see `register`)."""
