@@ -17,7 +17,6 @@ buffers carved from one registered-once memfd buffer) instead of a `torch.empty`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -26,6 +25,7 @@ import time
 import numpy as np
 from PIL import Image
 
+from epd_lab.bench import write_json
 from epd_lab.bench.transfer import machine_info
 from epd_lab.epd.messages import BACKENDS
 from epd_lab.epd.prefill import EPDPrefill
@@ -128,8 +128,5 @@ def main(argv: list[str] | None = None) -> int:
     result = run(tuple(args.backends.split(",")), _ints(args.encoders), _ints(args.images), _ints(args.sides),
                  args.requests, args.transport)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0

@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 import numpy as np
 import zmq
 
+from epd_lab.bench import write_json
 from epd_lab.bench.receivers import HEADER
 from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.peer import PeerProcess
@@ -353,8 +354,5 @@ def main(argv: list[str] | None = None) -> int:
     result = run(paths, sizes, args.budget, scatter=not args.no_scatter)
     print(format_ratios(result))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\nwrote {args.json}")
+        write_json(args.json, result)
     return 0
