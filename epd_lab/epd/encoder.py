@@ -38,7 +38,6 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -55,8 +54,8 @@ from epd_lab import models
 from epd_lab.epd.cache import EmbeddingCache
 from epd_lab.epd.media import MediaError, content_hash, decode_image, fetch_media
 from epd_lab.epd.messages import (
-    DTYPES,
     BACKENDS,
+    DTYPES,
     MAX_JSON_BYTES,
     MODALITIES,
     EmbeddingData,
@@ -68,6 +67,7 @@ from epd_lab.epd.messages import (
     SendResponse,
     encode_zmq,
 )
+from epd_lab.epd.push import PushSockets
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -120,47 +120,6 @@ class EncoderSettings:
         return self.model or "tiny-qwen2-vl"
 
 
-class _Pushers:
-    """ZMQ PUSH sockets, one per destination URL, from one context; ``LINGER=0`` so closing never hangs.
-
-    At most `max_sockets` are kept (least recently used closed first): zmq_to_scheduler receivers may
-    bind a new port per request.
-    """
-
-    def __init__(self, send_timeout: float, max_sockets: int = 64) -> None:
-        self._ctx = zmq.Context()
-        self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
-        self._max_sockets = max_sockets
-        self._send_timeout_ms = max(1, int(send_timeout * 1000))
-        self._lock = threading.Lock()  # a ZMQ socket is not thread-safe; sends come from worker threads
-
-    def push(self, url: str, frame: bytes) -> None:
-        """Queue `frame` for `url`; raises `zmq.Again` when it cannot be queued within the timeout."""
-        with self._lock:
-            sock = self._sockets.get(url)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
-                try:
-                    sock.connect(url)
-                except zmq.ZMQError:
-                    sock.close()
-                    raise
-                self._sockets[url] = sock
-                if len(self._sockets) > self._max_sockets:
-                    self._sockets.popitem(last=False)[1].close()
-            self._sockets.move_to_end(url)
-            sock.send(frame, copy=False)
-
-    def close(self) -> None:
-        with self._lock:
-            for sock in self._sockets.values():
-                sock.close()
-            self._sockets.clear()
-            self._ctx.term()
-
-
 @dataclasses.dataclass(slots=True)
 class _Held:
     """A mooncake part between /encode and /send: its metadata and the ViT's future."""
@@ -204,7 +163,7 @@ class MMEncoder:
         self.cache = EmbeddingCache(settings.cache_bytes)
         self.engine = (open_engine(settings.transport, settings.host, settings.timeout)
                        if settings.backend == "mooncake" else None)
-        self.pushers = _Pushers(settings.timeout)
+        self.pushers = PushSockets(settings.timeout)
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-vit")
         self.held: dict[str, _Held] = {}
         self.receive_urls: dict[str, _ReceiveUrl] = {}

@@ -48,6 +48,7 @@ from epd_lab.epd.messages import (
 from epd_lab.trace import Recorder
 from epd_lab.transfer import TransferEngine, as_array, open_engine
 
+
 class EPDError(RuntimeError):
     """A request could not be served: which part, which encoder and why."""
 

@@ -1,0 +1,48 @@
+"""ZMQ PUSH sockets to receivers, cached per destination (the encoder's notification channel)."""
+from __future__ import annotations
+
+import collections
+import threading
+
+import zmq
+
+
+class PushSockets:
+    """ZMQ PUSH sockets, one per destination URL, from one context; ``LINGER=0`` so closing never hangs.
+
+    At most `max_sockets` are kept (least recently used closed first): zmq_to_scheduler receivers may
+    bind a new port per request.
+    """
+
+    def __init__(self, send_timeout: float, max_sockets: int = 64) -> None:
+        self._ctx = zmq.Context()
+        self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        self._max_sockets = max_sockets
+        self._send_timeout_ms = max(1, int(send_timeout * 1000))
+        self._lock = threading.Lock()  # a ZMQ socket is not thread-safe; sends come from worker threads
+
+    def push(self, url: str, frame: bytes) -> None:
+        """Queue `frame` for `url`; raises `zmq.Again` when it cannot be queued within the timeout."""
+        with self._lock:
+            sock = self._sockets.get(url)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+                try:
+                    sock.connect(url)
+                except zmq.ZMQError:
+                    sock.close()
+                    raise
+                self._sockets[url] = sock
+                if len(self._sockets) > self._max_sockets:
+                    self._sockets.popitem(last=False)[1].close()
+            self._sockets.move_to_end(url)
+            sock.send(frame, copy=False)
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._sockets.values():
+                sock.close()
+            self._sockets.clear()
+            self._ctx.term()
