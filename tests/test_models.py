@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers import DynamicCache
 
 from epd_lab.models import (
     IMAGE_PAD_ID,
     VISION_END_ID,
     VISION_START_ID,
+    DecodeRunner,
     PrefillRunner,
     VisionEncoder,
     build_input_ids,
@@ -215,3 +217,25 @@ def test_ensure_tiny_model_keeps_an_existing_directory(tmp_path: Path):
     assert ensure_tiny_model(target) == target
     assert (target / "model.safetensors").stat().st_mtime_ns == before
     assert [p.name for p in tmp_path.iterdir()] == ["tiny"]  # no temp directory left behind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("sizes", [[], [(224, 224), (100, 333)]], ids=["text", "2-images"])
+def test_decode_from_a_copied_kv_cache_matches_generate(dtype, sizes):
+    """Prefill, copy the KV tensors into a fresh cache (as the KV transfer does), decode greedily at
+    `next_position + i`: the 16 tokens equal `model.generate`'s."""
+    configure_torch()
+    model = load_model(dtype=dtype)
+    rng = np.random.default_rng(9)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    if images:
+        pixel_values, grid = preprocess(images)
+        embeds = VisionEncoder(model).encode(pixel_values, grid)
+        input_ids = build_input_ids("tell me", grid.tolist())
+    else:
+        pixel_values = grid = embeds = None
+        input_ids = build_input_ids("tell me", [])
+    result = PrefillRunner(model).prefill(input_ids, embeds, grid)
+    copied = DynamicCache([(k.clone(), v.clone()) for k, v in result.kv_tensors()], config=model.config)
+    tokens = DecodeRunner(model).greedy(result.logits, copied, result.next_position, 16)
+    assert tokens == monolithic_generate(model, input_ids, pixel_values, grid, 16)

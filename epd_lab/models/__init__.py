@@ -2,7 +2,8 @@
 
 - `tiny`: the config, deterministic build, offline load (`load_model`), `configure_torch`.
 - `processor`: image preprocessing, image sizes → token counts, prompt ids without a tokenizer.
-- `runners`: `VisionEncoder` (encode), `PrefillRunner` (prefill), and the monolithic references.
+- `runners`: `VisionEncoder` (encode), `PrefillRunner` (prefill), `DecodeRunner` (decode steps on a received
+  KV cache), and the monolithic references.
 """
 from epd_lab.models.processor import (
     build_input_ids,
@@ -13,6 +14,7 @@ from epd_lab.models.processor import (
     resized_size,
 )
 from epd_lab.models.runners import (
+    DecodeRunner,
     PrefillResult,
     PrefillRunner,
     VisionEncoder,
@@ -37,6 +39,7 @@ __all__ = [
     "IMAGE_PAD_ID",
     "VISION_END_ID",
     "VISION_START_ID",
+    "DecodeRunner",
     "PrefillResult",
     "PrefillRunner",
     "VisionEncoder",

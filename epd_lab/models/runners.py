@@ -99,6 +99,34 @@ class PrefillRunner:
         )
 
 
+class DecodeRunner:
+    """The decode role's model work: steps after prefill, on a KV cache that came from elsewhere.
+
+    Token i after the prompt is fed at mrope position `next_position + i` on all three axes (DESIGN.md §4):
+    without the prefill's rope delta, decode runs and silently produces other tokens.
+    """
+
+    def __init__(self, model: Qwen2VLForConditionalGeneration) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def step(self, token: int, cache: DynamicCache, position: int) -> torch.Tensor:
+        """Feed one token at `position`; returns the next logits [1, vocab] (the cache grows by one)."""
+        input_ids = torch.tensor([[token]])
+        position_ids = torch.full((3, 1, 1), position, dtype=torch.long)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def greedy(self, prefill_logits: torch.Tensor, cache: DynamicCache, next_position: int,
+               max_new_tokens: int) -> list[int]:
+        """`max_new_tokens` greedy tokens: the first from the prefill's logits, then one step each."""
+        tokens = [int(prefill_logits.argmax(-1))]
+        for i in range(max_new_tokens - 1):
+            tokens.append(int(self.step(tokens[-1], cache, next_position + i).argmax(-1)))
+        return tokens
+
+
 def _vision_kwargs(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,
                    pixel_values: torch.Tensor | None,
                    image_grid_thw: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
