@@ -135,8 +135,10 @@ class PagedKVCache:
                 if src.shape[0] != 1 or src.shape[1] != self.num_kv_heads or src.shape[3] != self.head_dim:
                     raise ValueError(f"layer {i}: shape {tuple(src.shape)} is not "
                                      f"[1, {self.num_kv_heads}, seq, {self.head_dim}]")
+                if src.dtype != self.dtype:  # a silent cast would break decode's bit-identity
+                    raise ValueError(f"layer {i}: KV is {src.dtype}, the cache {self.dtype}")
                 flat = region.view(-1, self.num_kv_heads, self.head_dim)
-                flat[slots] = src[0, :, :num_tokens].transpose(0, 1).to(self.dtype)
+                flat[slots] = src[0, :, :num_tokens].transpose(0, 1)
 
     def read_layers(self, block_ids: Sequence[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Gather `num_tokens` positions from `block_ids`: per layer (key, value), [1, heads, seq, head_dim]."""

@@ -1,0 +1,305 @@
+"""The P→D side channel (seed 003): the producer (prefill) serves a ZMQ ROUTER, the consumer (decode) asks
+over REQ, the producer writes the blocks with one batch write and answers ``TRANS_DONE`` / ``TRANS_ERROR``.
+
+    producer = KVProducer(engine, cache, free_blocks=blocks.free)      # prefill
+    producer.ready(request_id, block_ids)                              # after its prefill wrote the KV
+    consumer = KVConsumer(engine, cache)                               # decode
+    consumer.receive_kv(producer.url, request_id, block_ids)           # returns once the KV is in place
+
+Bounded everywhere, so no request waits forever (vLLM #35943): the producer answers ``TRANS_ERROR`` for a
+request not readied within `timeout`, and frees a readied request's blocks once it is answered or after
+`free_timeout` if decode never asks; the consumer raises `KVTransferError` on ``TRANS_ERROR``, after
+`timeout` without an answer (producer dead or stuck), or on a reply it cannot decode.
+
+Limit kept from the seed: after a consumer timed out, a producer that was only slow may still write into
+the blocks it named. Decode should not hand those blocks to another request before the producer's
+`timeout` has passed too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from epd_lab.kv.messages import MooncakeAgentMetadata, TransDone, TransError, decode_metadata, decode_reply, encode
+from epd_lab.kv.paged_cache import PagedKVCache
+from epd_lab.kv.transfer import BlockCopies, block_copies
+from epd_lab.transfer.engine import parse_session_id
+
+log = logging.getLogger(__name__)
+
+
+class KVTransferError(RuntimeError):
+    """The KV of a request did not arrive: ``TRANS_ERROR``, a timeout, or a dead producer."""
+
+
+@dataclass(slots=True)
+class _Ready:
+    block_ids: list[int]
+    expires: float  # monotonic time after which the blocks are freed unasked
+
+
+@dataclass(slots=True)
+class _Ask:
+    envelope: list[bytes]  # ROUTER identity and REQ delimiter: where the reply goes
+    metadata: MooncakeAgentMetadata
+    deadline: float  # monotonic time after which a request still not ready is an error
+
+
+class KVProducer:
+    """The prefill side: serves the consumers' metadata on a ROUTER socket from one thread.
+
+    Args:
+        engine: the transfer engine the cache is registered with (the writes' source).
+        cache: the prefill's registered `PagedKVCache`.
+        free_blocks: called with a request's block ids once the producer is done with them (after its
+            answer, or after `free_timeout` unasked, or at `close`); typically `BlockManager.free`.
+        host, port: where the ROUTER binds; port 0 lets the OS choose (`url` tells).
+        timeout: seconds an ask waits for its requests to be readied before ``TRANS_ERROR``.
+        free_timeout: seconds a readied request waits to be asked before its blocks are freed.
+    """
+
+    def __init__(self, engine: Any, cache: PagedKVCache, *, free_blocks: Callable[[list[int]], None],
+                 host: str = "127.0.0.1", port: int = 0, timeout: float = 5.0, free_timeout: float = 30.0) -> None:
+        if timeout <= 0 or free_timeout <= 0:
+            raise ValueError(f"timeout and free_timeout must be positive, got {timeout}, {free_timeout}")
+        if not cache.keys:
+            raise ValueError("the cache is not registered with a transfer engine")
+        self.engine, self.cache, self.free_blocks = engine, cache, free_blocks
+        self.timeout, self.free_timeout = timeout, free_timeout
+        self._ready: dict[str, _Ready] = {}
+        self._asks: list[_Ask] = []  # touched by the serving thread only
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(
+            ("transfers_done", "transfers_failed", "requests_done", "requests_failed", "requests_expired",
+             "malformed", "blocks_freed", "bytes_sent"), 0)
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError:
+            self._socket.close()
+            raise
+        self.url: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # ready() and close() wake the serving thread through this pipe; the thread owns the socket.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="kv-producer", daemon=True)
+        self._thread.start()
+
+    # ---- the scheduler side ----
+    def ready(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Mark `request_id`'s prefill KV as written into `block_ids`: it may now be sent."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("the producer is closed")
+            if request_id in self._ready:
+                raise ValueError(f"request {request_id!r} is already ready")
+            self._ready[request_id] = _Ready(list(block_ids), time.monotonic() + self.free_timeout)
+        self._wake()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``requests_ready`` (readied, not yet asked), ``transfers_done`` / ``transfers_failed``
+        (asks answered ``TRANS_DONE`` / ``TRANS_ERROR``), ``requests_done`` / ``requests_failed``,
+        ``requests_expired`` (freed unasked), ``malformed`` (frames that were not metadata),
+        ``blocks_freed``, ``bytes_sent``."""
+        with self._lock:
+            return {"requests_ready": len(self._ready), **self._counters}
+
+    # ---- the worker side (serving thread) ----
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._closed:
+            events = dict(poller.poll(self._poll_ms()))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            while self._socket.poll(0, zmq.POLLIN):
+                self._on_frames(self._socket.recv_multipart(copy=False))
+            self._serve_asks()
+            self._expire_ready()
+        for ask in self._asks:  # answered, not left waiting for the consumer's timeout
+            self._reply(ask.envelope, TransError(ask.metadata.request_ids, "the producer is shutting down"))
+        self._asks.clear()
+
+    def _poll_ms(self) -> int:
+        with self._lock:
+            deadlines = [a.deadline for a in self._asks] + [r.expires for r in self._ready.values()]
+        if not deadlines:
+            return 1000
+        return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        # ROUTER put the sender's identity first; a REQ sender adds an empty delimiter. The reply goes
+        # back with whatever envelope came, so even a frame without the delimiter is answered.
+        envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
+        try:
+            metadata = decode_metadata(payload)
+        except (msgspec.DecodeError, ValueError) as exc:
+            self._count("malformed")
+            self._reply(envelope, TransError([], f"malformed metadata: {exc}"))
+            return
+        self._asks.append(_Ask(envelope, metadata, time.monotonic() + self.timeout))
+
+    def _serve_asks(self) -> None:
+        now, waiting = time.monotonic(), []
+        for ask in self._asks:
+            with self._lock:
+                entries = [self._ready.get(rid) for rid in ask.metadata.request_ids]
+                if all(entries):
+                    for rid in ask.metadata.request_ids:
+                        del self._ready[rid]
+            if all(entries):
+                self._send(ask, entries)
+            elif now >= ask.deadline:
+                missing = [rid for rid, e in zip(ask.metadata.request_ids, entries) if e is None]
+                self._count("transfers_failed")
+                error = f"request(s) {missing} not found on the producer within {self.timeout} s"
+                self._reply(ask.envelope, TransError(ask.metadata.request_ids, error))
+            else:
+                waiting.append(ask)
+        self._asks = waiting
+
+    def _send(self, ask: _Ask, entries: list[_Ready]) -> None:
+        meta = ask.metadata
+        try:
+            copies = self._copies(meta, entries)
+            self.engine.batch_transfer_sync_write(meta.session_id, *copies)
+        except Exception as exc:  # any failure is the consumer's TRANS_ERROR, never a crash of this thread
+            reply: TransDone | TransError = TransError(meta.request_ids, f"{type(exc).__name__}: {exc}")
+            self._count("transfers_failed", requests_failed=len(entries))
+        else:
+            reply = TransDone(meta.request_ids)
+            self._count("transfers_done", requests_done=len(entries), bytes_sent=sum(copies.lengths))
+        self._reply(ask.envelope, reply)
+        for entry in entries:  # answered either way: decode will not ask again
+            self._free(entry.block_ids)
+
+    def _copies(self, meta: MooncakeAgentMetadata, entries: list[_Ready]) -> BlockCopies:
+        if meta.block_len != self.cache.block_len or len(meta.kv_caches_base_addr) != len(self.cache.base_addrs):
+            raise ValueError(f"decode's cache ({len(meta.kv_caches_base_addr)} regions, block_len {meta.block_len}) "
+                             f"does not match prefill's ({len(self.cache.base_addrs)}, {self.cache.block_len})")
+        out = BlockCopies([], [], [], [])
+        for rid, entry, dst_ids in zip(meta.request_ids, entries, meta.block_ids):
+            if len(dst_ids) != len(entry.block_ids):
+                raise ValueError(f"request {rid!r}: decode sent {len(dst_ids)} blocks, "
+                                 f"prefill has {len(entry.block_ids)}")
+            part = block_copies(self.cache.base_addrs, meta.kv_caches_base_addr, entry.block_ids, dst_ids,
+                                self.cache.block_len, meta.rkeys)
+            for mine, theirs in zip(out, part):
+                mine.extend(theirs)
+        return out
+
+    def _expire_ready(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, r in self._ready.items() if now >= r.expires]
+            entries = [self._ready.pop(rid) for rid in expired]
+        for rid, entry in zip(expired, entries):
+            log.warning("KV of request %r was never asked for within %s s; freeing its blocks", rid, self.free_timeout)
+            self._count(requests_expired=1)
+            self._free(entry.block_ids)
+
+    def _reply(self, envelope: list[bytes], reply: TransDone | TransError) -> None:
+        # A consumer that gave up is gone: ROUTER drops the reply instead of blocking.
+        self._socket.send_multipart([*envelope, encode(reply)])
+
+    def _free(self, block_ids: list[int]) -> None:
+        try:
+            self.free_blocks(block_ids)
+        except Exception:  # a bad callback must not stop the side channel
+            log.exception("free_blocks(%s) failed", block_ids)
+        else:
+            self._count(blocks_freed=len(block_ids))
+
+    def _count(self, *names: str, **amounts: int) -> None:
+        with self._lock:
+            for name in names:
+                self._counters[name] += 1
+            for name, amount in amounts.items():
+                self._counters[name] += amount
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the thread is already due to wake
+            pass
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Answer waiting asks with ``TRANS_ERROR``, free the blocks of readied requests, stop. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        self._thread.join()
+        self._socket.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with self._lock:
+            entries, self._ready = list(self._ready.values()), {}
+        for entry in entries:
+            self._free(entry.block_ids)
+
+    def __enter__(self) -> "KVProducer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVConsumer:
+    """The decode side: asks a producer to write a request's KV into this role's blocks.
+
+    Args:
+        engine: the transfer engine the cache is registered with (the writes' destination).
+        cache: the decode's registered `PagedKVCache`.
+        timeout: seconds `receive_kv` waits for the producer's answer.
+    """
+
+    def __init__(self, engine: Any, cache: PagedKVCache, *, timeout: float = 5.0) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if not cache.keys:
+            raise ValueError("the cache is not registered with a transfer engine")
+        self.engine, self.cache, self.timeout = engine, cache, timeout
+
+    def metadata(self, request_id: str, block_ids: Sequence[int]) -> MooncakeAgentMetadata:
+        """The agent metadata that asks for `request_id`'s KV in `block_ids`."""
+        host, port = parse_session_id(self.engine.session_id)
+        return MooncakeAgentMetadata(
+            remote_hostname=host, remote_port=port, request_ids=[request_id],
+            kv_caches_base_addr=self.cache.base_addrs, block_ids=[list(block_ids)],
+            session_id=self.engine.session_id, rkeys=list(self.cache.keys), block_len=self.cache.block_len)
+
+    def receive_kv(self, producer_url: str, request_id: str, block_ids: Sequence[int]) -> None:
+        """Have the producer at `producer_url` write `request_id`'s KV into `block_ids`; returns on
+        ``TRANS_DONE``. Raises `KVTransferError` otherwise; the blocks stay the caller's to free."""
+        payload = encode(self.metadata(request_id, block_ids))
+        # A socket per call: a REQ that timed out is stuck waiting for its reply and cannot send again.
+        with zmq.Context.instance().socket(zmq.REQ) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(producer_url)
+            sock.send(payload)
+            if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
+                raise KVTransferError(f"request {request_id!r}: no answer from the producer at {producer_url} "
+                                      f"within {self.timeout} s (dead or stuck)")
+            frame = sock.recv(copy=False)
+        try:
+            reply = decode_reply(frame.buffer)
+        except msgspec.DecodeError as exc:
+            raise KVTransferError(f"request {request_id!r}: unreadable reply from {producer_url}: {exc}") from None
+        if isinstance(reply, TransError):
+            raise KVTransferError(f"request {request_id!r}: TRANS_ERROR from {producer_url}: {reply.error}")
+        if reply.request_ids != [request_id]:
+            raise KVTransferError(f"request {request_id!r}: TRANS_DONE for {reply.request_ids} instead")

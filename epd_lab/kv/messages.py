@@ -1,0 +1,84 @@
+"""Wire messages of the P→D side channel: msgpack structs with a type tag and one codec (no pickle).
+
+The consumer (decode) sends `MooncakeAgentMetadata`, the seed's struct plus what our engine needs
+(`session_id`, a key per destination region, `block_len`); the producer (prefill) answers `TransDone`
+(the seed's ``TRANS_DONE``) or `TransError` (``TRANS_ERROR``). Everything is validated on decode.
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from epd_lab.transfer.engine import parse_session_id
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+MAX_MESSAGE_BYTES = 16 << 20  # a metadata frame larger than this is refused before decoding
+
+
+class MooncakeAgentMetadata(msgspec.Struct, tag="metadata", forbid_unknown_fields=True):
+    """Decode → prefill: write these requests' KV into my blocks.
+
+    `kv_caches_base_addr` and `rkeys` list the destination regions in `PagedKVCache.base_addrs` order
+    (``[K0, V0, K1, V1, ...]``); `block_ids[i]` are the destination blocks of `request_ids[i]`.
+    """
+
+    remote_hostname: str  # the decode engine's host
+    remote_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]  # the decode engine's port
+    request_ids: list[str]
+    kv_caches_base_addr: list[NonNegative]
+    block_ids: list[list[NonNegative]]
+    session_id: str  # "remote_hostname:remote_port", what batch_transfer_sync_write takes
+    rkeys: list[NonNegative]
+    block_len: Annotated[int, msgspec.Meta(gt=0)]  # bytes per block per region: both sides must agree
+
+    def __post_init__(self) -> None:
+        # msgspec turns a ValueError here into a ValidationError of the decode.
+        if not self.request_ids:
+            raise ValueError("no request_ids")
+        if len(self.block_ids) != len(self.request_ids):
+            raise ValueError(f"{len(self.block_ids)} block lists for {len(self.request_ids)} requests")
+        if len(self.rkeys) != len(self.kv_caches_base_addr):
+            raise ValueError(f"{len(self.rkeys)} rkeys for {len(self.kv_caches_base_addr)} regions")
+        host, port = parse_session_id(self.session_id)
+        if (host, port) != (self.remote_hostname.strip("[]"), self.remote_port):
+            raise ValueError(f"session_id {self.session_id!r} is not {self.remote_hostname}:{self.remote_port}")
+
+
+class TransDone(msgspec.Struct, tag="TRANS_DONE"):
+    """Prefill → decode: every block of these requests is in the decode's memory."""
+
+    request_ids: list[str]
+
+
+class TransError(msgspec.Struct, tag="TRANS_ERROR"):
+    """Prefill → decode: the transfer failed (or a request was not found); decode fails the requests."""
+
+    request_ids: list[str]
+    error: str
+
+
+Message = MooncakeAgentMetadata | TransDone | TransError
+Reply = TransDone | TransError
+
+_encoder = msgspec.msgpack.Encoder()
+_metadata_decoder = msgspec.msgpack.Decoder(MooncakeAgentMetadata)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack with the type tag."""
+    return _encoder.encode(msg)
+
+
+def decode_metadata(frame: bytes | memoryview) -> MooncakeAgentMetadata:
+    """Validate and decode the consumer's request; raises `msgspec.DecodeError` (a `ValidationError`
+    for well-formed msgpack that is not valid metadata) or `ValueError` on an oversized frame."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"metadata frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return _metadata_decoder.decode(frame)
+
+
+def decode_reply(frame: bytes | memoryview) -> TransDone | TransError:
+    """Validate and decode the producer's reply; raises `msgspec.DecodeError` on anything else."""
+    return _reply_decoder.decode(frame)
