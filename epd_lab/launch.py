@@ -46,6 +46,11 @@ class Topology:
         dtype: ``float32`` or ``bfloat16``.
         timeout: seconds for a request (and for each process to come up, times 6).
         pool_bytes: the receiver's persistent pool (0: a buffer per request, as the seed).
+        prefills: prefill servers (`epd_lab.pd.prefill_server`), each fanning images out to all
+            encoders; 0 keeps the prefill role in the driver (`Cluster.receiver`).
+        decodes: decode servers (`epd_lab.pd.decode_server`).
+        proxy: start the OpenAI-compatible proxy in front of the prefills and decodes.
+        kv_blocks: KV-cache blocks per prefill and decode server.
     """
 
     encoders: int = 1
@@ -55,6 +60,10 @@ class Topology:
     dtype: str = "float32"
     timeout: float = 10.0
     pool_bytes: int = 0
+    prefills: int = 0
+    decodes: int = 0
+    proxy: bool = False
+    kv_blocks: int = 512
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -65,6 +74,10 @@ class Topology:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive")
+        if self.prefills < 0 or self.decodes < 0:
+            raise ValueError("prefills and decodes must be >= 0")
+        if self.proxy and not (self.prefills and self.decodes):
+            raise ValueError("the proxy needs at least one prefill and one decode server")
 
 
 class Cluster:
@@ -76,11 +89,20 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.encoder_urls: list[str] = []
+        self.prefill_urls: list[str] = []
+        self.decode_urls: list[str] = []
+        self.proxy_url: str | None = None
         _LIVE.add(self)
         try:
             for i in range(topology.encoders):
                 self.encoder_urls.append(self._start(f"encoder{i}", self._encoder_cmd()))
-            for url in self.encoder_urls:
+            for i in range(topology.prefills):
+                self.prefill_urls.append(self._start(f"prefill{i}", self._server_cmd("prefill_server")))
+            for i in range(topology.decodes):
+                self.decode_urls.append(self._start(f"decode{i}", self._server_cmd("decode_server")))
+            if topology.proxy:
+                self.proxy_url = self._start("proxy", self._proxy_cmd())
+            for url in self.urls():
                 self._wait_healthy(url)
         except BaseException:
             self.close()
@@ -91,6 +113,23 @@ class Cluster:
         cmd = [sys.executable, "-m", "epd_lab.epd.encoder", "--host", "127.0.0.1", "--port", "0",
                "--backend", t.backend, "--transport", t.transport, "--dtype", t.dtype, "--timeout", str(t.timeout)]
         return cmd + (["--model", t.model] if t.model else [])
+
+    def urls(self) -> list[str]:
+        """Every server's base URL: encoders, prefills, decodes, proxy."""
+        return [*self.encoder_urls, *self.prefill_urls, *self.decode_urls, *([self.proxy_url] if self.proxy_url else [])]
+
+    def _server_cmd(self, module: str) -> list[str]:
+        t = self.topology
+        cmd = [sys.executable, "-m", f"epd_lab.pd.{module}", "--host", "127.0.0.1", "--port", "0",
+               "--dtype", t.dtype, "--timeout", str(t.timeout), "--kv-blocks", str(t.kv_blocks)]
+        if module == "prefill_server" and self.encoder_urls:
+            cmd += ["--encoders", ",".join(self.encoder_urls), "--backend", t.backend]
+        return cmd + (["--model", t.model] if t.model else [])
+
+    def _proxy_cmd(self) -> list[str]:
+        return [sys.executable, "-m", "epd_lab.pd.proxy", "--host", "127.0.0.1", "--port", "0",
+                "--prefill", ",".join(self.prefill_urls), "--decode", ",".join(self.decode_urls),
+                "--timeout", str(self.topology.timeout)]
 
     def _start(self, name: str, cmd: list[str]) -> str:
         log = self.log_dir / f"{name}.log"
@@ -201,10 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a local model directory (default: the tiny Qwen2-VL)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--prefills", type=int, default=0, help="prefill servers (0: none)")
+    ap.add_argument("--decodes", type=int, default=0, help="decode servers (0: none)")
+    ap.add_argument("--proxy", action="store_true", help="the OpenAI-compatible proxy in front")
+    ap.add_argument("--kv-blocks", type=int, default=512)
     args = ap.parse_args(argv)
-    topo = Topology(args.encoders, args.backend, args.transport, args.model, args.dtype, args.timeout)
+    topo = Topology(args.encoders, args.backend, args.transport, args.model, args.dtype, args.timeout,
+                    prefills=args.prefills, decodes=args.decodes, proxy=args.proxy, kv_blocks=args.kv_blocks)
     with Cluster(topo) as cluster:
-        print(json.dumps({"encoders": cluster.encoder_urls, "backend": topo.backend,
+        print(json.dumps({"encoders": cluster.encoder_urls, "prefills": cluster.prefill_urls,
+                          "decodes": cluster.decode_urls, "proxy": cluster.proxy_url, "backend": topo.backend,
                           "logs": [str(p) for p in cluster.logs]}), flush=True)
         try:
             while all(cluster.alive()):
