@@ -197,7 +197,8 @@ class Cluster:
 
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the process that started it dies, even by SIGKILL, so a
-    killed notebook kernel or benchmark leaves no encoder behind (Linux's PR_SET_PDEATHSIG)."""
+    killed notebook kernel or benchmark leaves no encoder behind (Linux's PR_SET_PDEATHSIG). The signal
+    follows the *thread* that started the child: start clusters from a thread that outlives them."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)

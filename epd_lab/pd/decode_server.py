@@ -1,0 +1,448 @@
+"""The decode server (D of EPD): the KV consumer of seed 003, then generation.
+
+``POST /v1/decode`` (`DecodeRequest` → `DecodeResponse`, or NDJSON with ``"stream": true``):
+
+1. Allocate the request's blocks, ask the producer named by ``kv_transfer_params.remote_url`` for them over the
+   ZMQ side channel (`KVConsumer.receive_kv`), gather them into a `DynamicCache` and free the blocks at once
+   (the cache is a copy). ``TRANS_ERROR`` → 502, no answer within ``--timeout`` (producer dead or stuck) → 504,
+   with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
+   before they go back to the pool: a producer that was only slow may still write into them.
+2. Generate: token 0 is prefill's ``first_token``; token i+1 comes from
+   ``DecodeRunner.step(token_i, cache, prompt_len + rope_delta + i)``, greedy at temperature 0, else sampled
+   from ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
+
+Concurrency: ONE scheduler thread owns the model and runs the active requests round-robin, one decode step
+of each per turn (no tensor batching: each step is a batch of one, so every request's tokens are exactly the
+single-request ones). KV transfers run in other threads meanwhile. A streaming client that disconnects marks
+its request cancelled; the scheduler drops it (and its cache) before its next step.
+
+Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
+KV pool exhausted 503, TRANS_ERROR 502, timeout 504. An error after streaming began is a last NDJSON line
+``{"error": "..."}``.
+
+``GET /health`` (blocks free/used/quarantined, active requests, counters), ``GET /metrics`` (Prometheus).
+
+Run: ``python -m epd_lab.pd.decode_server --port 0`` prints ``{"url": ..., "pid": ...}``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from transformers import DynamicCache
+
+from epd_lab import models
+from epd_lab.epd.messages import DTYPES
+from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
+from epd_lab.pd import bind_tcp, metrics_text, serve_and_announce, url_of
+from epd_lab.pd.messages import (
+    DecodeRequest,
+    DecodeResponse,
+    ErrorResponse,
+    StreamDone,
+    StreamToken,
+    encode,
+)
+from epd_lab.pd.prefill_server import HTTPError, decode_body, read_body
+from epd_lab.trace import Span
+from epd_lab.transfer import open_engine
+from epd_lab.transfer.engine import ENGINES
+
+_DONE = object()  # the queue's end marker
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class DecodeSettings:
+    """What a decode server is started with; checked on construction (`ValueError`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    transport: str = "auto"
+    model: str | None = None
+    dtype: str = "float32"
+    kv_blocks: int = 512
+    block_size: int = 16
+    timeout: float = 10.0  # the side channel's wait for the producer's answer
+    kv_quarantine: float | None = None  # blocks of a timed-out transfer rest this long (None: timeout)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        for name in ("kv_blocks", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.kv_quarantine is not None and self.kv_quarantine < 0:
+            raise ValueError(f"kv_quarantine must be >= 0, got {self.kv_quarantine}")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Generation:
+    """One admitted request: its private cache and where its tokens go."""
+
+    rid: str
+    cache: DynamicCache
+    next_position: int  # mrope position of token 0 (prompt_len + rope_delta)
+    max_tokens: int
+    temperature: float
+    generator: torch.Generator | None
+    emit: Callable[[Any], None]  # thread-safe: an int token, _DONE, or an Exception
+    tokens: list[int]
+    spans: list[Span]
+    cancelled: bool = False
+
+
+class DecodeServer:
+    """The decode role's state: model, registered paged cache, blocks, KV consumer, the scheduler thread."""
+
+    def __init__(self, settings: DecodeSettings) -> None:
+        self.settings = settings
+        models.configure_torch(threads=1)  # bit-identity with prefill
+        dtype = DTYPES[settings.dtype]
+        self.model = models.load_model(settings.model, dtype=dtype)
+        self.runner = models.DecodeRunner(self.model)
+        self.node = f"decode:{settings.port}"
+        self.engine = open_engine(settings.transport, settings.host, settings.timeout)
+        try:
+            self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
+                                                  block_size=settings.block_size, dtype=dtype, engine=self.engine)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.blocks = BlockManager(settings.kv_blocks)
+        self.consumer = KVConsumer(self.engine, self.cache, timeout=settings.timeout)
+        self.quarantine_s = settings.timeout if settings.kv_quarantine is None else settings.kv_quarantine
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.statuses: collections.Counter[int] = collections.Counter()
+        self._quarantined = 0
+        self._timers: set[threading.Timer] = set()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._active: list[_Generation] = []
+        self._closed = False
+        self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
+        self._thread = threading.Thread(target=self._schedule, name="decode-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- KV ----
+    def fetch_kv(self, req: DecodeRequest) -> tuple[DynamicCache, Span]:
+        """Receive the request's KV (in a worker thread) and gather it; raises `HTTPError`."""
+        p = req.kv_transfer_params
+        n = blocks_needed(p.prompt_len, self.cache.block_size)
+        if p.num_blocks != n:
+            raise HTTPError(400, f"kv_transfer_params: {p.prompt_len} tokens take {n} blocks of "
+                                 f"{self.cache.block_size}, not {p.num_blocks} (prefill's block size differs?)")
+        try:
+            ids = self.blocks.allocate(n)
+        except OutOfBlocks as exc:
+            self._count("kv_pool_exhausted")
+            raise HTTPError(503, f"KV pool exhausted: {exc}") from None
+        quarantine = False
+        t0 = time.monotonic_ns()
+        try:
+            try:
+                self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids)
+            except KVTransferError as exc:
+                quarantine = "no answer from the producer" in str(exc)  # it may still write into them
+                self._count("kv_timeouts" if quarantine else "kv_errors")
+                raise HTTPError(504 if quarantine else 502, str(exc)) from None
+            except zmq.ZMQError as exc:
+                raise HTTPError(400, f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
+            nbytes = n * self.cache.block_len * 2 * self.cache.num_layers
+            span = Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes)
+            cache = self.cache.read_to_dynamic_cache(ids, p.prompt_len, self.model.config)
+            self._count(kv_bytes=nbytes)
+            return cache, span
+        finally:
+            if quarantine and self.quarantine_s > 0:
+                self._quarantine(ids)
+            else:
+                self.blocks.free(ids)
+
+    def _quarantine(self, ids: list[int]) -> None:
+        def release() -> None:
+            with self._lock:
+                self._quarantined -= len(ids)
+                self._timers.discard(timer)
+            self.blocks.free(ids)
+
+        timer = threading.Timer(self.quarantine_s, release)
+        timer.daemon = True
+        with self._lock:
+            self._quarantined += len(ids)
+            self._timers.add(timer)
+        timer.start()
+
+    # ---- generation ----
+    def admit(self, req: DecodeRequest, cache: DynamicCache, spans: list[Span],
+              emit: Callable[[Any], None]) -> _Generation:
+        """Emit token 0 and queue the rest with the scheduler."""
+        p = req.kv_transfer_params
+        generator = None
+        if req.temperature > 0:
+            generator = torch.Generator()
+            if req.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(req.seed)
+        gen = _Generation(req.request_id, cache, p.prompt_len + p.rope_delta, req.max_tokens, req.temperature,
+                          generator, emit, [p.first_token], spans)
+        self._count("requests_admitted", tokens_generated=1)
+        emit(p.first_token)
+        if req.max_tokens == 1:
+            self._count("requests_finished")
+            emit(_DONE)
+            return gen
+        with self._cond:
+            self._active.append(gen)
+            self._cond.notify()
+        return gen
+
+    def _schedule(self) -> None:
+        """Round-robin: one step of every active request per turn."""
+        while True:
+            with self._cond:
+                while not self._active and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    batch, self._active = self._active, []
+                    for gen in batch:
+                        gen.emit(RuntimeError("the decode server is shutting down"))
+                    return
+                batch = list(self._active)
+            finished: list[_Generation] = []
+            for gen in batch:
+                if gen.cancelled:
+                    finished.append(gen)
+                    self._count("requests_cancelled")
+                    continue
+                try:
+                    done = self._step(gen)
+                except Exception as exc:  # noqa: BLE001 - the request fails, the scheduler keeps going
+                    finished.append(gen)
+                    self._count("requests_failed")
+                    gen.emit(exc)
+                    continue
+                if done:
+                    finished.append(gen)
+                    self._count("requests_finished")
+                    gen.emit(_DONE)
+            if finished:
+                with self._cond:
+                    self._active = [g for g in self._active if g not in finished]
+                for gen in finished:
+                    gen.cache = None  # the KV copy goes now, not when the handler's frame does
+
+    def _step(self, gen: _Generation) -> bool:
+        """One decode step of `gen`: feed its last token, emit the next. True when it has all its tokens."""
+        i = len(gen.tokens) - 1
+        t0 = time.monotonic_ns()
+        logits = self.runner.step(gen.tokens[-1], gen.cache, gen.next_position + i)
+        if gen.generator is None:
+            token = int(logits.argmax(-1))
+        else:
+            probs = torch.softmax(logits.float() / gen.temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=gen.generator))
+        gen.tokens.append(token)
+        gen.spans.append(Span(gen.rid, i + 1, "decode_step", self.node, t0, time.monotonic_ns()))
+        self._count(tokens_generated=1)
+        gen.emit(token)
+        return len(gen.tokens) >= gen.max_tokens
+
+    # ---- health, metrics, lifetime ----
+    def _count(self, *names: str, **amounts: int) -> None:
+        with self._lock:
+            for name in names:
+                self.counters[name] += 1
+            for name, amount in amounts.items():
+                self.counters[name] += amount
+
+    def health(self) -> dict:
+        with self._lock:
+            active, quarantined, counters = len(self._active), self._quarantined, dict(self.counters)
+        return {"status": "ok", "role": "decode", "model": self.settings.model or "tiny-qwen2-vl",
+                "dtype": self.settings.dtype, "session_id": self.engine.session_id,
+                "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
+                "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
+                "block_size": self.cache.block_size, "active_requests": active, "counters": counters}
+
+    def metrics(self) -> str:
+        h = self.health()
+        c = collections.Counter(h["counters"])
+        lines = ["# HELP epd_decode_http_requests_total /v1/decode answers by status",
+                 "# TYPE epd_decode_http_requests_total counter"]
+        lines += [f'epd_decode_http_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.statuses.items())]
+        return "\n".join(lines) + "\n" + metrics_text("epd_decode", [
+            ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
+            ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving or quarantined)"),
+            ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
+            ("active_requests", "gauge", h["active_requests"], "requests generating"),
+            ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
+            ("requests_cancelled_total", "counter", c["requests_cancelled"], "requests whose client went away"),
+            ("requests_failed_total", "counter", c["requests_failed"], "requests that failed while generating"),
+            ("tokens_generated_total", "counter", c["tokens_generated"], "tokens emitted"),
+            ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
+            ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
+            ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
+        ])
+
+    def close(self) -> None:
+        """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            timers = list(self._timers)
+        self._thread.join()
+        self.io.shutdown(wait=True, cancel_futures=True)
+        for timer in timers:
+            timer.cancel()
+        self.cache.close()
+        self.engine.close()
+
+
+def _error(status: int, detail: str) -> Response:
+    return Response(encode(ErrorResponse(detail)), status_code=status, media_type="application/json")
+
+
+def _line(msg: msgspec.Struct | dict) -> bytes:
+    return msgspec.json.encode(msg) + b"\n"
+
+
+class _GenerationStream(StreamingResponse):
+    """A streaming response that cancels its generation however the response ends: also when the client went
+    away before the body generator ever started (then the generator's own ``finally`` never runs)."""
+
+    def __init__(self, gen: _Generation, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.cancelled = True
+
+
+def create_app(settings: DecodeSettings) -> FastAPI:
+    """The decode server's app; the model loads and the cache registers in its lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server = await asyncio.to_thread(DecodeServer, settings)
+        app.state.server = server
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.close)
+
+    app = FastAPI(title="epd_lab decode", lifespan=lifespan)
+
+    @app.post("/v1/decode")
+    async def decode(request: Request) -> Response:
+        server: DecodeServer = app.state.server
+        try:
+            out = await _decode(server, request)
+        except HTTPError as exc:
+            out = _error(exc.status, exc.detail)
+        except Exception as exc:  # noqa: BLE001 - every answer is {"detail": ...}
+            out = _error(500, f"{type(exc).__name__}: {exc}")
+        server.statuses[out.status_code] += 1
+        return out
+
+    async def _decode(server: DecodeServer, request: Request) -> Response:
+        req: DecodeRequest = decode_body(await read_body(request), DecodeRequest)
+        loop = asyncio.get_running_loop()
+        cache, kv_span = await loop.run_in_executor(server.io, server.fetch_kv, req)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+                pass
+
+        gen = server.admit(req, cache, [kv_span], emit)
+        del cache
+        if req.stream:
+            return _GenerationStream(gen, _stream(gen, queue), media_type="application/x-ndjson")
+        try:
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, Exception):
+                    raise HTTPError(500, f"decode failed: {type(item).__name__}: {item}")
+        finally:
+            gen.cancelled = True  # a no-op once it finished; stops it if this handler was cancelled
+        return Response(encode(DecodeResponse(req.request_id, list(gen.tokens), "length", gen.spans)),
+                        media_type="application/json")
+
+    async def _stream(gen: _Generation, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+        # A client that goes away cancels this generator (Starlette listens for http.disconnect): the finally
+        # marks the request cancelled and the scheduler drops it before its next step.
+        try:
+            index = 0
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, Exception):
+                    yield _line({"error": f"decode failed: {type(item).__name__}: {item}"})
+                    return
+                yield _line(StreamToken(item, index))
+                index += 1
+            yield _line(StreamDone(True, "length", gen.spans))
+        finally:
+            gen.cancelled = True
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(msgspec.json.encode(app.state.server.health()), media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(app.state.server.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> DecodeSettings:
+    d = {f.name: f.default for f in dataclasses.fields(DecodeSettings)}
+    ap = argparse.ArgumentParser(prog="python -m epd_lab.pd.decode_server", description="the EPD decode server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap.add_argument("--transport", default=d["transport"], choices=ENGINES, help="transfer engine protocol")
+    ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
+    ap.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
+    ap.add_argument("--kv-blocks", type=int, default=d["kv_blocks"], help="blocks in the paged KV cache")
+    ap.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block")
+    ap.add_argument("--timeout", type=float, default=d["timeout"], help="seconds to wait for the producer's answer")
+    ap.add_argument("--kv-quarantine", type=float, default=None,
+                    help="seconds the blocks of a timed-out transfer rest before reuse (default: --timeout)")
+    args = ap.parse_args(argv)
+    try:
+        return DecodeSettings(args.host, args.port, args.transport, args.model, args.dtype, args.kv_blocks,
+                              args.block_size, args.timeout, args.kv_quarantine)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    settings = parse_args(argv)
+    sock = bind_tcp(settings.host, settings.port)
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
+    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Wire messages of the prefill and decode servers (P→D), as msgspec structs with one JSON codec.
+
+Everything is validated on decode (`decode`); a malformed body or an unknown field is a 400 at the server.
+
+    PrefillRequest  → POST /v1/prefill → PrefillResponse   (its kv_transfer_params: `KVTransferParams`)
+    DecodeRequest   → POST /v1/decode  → DecodeResponse, or NDJSON lines `StreamToken`… then `StreamDone`
+
+`KVTransferParams` is what decode needs besides the KV blocks (issue 4, DESIGN.md §4): where to ask for
+them (the producer's side channel and request id), the prompt length and the mrope rope delta (decode
+positions are ``prompt_len + rope_delta + i``), the first token (prefill's greedy argmax) and the block count.
+"""
+from __future__ import annotations
+
+from typing import Annotated, TypeVar
+
+import msgspec
+
+from epd_lab.trace import Span
+
+MAX_BODY_BYTES = 8 << 20  # a /v1/prefill body carries data: URIs; larger bodies are refused with 413
+MAX_TOKENS = 4096  # the tiny model's max_position_embeddings bounds prompt + generated tokens anyway
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+class PrefillKVParams(msgspec.Struct, forbid_unknown_fields=True):
+    """The proxy's ``kv_transfer_params`` on /v1/prefill (vLLM's connector convention)."""
+
+    do_remote_decode: bool = True  # keep the KV for a remote decode (False: answer the token, keep nothing)
+
+
+class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/prefill: run E→P on `images` + `prompt` (images first, then the text, as `build_input_ids`)."""
+
+    request_id: NonEmpty
+    prompt: str
+    images: list[str] = []  # media items: file paths, data: URIs, http(s) URLs
+    kv_transfer_params: PrefillKVParams = msgspec.field(default_factory=PrefillKVParams)
+
+
+class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
+    """Prefill → (proxy) → decode: everything decode needs to fetch the KV and continue from it."""
+
+    remote_url: NonEmpty  # the producer's ZMQ side channel, "tcp://host:port"
+    remote_request_id: NonEmpty
+    prompt_len: Annotated[int, msgspec.Meta(ge=1)]
+    rope_delta: int  # mrope max position + 1 - prompt_len (≤ 0 with images)
+    first_token: NonNegative
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class PrefillResponse(msgspec.Struct):
+    """The answer to /v1/prefill. `kv_transfer_params` is None when ``do_remote_decode`` was false."""
+
+    request_id: str
+    first_token: int
+    prompt_len: int
+    kv_transfer_params: KVTransferParams | None
+    spans: list[Span] = []
+
+
+class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/decode: fetch the KV named by `kv_transfer_params` and generate `max_tokens` tokens
+    (the first is ``kv_transfer_params.first_token``)."""
+
+    request_id: NonEmpty
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+    kv_transfer_params: KVTransferParams
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
+    seed: int | None = None  # the sampler's torch.Generator seed (None: random)
+    stream: bool = False
+
+
+class DecodeResponse(msgspec.Struct):
+    """The non-streaming answer to /v1/decode."""
+
+    request_id: str
+    tokens: list[int]
+    finish_reason: str = "length"
+    spans: list[Span] = []
+
+
+class StreamToken(msgspec.Struct):
+    """One NDJSON line of a streaming /v1/decode: token number `index` (0-based)."""
+
+    token: int
+    index: int
+
+
+class StreamDone(msgspec.Struct):
+    """The last NDJSON line of a streaming /v1/decode."""
+
+    done: bool = True
+    finish_reason: str = "length"
+    spans: list[Span] = []
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every error answer: ``{"detail": "..."}`` (FastAPI's shape)."""
+
+    detail: str
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """JSON bytes of a message."""
+    return _encoder.encode(msg)
+
+
+def decode(body: bytes, typ: type[T]) -> T:
+    """Validate and decode a JSON body; raises `msgspec.ValidationError` / `msgspec.DecodeError`."""
+    return msgspec.json.decode(body, type=typ)

@@ -1,0 +1,335 @@
+"""The prefill server (P of EPD): E→P through the encoders, then the KV producer of seed 003.
+
+``POST /v1/prefill`` (`PrefillRequest` → `PrefillResponse`):
+
+1. Images go through an `EmbeddingReceiver` to the encoders (`EPDPrefill`); a text-only prompt runs
+   `PrefillRunner` directly. Without ``--encoders`` images are refused (400).
+2. The prompt's KV is written into blocks of the paged cache (`BlockManager` + `PagedKVCache`, registered with
+   the transfer engine once at start), and ``producer.ready(request_id, block_ids)`` lets decode ask for it
+   over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` / ``TRANS_ERROR``, or after
+   ``--kv-free-timeout`` if decode never asks.
+3. The answer carries the first token (greedy argmax of the last logits) and the `KVTransferParams` decode needs.
+
+Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 8 MiB 413, an image an
+encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted 503, a
+request_id whose KV is still waiting for decode 409.
+
+``GET /health`` (JSON: blocks free/used, the producer's counters), ``GET /metrics`` (Prometheus text).
+
+Run: ``python -m epd_lab.pd.prefill_server --port 0 --encoders URL,URL`` prints ``{"url": ..., "pid": ...}``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import re
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from epd_lab import models
+from epd_lab.epd.messages import BACKENDS, DTYPES
+from epd_lab.epd.prefill import EPDPrefill
+from epd_lab.epd.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
+from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
+from epd_lab.pd import bind_tcp, metrics_text, serve_and_announce, url_of
+from epd_lab.pd.messages import (
+    MAX_BODY_BYTES,
+    ErrorResponse,
+    KVTransferParams,
+    PrefillRequest,
+    PrefillResponse,
+    decode,
+    encode,
+)
+from epd_lab.trace import Recorder
+from epd_lab.transfer import open_engine
+from epd_lab.transfer.engine import ENGINES
+
+
+class HTTPError(Exception):
+    """An answer other than 200: status and detail."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class PrefillSettings:
+    """What a prefill server is started with; checked on construction (`ValueError`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    encoders: tuple[str, ...] = ()  # encode servers' base URLs; empty: text-only prompts
+    backend: str = "mooncake"  # the E→P backend
+    transport: str = "auto"  # the transfer engines' protocol (E→P receiver and KV producer)
+    model: str | None = None
+    dtype: str = "float32"
+    kv_blocks: int = 512
+    block_size: int = 16
+    timeout: float = 10.0  # E→P per request; also the side channel's wait for a request not yet ready
+    kv_free_timeout: float = 30.0  # a readied request's blocks are freed after this if decode never asks
+    workers: int = 4  # prefills in flight at once
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        for name in ("kv_blocks", "block_size", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("timeout", "kv_free_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class PrefillServer:
+    """The prefill role's state: model, receiver, paged KV cache, block manager, KV producer, counters."""
+
+    def __init__(self, settings: PrefillSettings) -> None:
+        self.settings = settings
+        models.configure_torch(threads=1)  # bit-identity with the encoders and decode
+        dtype = DTYPES[settings.dtype]
+        self.model = models.load_model(settings.model, dtype=dtype)
+        self.runner = models.PrefillRunner(self.model)
+        self.recorder = Recorder(node=f"prefill:{settings.port}")
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.statuses: collections.Counter[int] = collections.Counter()
+        self._lock = threading.Lock()
+        self._inflight: set[str] = set()
+        self.engine = open_engine(settings.transport, settings.host, settings.timeout)
+        self.cache = self.receiver = self.producer = None
+        try:
+            self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
+                                                  block_size=settings.block_size, dtype=dtype, engine=self.engine)
+            self.blocks = BlockManager(settings.kv_blocks)
+            self.producer = KVProducer(self.engine, self.cache, free_blocks=self.blocks.free, host=settings.host,
+                                       port=0, timeout=settings.timeout, free_timeout=settings.kv_free_timeout)
+            if settings.encoders:
+                self.receiver = EmbeddingReceiver(
+                    ReceiverConfig(list(settings.encoders), settings.backend, settings.timeout,
+                                   host=settings.host, transport=settings.transport), self.recorder)
+        except BaseException:
+            self.close()
+            raise
+        self.epd = EPDPrefill(self.receiver, self.model) if self.receiver is not None else None
+        self.pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefill")
+
+    # ---- /v1/prefill ----
+    def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        """Run one request (in a worker thread); raises `HTTPError`."""
+        rid = req.request_id
+        with self._lock:
+            if rid in self._inflight:
+                raise HTTPError(409, f"request_id {rid!r} is already being prefilled")
+            self._inflight.add(rid)
+        try:
+            return self._prefill(req, rid)
+        finally:
+            with self._lock:
+                self._inflight.discard(rid)
+
+    def _prefill(self, req: PrefillRequest, rid: str) -> PrefillResponse:
+        t0 = time.monotonic_ns()
+        if req.images:
+            if self.epd is None:
+                raise HTTPError(400, "this prefill server has no encoders (started without --encoders): "
+                                     "images are not allowed, text-only prompts are")
+            try:
+                result = self.epd.prefill(req.prompt, req.images, rid).prefill
+            except EPDError as exc:
+                # an encoder that refused the input (an image that does not decode, ...) is the client's error
+                m = re.search(r"answered (400|409|413)\b", str(exc))
+                raise HTTPError(int(m.group(1)) if m else 502, f"E→P failed: {exc}") from None
+            except ValueError as exc:  # the prompt and the embeddings disagree
+                raise HTTPError(400, f"prefill failed: {exc}") from None
+        else:
+            input_ids = models.build_input_ids(req.prompt, [])
+            if input_ids.shape[1] == 0:
+                raise HTTPError(400, "empty prompt and no images: nothing to prefill")
+            with self.recorder.span("prefill", rid):
+                result = self.runner.prefill(input_ids, None, None)
+        first_token = int(result.logits.argmax(-1))
+        params = None
+        if req.kv_transfer_params.do_remote_decode:
+            params = self._keep_kv(rid, result, first_token)
+        self.counters["requests_ok"] += 1
+        self.counters["prompt_tokens"] += result.prompt_len
+        spans = [s for s in self.recorder.spans(rid)
+                 if (s.req_id == rid or s.req_id.startswith(rid + "_local_part_")) and s.t_start_ns >= t0]
+        return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
+
+    def _keep_kv(self, rid: str, result: models.PrefillResult, first_token: int) -> KVTransferParams:
+        """Write the KV into fresh blocks and hand them to the producer."""
+        n = blocks_needed(result.prompt_len, self.cache.block_size)
+        try:
+            ids = self.blocks.allocate(n)
+        except OutOfBlocks as exc:
+            self.counters["kv_pool_exhausted"] += 1
+            raise HTTPError(503, f"KV pool exhausted: {exc}") from None
+        try:
+            with self.recorder.span("kv_write", rid, nbytes=n * self.cache.block_len * 2 * self.cache.num_layers):
+                self.cache.write_from(result.past_key_values, ids, result.prompt_len)
+            self.producer.ready(rid, ids)
+        except ValueError as exc:
+            self.blocks.free(ids)
+            if "already ready" in str(exc):
+                raise HTTPError(409, f"request_id {rid!r}: its KV is still waiting for decode") from None
+            raise
+        except BaseException:
+            self.blocks.free(ids)
+            raise
+        return KVTransferParams(self.producer.url, rid, result.prompt_len, result.rope_delta, first_token, n)
+
+    # ---- health, metrics, lifetime ----
+    def health(self) -> dict:
+        producer = self.producer.stats()
+        return {"status": "ok", "role": "prefill", "model": self.settings.model or "tiny-qwen2-vl",
+                "dtype": self.settings.dtype, "kv_url": self.producer.url, "session_id": self.engine.session_id,
+                "encoders": list(self.settings.encoders), "num_blocks": self.blocks.num_blocks,
+                "free_blocks": self.blocks.num_free_blocks, "used_blocks": self.blocks.num_used_blocks,
+                "block_size": self.cache.block_size, "inflight": len(self._inflight), "producer": producer,
+                "counters": dict(self.counters)}
+
+    def metrics(self) -> str:
+        p = self.producer.stats()
+        lines = ["# HELP epd_prefill_http_requests_total /v1/prefill answers by status",
+                 "# TYPE epd_prefill_http_requests_total counter"]
+        lines += [f'epd_prefill_http_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.statuses.items())]
+        return "\n".join(lines) + "\n" + metrics_text("epd_prefill", [
+            ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
+            ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
+            ("inflight", "gauge", len(self._inflight), "prefills running"),
+            ("prompt_tokens_total", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
+            ("kv_pool_exhausted_total", "counter", self.counters["kv_pool_exhausted"], "requests refused with 503"),
+            ("kv_requests_ready", "gauge", p["requests_ready"], "requests whose KV waits for decode"),
+            ("kv_transfers_done_total", "counter", p["transfers_done"], "side-channel asks answered TRANS_DONE"),
+            ("kv_transfers_failed_total", "counter", p["transfers_failed"], "side-channel asks answered TRANS_ERROR"),
+            ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
+            ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
+        ])
+
+    def close(self) -> None:
+        """Stop the workers, answer waiting asks, free and deregister the cache, close the engines."""
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.producer is not None:
+            self.producer.close()
+        if self.cache is not None:
+            self.cache.close()
+        self.engine.close()
+
+
+def _error(status: int, detail: str) -> Response:
+    return Response(encode(ErrorResponse(detail)), status_code=status, media_type="application/json")
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, at most MAX_BODY_BYTES (413 beyond)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise HTTPError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise HTTPError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+def decode_body(body: bytes, typ: type) -> msgspec.Struct:
+    try:
+        return decode(body, typ)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise HTTPError(400, f"malformed {typ.__name__}: {exc}") from None
+
+
+def create_app(settings: PrefillSettings) -> FastAPI:
+    """The prefill server's app; the model loads and the cache registers in its lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server = await asyncio.to_thread(PrefillServer, settings)
+        app.state.server = server
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.close)
+
+    app = FastAPI(title="epd_lab prefill", lifespan=lifespan)
+
+    @app.post("/v1/prefill")
+    async def prefill(request: Request) -> Response:
+        server: PrefillServer = app.state.server
+        try:
+            req = decode_body(await read_body(request), PrefillRequest)
+            loop = asyncio.get_running_loop()
+            resp = await loop.run_in_executor(server.pool, server.prefill, req)
+            out = Response(encode(resp), media_type="application/json")
+        except HTTPError as exc:
+            out = _error(exc.status, exc.detail)
+        except Exception as exc:  # noqa: BLE001 - every answer is {"detail": ...}
+            out = _error(500, f"{type(exc).__name__}: {exc}")
+        server.statuses[out.status_code] += 1
+        return out
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(msgspec.json.encode(app.state.server.health()), media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(app.state.server.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> PrefillSettings:
+    d = {f.name: f.default for f in dataclasses.fields(PrefillSettings)}
+    ap = argparse.ArgumentParser(prog="python -m epd_lab.pd.prefill_server", description="the EPD prefill server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap.add_argument("--encoders", default="", help="comma-separated encode server URLs (none: text only)")
+    ap.add_argument("--backend", default=d["backend"], choices=BACKENDS, help="the E→P backend")
+    ap.add_argument("--transport", default=d["transport"], choices=ENGINES, help="transfer engine protocol")
+    ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
+    ap.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
+    ap.add_argument("--kv-blocks", type=int, default=d["kv_blocks"], help="blocks in the paged KV cache")
+    ap.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block")
+    ap.add_argument("--timeout", type=float, default=d["timeout"],
+                    help="seconds: E→P per request, and the side channel's wait for a request not yet ready")
+    ap.add_argument("--kv-free-timeout", type=float, default=d["kv_free_timeout"],
+                    help="seconds a prefilled KV waits for decode before its blocks are freed")
+    ap.add_argument("--workers", type=int, default=d["workers"], help="prefills in flight at once")
+    args = ap.parse_args(argv)
+    encoders = tuple(u.strip().rstrip("/") for u in args.encoders.split(",") if u.strip())
+    try:
+        return PrefillSettings(args.host, args.port, encoders, args.backend, args.transport, args.model, args.dtype,
+                               args.kv_blocks, args.block_size, args.timeout, args.kv_free_timeout, args.workers)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    settings = parse_args(argv)
+    sock = bind_tcp(settings.host, settings.port)
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
+    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""P→D servers end to end: real processes on loopback, the monolithic model in this process as the reference.
+
+Processes (module scope, booted in parallel): one encoder (`Cluster(Topology(encoders=1))`), a prefill server
+wired to it (`main` prefill), a decode server, and a second, text-only prefill server (`aux`: short side-channel
+timeout and KV free timeout; the last test SIGKILLs it). Every server is started as `epd_lab.launch` starts
+encoders: port 0, one JSON line ``{"url", "pid"}`` on stdout, its own session, killed with this process.
+
+After every test both pools are back to all-free (`/health`), on every live server.
+"""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from epd_lab.launch import Cluster, Topology, _die_with_parent, _tail
+from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
+
+pytestmark = pytest.mark.timeout(180)
+
+N_TOKENS = 16
+KV_BLOCKS = 64
+DECODE_TIMEOUT = 2.0  # decode's wait for the producer's answer
+AUX_TIMEOUT = 1.0  # the aux prefill's side-channel wait for a request not yet ready
+AUX_FREE_TIMEOUT = 1.5  # the aux prefill frees KV that decode never asked for after this
+SLACK = 3.0  # bounded-time checks only
+
+
+class Server:
+    """A server process started with port 0; `url` from its first stdout line; `close` kills its session."""
+
+    def __init__(self, name: str, module: str, *args: str, log_dir: Path) -> None:
+        self.name, self.log = name, log_dir / f"{name}.log"
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", *args],
+                                         stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                                         preexec_fn=_die_with_parent)  # noqa: PLW1509 (as launch.py)
+        self.url, self.pid = "", 0
+
+    def wait_ready(self, timeout: float = 90) -> Server:
+        """Read the announcement (the port the OS chose)."""
+        self.url, self.pid = self._announce(timeout)
+        return self
+
+    def _announce(self, timeout: float) -> tuple[str, int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{_tail(self.log)}")
+            if select.select([self.proc.stdout], [], [], 0.1)[0]:
+                line = self.proc.stdout.readline()
+                if line:
+                    hello = json.loads(line)
+                    return hello["url"], hello["pid"]
+        raise TimeoutError(f"{self.name} did not come up within {timeout} s; log:\n{_tail(self.log)}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def health(self) -> dict:
+        r = httpx.get(self.url + "/health", timeout=5)
+        assert r.status_code == 200
+        return r.json()
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+class Stack:
+    def __init__(self, cluster: Cluster, main: Server, aux: Server, decode: Server) -> None:
+        self.cluster, self.main, self.aux, self.decode = cluster, main, aux, decode
+        self.http = httpx.Client(timeout=30)
+
+    def prefill(self, server: Server, rid: str, prompt: str, images: list[str] = ()) -> httpx.Response:
+        return self.http.post(server.url + "/v1/prefill", json={
+            "request_id": rid, "prompt": prompt, "images": list(images),
+            "kv_transfer_params": {"do_remote_decode": True}})
+
+    def decode_body(self, rid: str, kv: dict, max_tokens: int = N_TOKENS, stream: bool = False, **kw) -> dict:
+        return {"request_id": rid, "max_tokens": max_tokens, "stream": stream, "kv_transfer_params": kv, **kw}
+
+    def generate(self, rid: str, prompt: str, images: list[str] = (), stream: bool = False) -> list[int]:
+        """prefill on `main`, then decode; the tokens (checking the response shapes on the way)."""
+        r = self.prefill(self.main, rid, prompt, images)
+        assert r.status_code == 200, r.text
+        pre = r.json()
+        kv = pre["kv_transfer_params"]
+        assert kv["first_token"] == pre["first_token"] and kv["prompt_len"] == pre["prompt_len"]
+        assert kv["remote_request_id"] == rid and kv["num_blocks"] == -(-kv["prompt_len"] // 16)
+        assert {s[2] for s in pre["spans"]} >= ({"prefill", "kv_write"} | ({"vit", "transfer"} if images else set()))
+        body = self.decode_body(rid, kv, stream=stream)
+        if not stream:
+            r = self.http.post(self.decode.url + "/v1/decode", json=body)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["request_id"] == rid and out["finish_reason"] == "length"
+            stages = [s[2] for s in out["spans"]]
+            assert stages.count("kv_transfer") == 1 and stages.count("decode_step") == N_TOKENS - 1
+            return out["tokens"]
+        with self.http.stream("POST", self.decode.url + "/v1/decode", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+            lines = [json.loads(line) for line in r.iter_lines() if line]
+        assert lines[-1]["done"] is True and lines[-1]["finish_reason"] == "length"
+        assert [ln["index"] for ln in lines[:-1]] == list(range(N_TOKENS))
+        return [ln["token"] for ln in lines[:-1]]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    # Every process is started from this (the main) thread: PR_SET_PDEATHSIG fires when the *thread* that
+    # started a child ends, so a child started from a pool thread would die with that thread.
+    log_dir = Path(tempfile.mkdtemp(prefix="epd-lab-pd-"))
+    servers: list[Server] = []
+    cluster = None
+    try:
+        servers.append(Server("decode", "epd_lab.pd.decode_server", "--kv-blocks", str(KV_BLOCKS),
+                              "--timeout", str(DECODE_TIMEOUT), "--kv-quarantine", "0.5", log_dir=log_dir))
+        servers.append(Server("aux", "epd_lab.pd.prefill_server", "--kv-blocks", "32", "--timeout", str(AUX_TIMEOUT),
+                              "--kv-free-timeout", str(AUX_FREE_TIMEOUT), log_dir=log_dir))
+        cluster = Cluster(Topology(encoders=1, timeout=10.0))  # boots while the two above do
+        servers.append(Server("main", "epd_lab.pd.prefill_server", "--encoders", ",".join(cluster.encoder_urls),
+                              "--kv-blocks", str(KV_BLOCKS), "--timeout", "30", log_dir=log_dir))
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.close()
+        if cluster is not None:
+            cluster.close()
+        raise
+    decode, aux, main = servers
+    servers = [main, aux, decode]
+    s = Stack(cluster, *servers)
+    yield s
+    s.http.close()
+    for server in servers:
+        server.close()
+        assert not server.alive()
+    cluster.close()
+    assert cluster.procs == []
+
+
+@pytest.fixture(scope="module")
+def model():
+    before = torch.get_num_threads()
+    configure_torch(1)  # as every server: bit-identical tokens
+    yield load_model()
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def pools_back(request):
+    yield
+    if "stack" not in request.fixturenames:
+        return
+    st = request.getfixturevalue("stack")
+    for server in (st.main, st.aux, st.decode):
+        if not server.alive():
+            continue
+        deadline = time.monotonic() + 5
+        while (h := server.health())["used_blocks"] != 0 or h["free_blocks"] != h["num_blocks"]:
+            assert time.monotonic() < deadline, f"{server.name} kept blocks: {h}"
+            time.sleep(0.05)
+        if server is st.decode:
+            assert h["active_requests"] == 0 and h["quarantined_blocks"] == 0
+
+
+def _png(path: Path, size: tuple[int, int], seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def reference(model, prompt: str, images: list[Path]) -> list[int]:
+    if not images:
+        return monolithic_generate(model, build_input_ids(prompt, []), None, None, N_TOKENS)
+    pixel_values, grid = preprocess([Image.open(p) for p in images])
+    return monolithic_generate(model, build_input_ids(prompt, grid.tolist()), pixel_values, grid, N_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def images():
+    d = Path(tempfile.mkdtemp(prefix="epd-lab-pd-img-"))
+    return [_png(d / "a.png", (224, 224), 1), _png(d / "b.png", (100, 333), 2)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+def test_text_prompt_non_streaming_and_streaming(stack, model):
+    prompt = "hello world, " * 3
+    want = reference(model, prompt, [])
+    assert stack.generate("text-plain", prompt) == want
+    assert stack.generate("text-stream", prompt, stream=True) == want
+
+
+def test_image_prompts_non_streaming_and_streaming(stack, model, images):
+    assert stack.generate("img-1", "describe it", [str(images[0])]) == reference(model, "describe it", images[:1])
+    # two images, one as a path and one as a data: URI
+    two = [str(images[0]), _data_uri(images[1])]
+    assert stack.generate("img-2", "compare", two, stream=True) == reference(model, "compare", images)
+
+
+def test_two_requests_concurrently(stack, model, images):
+    cases = [("conc-text", "two at once " * 4, [], False), ("conc-img", "and this", [images[1]], True)]
+    wants = [reference(model, prompt, imgs) for _, prompt, imgs, _ in cases]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(stack.generate, rid, prompt, [str(p) for p in imgs], stream)
+                for rid, prompt, imgs, stream in cases]
+        assert [f.result(60) for f in futs] == wants
+
+
+def test_concurrent_decodes_interleave_steps(stack, model):
+    """Two long streams at once: the scheduler runs them round-robin, so their decode steps interleave in
+    time, and each one's tokens are still exactly its single-request (monolithic) tokens."""
+    n = 120
+    prompts = {"rr-a": "first of two " * 2, "rr-b": "second, longer prompt " * 3}
+    kvs = {rid: stack.prefill(stack.main, rid, p).json()["kv_transfer_params"] for rid, p in prompts.items()}
+
+    def stream(rid: str) -> tuple[list[int], list]:
+        with stack.http.stream("POST", stack.decode.url + "/v1/decode",
+                               json=stack.decode_body(rid, kvs[rid], n, stream=True)) as r:
+            assert r.status_code == 200
+            lines = [json.loads(line) for line in r.iter_lines() if line]
+        return [ln["token"] for ln in lines[:-1]], [s for s in lines[-1]["spans"] if s[2] == "decode_step"]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = dict(zip(prompts, pool.map(stream, prompts)))
+    for rid, prompt in prompts.items():
+        assert got[rid][0] == monolithic_generate(model, build_input_ids(prompt, []), None, None, n)
+    a, b = (got[rid][1] for rid in prompts)
+    # some step of each falls strictly between two steps of the other: interleaved, not one after the other
+    assert any(a[0][4] < s[4] < a[-1][5] for s in b) and any(b[0][4] < s[4] < b[-1][5] for s in a)
+
+
+def test_sampling_is_seeded_and_starts_from_prefill_token(stack):
+    tokens = []
+    for i in range(2):
+        pre = stack.prefill(stack.main, f"sample-{i}", "sample me").json()
+        r = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body(
+            f"sample-{i}", pre["kv_transfer_params"], temperature=1.5, seed=7))
+        assert r.status_code == 200, r.text
+        tokens.append(r.json()["tokens"])
+        assert tokens[-1][0] == pre["first_token"] and len(tokens[-1]) == N_TOKENS
+    assert tokens[0] == tokens[1]
+
+
+def test_bad_requests_are_4xx_or_503_with_detail(stack):
+    p, d = stack.main.url + "/v1/prefill", stack.decode.url + "/v1/decode"
+    r = stack.http.post(p, content=b"{not json")
+    assert r.status_code == 400 and "malformed PrefillRequest" in r.json()["detail"]
+    r = stack.http.post(p, json={"request_id": "x", "prompt": "a", "extra": 1})
+    assert r.status_code == 400 and "unknown field" in r.json()["detail"]
+    r = stack.prefill(stack.main, "bad-img", "a", ["data:image/png;base64," + base64.b64encode(b"not a png").decode()])
+    assert r.status_code == 400 and "mm_items[0]" in r.json()["detail"]  # the encoder's message
+    r = stack.prefill(stack.aux, "no-encoders", "a", ["/nonexistent.png"])
+    assert r.status_code == 400 and "no encoders" in r.json()["detail"]
+    r = stack.prefill(stack.aux, "too-long", "x" * (33 * 16))  # 33 blocks, aux has 32
+    assert r.status_code == 503 and "KV pool exhausted" in r.json()["detail"]
+    kv = {"remote_url": "tcp://127.0.0.1:1", "remote_request_id": "r", "prompt_len": 40, "rope_delta": 0,
+          "first_token": 1, "num_blocks": 3}
+    r = stack.http.post(d, json=stack.decode_body("x", {**kv, "num_blocks": 2}))
+    assert r.status_code == 400 and "take 3 blocks" in r.json()["detail"]
+    r = stack.http.post(d, json=stack.decode_body("x", {**kv, "prompt_len": 16 * 65, "num_blocks": 65}))
+    assert r.status_code == 503 and "KV pool exhausted" in r.json()["detail"]
+    r = stack.http.post(d, json=stack.decode_body("x", kv, max_tokens=0))
+    assert r.status_code == 400 and "max_tokens" in r.json()["detail"]
+    r = stack.http.post(d, json={"request_id": "x", "max_tokens": 1})
+    assert r.status_code == 400 and "kv_transfer_params" in r.json()["detail"]
+    assert 'epd_prefill_http_requests_total{status="400"}' in stack.http.get(stack.main.url + "/metrics").text
+    assert "epd_decode_kv_blocks_free 64" in stack.http.get(stack.decode.url + "/metrics").text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_decode_against_a_dead_producer_fails_within_the_timeout(stack):
+    kv = {"remote_url": f"tcp://127.0.0.1:{_free_port()}", "remote_request_id": "r", "prompt_len": 20,
+          "rope_delta": 0, "first_token": 1, "num_blocks": 2}
+    start = time.monotonic()
+    r = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body("dead", kv))
+    assert time.monotonic() - start < DECODE_TIMEOUT + SLACK
+    assert r.status_code == 504 and "no answer from the producer" in r.json()["detail"]
+    assert stack.decode.health()["counters"]["kv_timeouts"] >= 1
+    # the blocks rest in quarantine (a slow producer could still write), then pools_back sees them free
+
+
+def test_decode_of_an_unknown_request_is_trans_error(stack):
+    kv_url = stack.aux.health()["kv_url"]
+    kv = {"remote_url": kv_url, "remote_request_id": "never-prefilled", "prompt_len": 20, "rope_delta": 0,
+          "first_token": 1, "num_blocks": 2}
+    start = time.monotonic()
+    r = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body("unknown", kv))
+    assert time.monotonic() - start < AUX_TIMEOUT + SLACK
+    assert r.status_code == 502 and "TRANS_ERROR" in r.json()["detail"] and "not found" in r.json()["detail"]
+
+
+def test_prefill_frees_blocks_decode_never_asks_for(stack):
+    before = stack.aux.health()["producer"]["requests_expired"]
+    r = stack.prefill(stack.aux, "orphan", "nobody decodes me " * 3)
+    assert r.status_code == 200
+    assert stack.aux.health()["used_blocks"] == r.json()["kv_transfer_params"]["num_blocks"]
+    deadline = time.monotonic() + AUX_FREE_TIMEOUT + SLACK
+    while (h := stack.aux.health())["used_blocks"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+    assert h["producer"]["requests_expired"] == before + 1
+
+
+def test_streaming_client_disconnect_stops_decode(stack):
+    before = stack.decode.health()["counters"]
+    pre = stack.prefill(stack.main, "gone", "a long one").json()
+    max_tokens = 4000
+    with httpx.Client(timeout=30) as client, client.stream("POST", stack.decode.url + "/v1/decode",
+                       json=stack.decode_body("gone", pre["kv_transfer_params"], max_tokens, stream=True)) as r:
+        lines = r.iter_lines()
+        got = [json.loads(next(lines)) for _ in range(3)]
+        assert [g["index"] for g in got] == [0, 1, 2]
+        assert stack.decode.health()["active_requests"] == 1
+    # the connection is closed: the scheduler drops the request
+    deadline = time.monotonic() + 10
+    while (h := stack.decode.health())["active_requests"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.02)
+    after = h["counters"]
+    assert after.get("requests_cancelled", 0) == before.get("requests_cancelled", 0) + 1
+    assert after["tokens_generated"] - before["tokens_generated"] < max_tokens // 2
+
+
+def test_prefill_killed_before_decode_fails_within_the_timeout(stack):
+    """Last: it SIGKILLs the aux prefill server."""
+    r = stack.prefill(stack.aux, "doomed", "prefilled, then the prefill server dies")
+    assert r.status_code == 200
+    stack.aux.kill()
+    start = time.monotonic()
+    body = stack.decode_body("doomed", r.json()["kv_transfer_params"])
+    r = stack.http.post(stack.decode.url + "/v1/decode", json=body)
+    assert time.monotonic() - start < DECODE_TIMEOUT + SLACK
+    assert r.status_code == 504 and "no answer from the producer" in r.json()["detail"]
