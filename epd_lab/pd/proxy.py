@@ -1,0 +1,768 @@
+"""The OpenAI-compatible proxy in front of prefill and decode servers (XpYd): ``epd-lab proxy``.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming SSE and non-streaming),
+``GET /v1/models`` (one model), ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+One request, as vLLM's disaggregated proxy does it:
+
+1. Render the prompt (`epd_lab.pd.text`: chat template, ``image_url`` parts → media items).
+2. Choose a prefill and ``POST /v1/prefill`` with ``kv_transfer_params = {"do_remote_decode": true}``. The
+   prefill always produces exactly one token (OpenAI's ``max_tokens=1``), so no length is sent.
+3. Choose a decode and ``POST /v1/decode`` with the prefill's ``kv_transfer_params`` unchanged and the
+   client's ``max_tokens``/``temperature``/``seed``/``stream``. The decode's tokens are the whole completion
+   (its first is the prefill's token, which reached it in ``kv_transfer_params``); they reach the client as
+   detokenized text, streamed as they come when the client streams.
+
+Choice (``--policy``): ``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts
+them; ties in round-robin order). A backend that refuses connections is marked down and skipped for
+``--retry-after`` seconds; the request goes on to the next one (it never reached the failed one). When every
+backend of a role is down, their ``/health`` is probed once before the request fails with 503.
+
+Failures are OpenAI error objects ``{"error": {"message", "type", "code"}}``: 400 for bad input (including a
+backend's 400/413/422, whose ``detail`` is passed on: an image that does not decode is the client's error),
+503 when no backend of a role is reachable, 504 when a backend passes ``--timeout``, 502 for any other
+backend failure (its ``detail`` passed on). After a stream has begun, a failure is sent as a last
+``data: {"error": ...}`` event, which the ``openai`` client raises as ``APIError``.
+
+``--timeout`` is an idle timeout, as the transfer engine's: connecting, and each read of an answer, a long
+stream of tokens is not cut short while tokens keep coming.
+
+A client that goes away mid-stream: the upstream decode stream is closed at once, so the decode server stops
+generating and frees the request's blocks (the prefill freed its blocks when decode pulled them). A
+non-streaming request runs to its end.
+
+Spans (`epd_lab.trace`), per request: ``ttft`` (request received → first token handed out) and ``tpot``
+(from the first token; its duration is the mean time per output token after the first), for streamed
+requests, and ``e2e`` for all. ``/metrics`` gives them as summaries.
+
+Run: ``python -m epd_lab.pd.proxy --port 0 --prefill URL[,URL] --decode URL[,URL]`` prints
+``{"url": ..., "pid": ...}``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
+from epd_lab.trace import Recorder, Span
+
+MODEL_ID = "epd-lab-tiny-qwen2-vl"
+POLICIES = ("round_robin", "least_loaded")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+MAX_BODY_BYTES = 64 << 20  # a request with several data-URI images is MiBs
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat too
+PROBE_TIMEOUT = 1.0  # seconds, at most, for a /health probe of a backend
+QUANTILES = (0.5, 0.9, 0.99)
+# OpenAI request fields this proxy does not implement: accepted only absent, null or at their neutral value,
+# so that a client asking for them gets a 400 instead of a silently different answer
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "stop": ("", []), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
+    "suffix": ("",), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "response_format": ({"type": "text"},), "top_p": (1,), "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+}
+
+
+class ProxyError(Exception):
+    """A failure answered as an OpenAI error object with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+    def response(self) -> Response:
+        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
+
+
+def bad_request(message: str) -> ProxyError:
+    return ProxyError(400, message, "invalid_request_error", "invalid_request")
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ProxySettings:
+    """What a proxy is started with; checked on construction (`ValueError`)."""
+
+    prefills: tuple[str, ...]
+    decodes: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks
+    policy: str = "round_robin"
+    timeout: float = 30.0  # idle timeout of every backend call (connect, each read)
+    retry_after: float = 5.0  # a backend that refused a connection is skipped this long
+    model: str = MODEL_ID
+
+    def __post_init__(self) -> None:
+        for role, urls in (("prefill", self.prefills), ("decode", self.decodes)):
+            if not urls:
+                raise ValueError(f"at least one {role} URL is needed")
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{role} URL {url!r} must start with http:// or https://")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.retry_after < 0:
+            raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+
+
+@dataclasses.dataclass(slots=True)
+class Backend:
+    """One prefill or decode server as the proxy sees it. Touched only from the event loop."""
+
+    role: str
+    url: str
+    inflight: int = 0  # requests sent to it and not yet answered (for decode: until its stream closes)
+    served: int = 0  # requests it accepted
+    down_until: float = 0.0  # time.monotonic() before which it is skipped
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class Pool:
+    """The backends of one role and the policy that chooses among them."""
+
+    def __init__(self, role: str, urls: tuple[str, ...], policy: str, retry_after: float) -> None:
+        self.role = role
+        self.backends = [Backend(role, url.rstrip("/")) for url in urls]
+        self.policy = policy
+        self.retry_after = retry_after
+        self._next = 0  # round-robin position; also breaks least_loaded ties, so equal loads still rotate
+
+    def choose(self, exclude: set[str]) -> Backend | None:
+        """The next backend by the policy among those up and not in `exclude`; None if there is none."""
+        now = time.monotonic()
+        n = len(self.backends)
+        ring = [self.backends[(self._next + i) % n] for i in range(n)]
+        candidates = [b for b in ring if b.url not in exclude and b.up(now)]
+        if not candidates:
+            return None
+        chosen = min(candidates, key=lambda b: b.inflight) if self.policy == "least_loaded" else candidates[0]
+        self._next = (self.backends.index(chosen) + 1) % n
+        return chosen
+
+    def mark_down(self, backend: Backend) -> None:
+        backend.down_until = time.monotonic() + self.retry_after
+
+    @staticmethod
+    def mark_up(backend: Backend) -> None:
+        backend.down_until = 0.0
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """The request fields the proxy acts on. Others are ignored, as OpenAI-compatible servers do: ``model``
+    among them (any name is served by the one model), except those in `UNSUPPORTED`."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # chat's newer name for max_tokens
+    temperature: float | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+
+
+class PrefillResponse(msgspec.Struct):
+    """The prefill server's answer (extra fields ignored)."""
+
+    request_id: str
+    first_token: int
+    prompt_len: int
+    kv_transfer_params: dict[str, Any]
+
+
+class DecodeResponse(msgspec.Struct):
+    """The decode server's non-streaming answer (extra fields ignored)."""
+
+    request_id: str
+    tokens: list[int]
+    finish_reason: str
+
+
+class DecodeLine(msgspec.Struct):
+    """One line of the decode server's NDJSON stream: a token, the end, or an error."""
+
+    token: int | None = None
+    index: int | None = None
+    done: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    detail: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Job:
+    """One client request on its way through the proxy."""
+
+    rid: str
+    kind: str  # "chat" or "text"
+    t0: int  # time.monotonic_ns() when the request arrived
+    created: int  # unix seconds, for OpenAI's `created`
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    prompt_len: int = 0
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.rid
+
+
+def _parse_request(body: Any, kind: str) -> tuple[_Job, str, list[str]]:
+    """Validate a client request → (job, prompt text, media items); `ProxyError` 400 on anything unusable."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    for name, neutral in UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise bad_request(f"{name!r} is not supported by this server")
+    try:
+        sampling = msgspec.convert(body, _Sampling)
+        if kind == "chat":
+            prompt, images = messages_to_prompt(body.get("messages"))
+        else:
+            prompt, images = completion_prompt(body.get("prompt")), []
+    except (msgspec.ValidationError, PromptError) as exc:
+        raise bad_request(str(exc)) from None
+    max_tokens = next((n for n in (sampling.max_completion_tokens, sampling.max_tokens) if n is not None),
+                      DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}")
+    temperature = 1.0 if sampling.temperature is None else sampling.temperature  # OpenAI's default
+    if not 0 <= temperature <= 2:
+        raise bad_request(f"temperature must be in [0, 2], got {temperature}")
+    stream = bool(sampling.stream)
+    job = _Job(rid=uuid.uuid4().hex, kind=kind, t0=time.monotonic_ns(), created=int(time.time()),
+               max_tokens=max_tokens, temperature=temperature, seed=sampling.seed, stream=stream,
+               include_usage=stream and sampling.stream_options is not None and sampling.stream_options.include_usage)
+    return job, prompt, images
+
+
+def _detail(response: httpx.Response) -> str:
+    """A backend's error detail: its JSON ``detail``, else the start of its body."""
+    with contextlib.suppress(ValueError):
+        body = response.json()
+        if isinstance(body, dict) and "detail" in body:
+            return str(body["detail"])
+    return response.text[:500] or response.reason_phrase
+
+
+def _backend_error(backend: Backend, status: int, detail: str) -> ProxyError:
+    """A backend's non-200 answer as the client's error (its input errors stay 4xx)."""
+    message = f"{backend.role} {backend.url} answered {status}: {detail}"
+    if status in (400, 413, 422):
+        return ProxyError(status if status != 422 else 400, message, "invalid_request_error", "invalid_request")
+    if status == 504:
+        return ProxyError(504, message, "timeout", "backend_timeout")
+    if status == 503:
+        return ProxyError(503, message, "service_unavailable", "backend_unavailable")
+    return ProxyError(502, message, "backend_error", "backend_error")
+
+
+def _transport_error(backend: Backend, exc: httpx.HTTPError) -> ProxyError:
+    """A failed exchange with a backend (after connecting) as the client's error."""
+    what = f"{backend.role} {backend.url}"
+    if isinstance(exc, httpx.TimeoutException):
+        return ProxyError(504, f"{what} timed out ({type(exc).__name__})", "timeout", "backend_timeout")
+    return ProxyError(502, f"{what} failed: {type(exc).__name__}: {exc}", "backend_error", "backend_error")
+
+
+def _decode_json(backend: Backend, raw: bytes, typ: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(raw, type=typ)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProxyError(502, f"{backend.role} {backend.url} answered a malformed {typ.__name__}: {exc}",
+                         "backend_error", "backend_error") from None
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` that closes its body generator and then runs `on_close`, however it ends.
+
+    Starlette stops iterating when the client goes away but leaves a generator suspended at ``yield`` (or never
+    started) to the garbage collector; here the upstream stream is closed at once instead.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._content.aclose()  # type: ignore[attr-defined]  # an async generator
+            finally:
+                await self._on_close()
+
+
+class _CountRequests:
+    """ASGI middleware counting responses by route and status (pure ASGI: it leaves streaming alone)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        counts = scope["app"].state.proxy.requests
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                counts[route, message["status"]] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class Proxy:
+    """The proxy's state: the pools, the HTTP client to the backends, the recorder and the counters."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.prefills = Pool("prefill", settings.prefills, settings.policy, settings.retry_after)
+        self.decodes = Pool("decode", settings.decodes, settings.policy, settings.retry_after)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.recorder = Recorder(node=f"proxy:{settings.port}")
+        self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
+        self.latency_sum: collections.Counter[str] = collections.Counter()  # seconds, by span stage
+        self.latency_count: collections.Counter[str] = collections.Counter()
+        self.started = int(time.time())
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # ---- backends ----
+    async def _probe(self, backend: Backend) -> dict[str, Any] | None:
+        """GET the backend's /health; its JSON (or {}) when it answers 200, else None. Updates the circuit."""
+        pool = self.prefills if backend.role == "prefill" else self.decodes
+        try:
+            response = await self.client.get(backend.url + "/health",
+                                             timeout=min(self.settings.timeout, PROBE_TIMEOUT))
+        except httpx.HTTPError:
+            pool.mark_down(backend)
+            return None
+        if response.status_code != 200:
+            pool.mark_down(backend)
+            return None
+        pool.mark_up(backend)
+        with contextlib.suppress(ValueError):
+            body = response.json()
+            return body if isinstance(body, dict) else {}
+        return {}
+
+    async def _choose(self, pool: Pool, tried: set[str]) -> Backend | None:
+        """The next backend to try; when all untried ones are down, probe them once first."""
+        backend = pool.choose(tried)
+        if backend is None:
+            down = [b for b in pool.backends if b.url not in tried]
+            await asyncio.gather(*(self._probe(b) for b in down))
+            backend = pool.choose(tried)
+        return backend
+
+    async def _post(self, pool: Pool, path: str, body: dict[str, Any], stream: bool) -> tuple[Backend, httpx.Response]:
+        """POST `body` to a backend of `pool`, going on to the next while connections are refused.
+
+        Returns a 200 response (its body not yet read when `stream`) with the backend's ``inflight`` counted
+        up: the caller counts it down and closes the response. Raises `ProxyError`.
+        """
+        tried: set[str] = set()
+        while (backend := await self._choose(pool, tried)) is not None:
+            tried.add(backend.url)
+            backend.inflight += 1
+            ok = False
+            try:
+                request = self.client.build_request("POST", backend.url + path, json=body)
+                try:
+                    response = await self.client.send(request, stream=stream)
+                except (httpx.ConnectError, httpx.ConnectTimeout):
+                    pool.mark_down(backend)  # the request never reached it: the next one may take it
+                    continue
+                except httpx.HTTPError as exc:
+                    raise _transport_error(backend, exc) from None
+                pool.mark_up(backend)
+                if response.status_code != 200:
+                    try:
+                        await response.aread()
+                    except httpx.HTTPError as exc:
+                        raise _transport_error(backend, exc) from None
+                    finally:
+                        await response.aclose()
+                    raise _backend_error(backend, response.status_code, _detail(response))
+                backend.served += 1
+                ok = True
+                return backend, response
+            finally:
+                if not ok:
+                    backend.inflight -= 1
+        urls = ", ".join(b.url for b in pool.backends)
+        raise ProxyError(503, f"no {pool.role} server is reachable ({urls})", "service_unavailable", "no_backend")
+
+    async def _prefill(self, job: _Job, prompt: str, images: list[str]) -> PrefillResponse:
+        backend, response = await self._post(self.prefills, "/v1/prefill", {
+            "request_id": job.rid, "prompt": prompt, "images": images,
+            "kv_transfer_params": {"do_remote_decode": True}}, stream=False)
+        backend.inflight -= 1
+        prefill = _decode_json(backend, response.content, PrefillResponse)
+        job.prompt_len = prefill.prompt_len
+        return prefill
+
+    def _decode_body(self, job: _Job, prefill: PrefillResponse) -> dict[str, Any]:
+        return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
+                "seed": job.seed, "stream": job.stream, "kv_transfer_params": prefill.kv_transfer_params}
+
+    # ---- requests ----
+    async def complete(self, request: Request, kind: str) -> Response:
+        """Serve one /v1/chat/completions (`kind` "chat") or /v1/completions ("text") request."""
+        job, prompt, images = _parse_request(await _read_json(request), kind)
+        prefill = await self._prefill(job, prompt, images)
+        backend, response = await self._post(self.decodes, "/v1/decode", self._decode_body(job, prefill),
+                                             stream=job.stream)
+        if job.stream:
+            stream = _TokenStream(self, job, backend, response)
+            return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})
+        backend.inflight -= 1
+        decoded = _decode_json(backend, response.content, DecodeResponse)
+        self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
+        usage = self.usage(job, len(decoded.tokens))
+        text = detokenize(decoded.tokens)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": decoded.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": decoded.finish_reason}
+            obj = "text_completion"
+        return _json({"id": job.response_id, "object": obj, "created": job.created, "model": self.settings.model,
+                      "choices": [choice], "usage": usage})
+
+    @staticmethod
+    def usage(job: _Job, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": job.prompt_len, "completion_tokens": completion_tokens,
+                "total_tokens": job.prompt_len + completion_tokens}
+
+    def record(self, span: Span) -> None:
+        self.recorder.add(span)
+        self.latency_sum[span.stage] += (span.t_end_ns - span.t_start_ns) / 1e9
+        self.latency_count[span.stage] += 1
+
+    # ---- observability ----
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        """Probe every backend; 200 when at least one prefill and one decode answer, else 503.
+
+        Each backend's entry holds the proxy's view (``healthy``, ``inflight``, ``served``) and, under
+        ``health``, the JSON its own ``/health`` answered (None when it did not answer 200).
+        """
+        backends = self.prefills.backends + self.decodes.backends
+        answers = await asyncio.gather(*(self._probe(b) for b in backends))
+        report: dict[str, Any] = {"prefill": [], "decode": []}
+        for backend, answer in zip(backends, answers, strict=True):
+            report[backend.role].append({"url": backend.url, "healthy": answer is not None,
+                                         "inflight": backend.inflight, "served": backend.served,
+                                         "health": answer})  # the backend's own /health, as it answered
+        ok = all(any(e["healthy"] for e in report[role]) for role in ("prefill", "decode"))
+        report |= {"status": "ok" if ok else "unavailable", "model": self.settings.model,
+                   "policy": self.settings.policy}
+        return (200 if ok else 503), report
+
+    def metrics(self) -> str:
+        """Prometheus text exposition: requests, aborted streams, backends, latency summaries."""
+        lines = ["# HELP epd_proxy_requests_total HTTP requests by route and status",
+                 "# TYPE epd_proxy_requests_total counter"]
+        lines += [f'epd_proxy_requests_total{{route="{route}",status="{status}"}} {n}'
+                  for (route, status), n in sorted(self.requests.items())]
+        lines += ["# HELP epd_proxy_streams_aborted_total streams that ended early, by reason",
+                  "# TYPE epd_proxy_streams_aborted_total counter"]
+        lines += [f'epd_proxy_streams_aborted_total{{reason="{reason}"}} {n}'
+                  for reason, n in sorted(self.streams_aborted.items())]
+        now = time.monotonic()
+        backends = self.prefills.backends + self.decodes.backends
+        for name, kind, help_, value in (
+            ("inflight", "gauge", "requests in flight per backend", lambda b: b.inflight),
+            ("served_total", "counter", "requests each backend accepted", lambda b: b.served),
+            ("up", "gauge", "1 unless the backend is skipped after a refused connection", lambda b: int(b.up(now))),
+        ):
+            lines += [f"# HELP epd_proxy_backend_{name} {help_}", f"# TYPE epd_proxy_backend_{name} {kind}"]
+            lines += [f'epd_proxy_backend_{name}{{role="{b.role}",url="{b.url}"}} {value(b)}' for b in backends]
+        spans = self.recorder.spans()
+        for stage, help_ in (("ttft", "time to first token (streamed requests)"),
+                             ("tpot", "mean time per output token after the first (streamed requests)"),
+                             ("e2e", "request received to its last byte prepared")):
+            durations = sorted((s.t_end_ns - s.t_start_ns) / 1e9 for s in spans if s.stage == stage)
+            name = f"epd_proxy_{stage}_seconds"
+            lines += [f"# HELP {name} {help_}; quantiles over the recorder's window", f"# TYPE {name} summary"]
+            if durations:
+                lines += [f'{name}{{quantile="{q}"}} {durations[min(len(durations) - 1, int(q * len(durations)))]:.6f}'
+                          for q in QUANTILES]
+            lines += [f"{name}_sum {self.latency_sum[stage]:.6f}", f"{name}_count {self.latency_count[stage]}"]
+        return "\n".join(lines) + "\n"
+
+
+class _TokenStream:
+    """A decode server's NDJSON token stream turned into the client's SSE events."""
+
+    def __init__(self, proxy: Proxy, job: _Job, backend: Backend, response: httpx.Response) -> None:
+        self.proxy = proxy
+        self.job = job
+        self.backend = backend
+        self.response = response
+        self.outcome = "client_disconnect"  # unless the stream ends otherwise
+        self.tokens = 0
+        self.t_first = 0
+        self.t_last = 0
+        self.closed = False
+
+    def _event(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+               usage: dict[str, int] | None = None) -> bytes:
+        """One SSE event in OpenAI's chunk format; `text` None with `usage`: the usage chunk (no choices)."""
+        job = self.job
+        if job.kind == "chat":
+            delta: dict[str, str] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        chunk: dict[str, Any] = {"id": job.response_id, "object": obj, "created": job.created,
+                                 "model": self.proxy.settings.model, "choices": [] if usage else [choice]}
+        if usage:
+            chunk["usage"] = usage
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE events: a role chunk (chat), text deltas, the finish chunk, usage if asked, ``[DONE]``."""
+        job, backend = self.job, self.backend
+        detok = Detokenizer()
+        try:
+            if job.kind == "chat":
+                yield self._event("", role=True)
+            finish_reason = None
+            try:
+                async for line in self.response.aiter_lines():
+                    if not line:
+                        continue
+                    msg = _decode_json(backend, line.encode(), DecodeLine)
+                    if msg.token is not None:
+                        if msg.index is not None and msg.index != self.tokens:
+                            raise ProxyError(502, f"decode {backend.url} sent token {msg.index} where "
+                                             f"{self.tokens} was due", "backend_error", "backend_error")
+                        self.t_last = time.monotonic_ns()
+                        if self.tokens == 0:
+                            self.t_first = self.t_last
+                            self.proxy.record(Span(job.rid, -1, "ttft", self.proxy.recorder.node, job.t0,
+                                                   self.t_first))
+                        self.tokens += 1
+                        text = detok.feed(msg.token)
+                        if text:  # nothing while a multi-byte character is partial
+                            yield self._event(text)
+                    elif msg.done:
+                        finish_reason = msg.finish_reason or "length"
+                        break
+                    else:
+                        raise ProxyError(502, f"decode {backend.url} failed mid-stream: "
+                                         f"{msg.error or msg.detail or line[:500]}", "backend_error", "backend_error")
+            except httpx.HTTPError as exc:
+                raise _transport_error(backend, exc) from None
+            if finish_reason is None:
+                raise ProxyError(502, f"decode {backend.url} ended its stream before its done line",
+                                 "backend_error", "backend_error")
+            tail = detok.flush()
+            if tail:
+                yield self._event(tail)
+            yield self._event(None if job.kind == "chat" else "", finish_reason)
+            if job.include_usage:
+                yield self._event(None, usage=self.proxy.usage(job, self.tokens))
+            yield b"data: [DONE]\n\n"
+            self.outcome = "ok"
+        except ProxyError as exc:
+            self.outcome = exc.code
+            yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+    async def close(self) -> None:
+        """Close the upstream stream (the decode server stops), count the backend down, record the spans."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self.response.aclose()
+        finally:
+            self.backend.inflight -= 1
+            proxy, job, node = self.proxy, self.job, self.proxy.recorder.node
+            if self.tokens >= 2:
+                tpot = (self.t_last - self.t_first) // (self.tokens - 1)
+                proxy.record(Span(job.rid, -1, "tpot", node, self.t_first, self.t_first + tpot))
+            proxy.record(Span(job.rid, -1, "e2e", node, job.t0, time.monotonic_ns()))
+            if self.outcome != "ok":
+                proxy.streams_aborted[self.outcome] += 1
+
+
+async def _read_json(request: Request) -> Any:
+    """The request body as JSON, at most MAX_BODY_BYTES (413 beyond, 400 when not JSON)."""
+    length = request.headers.get("content-length", "")
+    too_large = ProxyError(413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error",
+                           "request_too_large")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the request body is not JSON: {exc}") from None
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def create_app(settings: ProxySettings) -> FastAPI:
+    """The proxy's app; its HTTP client to the backends lives for the app's lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        proxy = Proxy(settings)
+        app.state.proxy = proxy
+        try:
+            yield
+        finally:
+            await proxy.aclose()
+
+    app = FastAPI(title="epd_lab proxy", lifespan=lifespan)
+    app.add_middleware(_CountRequests)
+
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # unknown routes and methods, in OpenAI's error shape too
+        return ProxyError(exc.status_code, str(exc.detail), "invalid_request_error", "not_found").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await app.state.proxy.complete(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await app.state.proxy.complete(request, "text")
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return _json({"object": "list", "data": [{"id": settings.model, "object": "model",
+                                                  "created": app.state.proxy.started, "owned_by": "epd_lab"}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        status, report = await app.state.proxy.health()
+        return _json(report, status)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(app.state.proxy.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _urls(values: list[str]) -> tuple[str, ...]:
+    """URLs given comma-separated, or the option repeated."""
+    return tuple(url.strip() for value in values for url in value.split(",") if url.strip())
+
+
+def parse_args(argv: list[str] | None = None) -> ProxySettings:
+    """`ProxySettings` from the command line (errors exit with the usage)."""
+    default = {f.name: f.default for f in dataclasses.fields(ProxySettings)}
+    ap = argparse.ArgumentParser(prog="epd-lab proxy", description="the OpenAI-compatible proxy over prefill and "
+                                 "decode servers")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap.add_argument("--prefill", action="append", required=True, help="prefill server URL(s), comma-separated")
+    ap.add_argument("--decode", action="append", required=True, help="decode server URL(s), comma-separated")
+    ap.add_argument("--policy", default=default["policy"], choices=POLICIES)
+    ap.add_argument("--timeout", type=float, default=default["timeout"],
+                    help="seconds; idle timeout of every backend call (connect, each read)")
+    ap.add_argument("--retry-after", type=float, default=default["retry_after"],
+                    help="seconds a backend that refused a connection is skipped")
+    ap.add_argument("--model", default=default["model"], help="the model id /v1/models lists")
+    args = ap.parse_args(argv)
+    try:
+        return ProxySettings(_urls(args.prefill), _urls(args.decode), args.host, args.port, args.policy,
+                             args.timeout, args.retry_after, args.model)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, url: str) -> bool:
+    """Serve until told to stop; False when start-up failed."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:  # the launcher reads this line to learn the port
+        print(json.dumps({"url": url, "pid": os.getpid()}), flush=True)
+    await task
+    return server.started
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``epd-lab proxy``: serve until SIGINT/SIGTERM."""
+    settings = parse_args(argv)
+    # bind here, not in uvicorn, so the port the OS picked is known before serving (the printed URL).
+    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
+    # socket says it is TCP (with proto 0, Nagle + delayed ACK add ~40 ms to streamed tokens)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=int(settings.timeout) + 1)
+    return 0 if asyncio.run(_serve(uvicorn.Server(config), sock, f"http://{host}:{settings.port}")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,525 @@
+"""The OpenAI-compatible proxy (`epd_lab.pd.proxy`) and its prompt glue (`epd_lab.pd.text`), driven by the
+official `openai` client.
+
+The prefill and decode servers here are **test doubles** (`StandIn`): small FastAPI apps, served by uvicorn in
+threads of this process on OS-chosen ports, that implement the HTTP contract of the real prefill and decode
+servers deterministically (prefill: the first token from the prompt's length; decode: that token, then a
+fixed sequence), with slow, failing and truncating variants. They stand in for components that exist
+elsewhere; the end-to-end test through the real servers is separate. The proxy runs in a thread too, except
+in the CLI test, which starts ``python -m epd_lab.pd.proxy`` as a process.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from epd_lab.pd.proxy import MODEL_ID, ProxySettings, create_app
+from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
+
+TAIL = [*"é ok".encode(), 1025]  # after the first token: a 2-byte character split over two tokens, a special id
+PNG_URI = "data:image/png;base64,iVBORw0KGgo="  # the proxy passes media through; the stand-in never decodes it
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    """Poll `condition` until true (the proxy finishes a stream just after the client saw its end)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def first_token(prompt: str) -> int:
+    """The stand-in prefill's first token: a capital letter from the prompt's length."""
+    return ord("A") + len(prompt) % 26
+
+
+def decode_tokens(first: int, n: int) -> list[int]:
+    """The stand-in decode's completion of `n` tokens: the prefill's token, then TAIL repeated."""
+    return ([first] + TAIL * n)[:n]
+
+
+# ---- the stand-in servers ----
+@dataclasses.dataclass
+class StandIn:
+    """A stand-in prefill or decode server and what it saw (read by the test thread)."""
+
+    name: str
+    status: int = 200  # anything else: answer {"detail": ...} with this status
+    delay: float = 0.0  # prefill: before answering; decode: before each token
+    truncate_after: int | None = None  # decode stream: end after this many tokens, without the done line
+    url: str = ""
+    requests: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    active: int = 0
+    closed_early: list[str] = dataclasses.field(default_factory=list)  # decode streams closed by the client
+    closed: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class ClosingStream(StreamingResponse):
+    """Close the body generator however the response ends, so `StandIn.closed_early` is recorded at once."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def prefill_app(state: StandIn) -> FastAPI:
+    """Stand-in prefill: ``POST /v1/prefill``, ``GET /health``."""
+    app = FastAPI()
+
+    @app.post("/v1/prefill")
+    async def prefill(request: Request) -> Response:
+        body = await request.json()
+        state.requests.append(body)
+        await asyncio.sleep(state.delay)
+        if state.status != 200:
+            return JSONResponse({"detail": f"{state.name} failed on purpose"}, status_code=state.status)
+        assert body["kv_transfer_params"] == {"do_remote_decode": True}
+        token = first_token(body["prompt"])
+        prompt_len = len(body["prompt"].encode()) + 66 * len(body["images"])
+        params = {"remote_engine": state.name, "request_id": body["request_id"], "first_token": token,
+                  "prompt_len": prompt_len}
+        return JSONResponse({"request_id": body["request_id"], "first_token": token, "prompt_len": prompt_len,
+                             "kv_transfer_params": params, "spans": []})
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def decode_app(state: StandIn) -> FastAPI:
+    """Stand-in decode: ``POST /v1/decode`` (JSON, or NDJSON when streaming), ``GET /health`` with ``active``."""
+    app = FastAPI()
+
+    @app.post("/v1/decode")
+    async def decode(request: Request) -> Response:
+        body = await request.json()
+        state.requests.append(body)
+        if state.status != 200:
+            return JSONResponse({"detail": f"{state.name} failed on purpose"}, status_code=state.status)
+        tokens = decode_tokens(body["kv_transfer_params"]["first_token"], body["max_tokens"])
+        rid = body["request_id"]
+        if not body["stream"]:
+            await asyncio.sleep(state.delay * len(tokens))
+            return JSONResponse({"request_id": rid, "tokens": tokens, "finish_reason": "length", "spans": []})
+
+        async def lines() -> AsyncIterator[bytes]:
+            state.active += 1
+            finished = False
+            try:
+                for i, token in enumerate(tokens):
+                    if i == state.truncate_after:
+                        finished = True
+                        return
+                    await asyncio.sleep(state.delay)
+                    yield json.dumps({"token": token, "index": i}).encode() + b"\n"
+                yield json.dumps({"done": True, "finish_reason": "length", "spans": []}).encode() + b"\n"
+                finished = True
+            finally:
+                state.active -= 1
+                if not finished:
+                    state.closed_early.append(rid)
+                    state.closed.set()
+
+        return ClosingStream(lines(), media_type="application/x-ndjson")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "active": state.active}
+
+    return app
+
+
+class ThreadServer:
+    """uvicorn serving an app in a thread of this process, on a port the OS picks."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        """Ask to stop; `join` waits (separate, so that several servers stop together)."""
+        self.server.should_exit = True
+
+    def join(self) -> None:
+        self.thread.join(10)
+        self.sock.close()
+        assert not self.thread.is_alive(), "server did not stop"
+
+
+@dataclasses.dataclass
+class Rig:
+    """Stand-ins and proxies of one test, all stopped when the test ends."""
+
+    stack: contextlib.ExitStack
+    servers: list[ThreadServer] = dataclasses.field(default_factory=list)
+
+    def serve(self, app: FastAPI) -> str:
+        self.servers.append(ThreadServer(app))
+        return self.servers[-1].url
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        for server in self.servers:
+            server.join()
+
+    def prefill(self, name: str = "p0", **behaviour: Any) -> StandIn:
+        state = StandIn(name, **behaviour)
+        state.url = self.serve(prefill_app(state))
+        return state
+
+    def decode(self, name: str = "d0", **behaviour: Any) -> StandIn:
+        state = StandIn(name, **behaviour)
+        state.url = self.serve(decode_app(state))
+        return state
+
+    def dead_url(self) -> str:
+        """A URL nothing listens on: a bound, never-listening socket holds the port, so connects are refused."""
+        sock = self.stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def proxy(self, prefills: list[str], decodes: list[str], **settings: Any) -> tuple[str, FastAPI]:
+        app = create_app(ProxySettings(tuple(prefills), tuple(decodes), **settings))
+        return self.serve(app), app
+
+    def client(self, proxy_url: str) -> openai.OpenAI:
+        return self.stack.enter_context(openai.OpenAI(base_url=proxy_url + "/v1", api_key="x", max_retries=0,
+                                                      timeout=10))
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    with contextlib.ExitStack() as stack:
+        rig = Rig(stack)
+        stack.callback(rig.stop)  # after the clients close (the stack unwinds in reverse)
+        yield rig
+
+
+@pytest.fixture
+def basic(rig: Rig) -> tuple[Rig, StandIn, StandIn, openai.OpenAI, FastAPI]:
+    """One stand-in prefill, one stand-in decode and a proxy over them, with an `openai` client."""
+    p, d = rig.prefill(), rig.decode()
+    url, app = rig.proxy([p.url], [d.url])
+    return rig, p, d, rig.client(url), app
+
+
+# ---- text.py ----
+def test_detokenize() -> None:
+    assert detokenize(list(b"hi \xc3\xa9")) == "hi é"
+    assert detokenize([72, 1024, 105, 1026]) == "H<|1024|>i<|1026|>"
+    assert detokenize([0xC3]) == "\ufffd"  # a character cut short at the end
+    assert detokenize([0xC3, 1025, 0xFF]) == "\ufffd<|1025|>\ufffd"  # a special id ends a partial character
+    assert detokenize([]) == ""
+
+
+def test_detokenizer_streams_whole_characters() -> None:
+    ids = [*"aé€😀".encode(), 1024, *b"z"]
+    detok = Detokenizer()
+    deltas = [detok.feed(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == detokenize(ids) == "aé€😀<|1024|>z"
+    assert all("\ufffd" not in d for d in deltas)
+    assert [d for d in deltas if d] == ["a", "é", "€", "😀", "<|1024|>", "z"]
+
+
+def test_messages_to_prompt() -> None:
+    prompt, images = messages_to_prompt([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URI}},
+                                     {"type": "text", "text": "what is it?"},
+                                     {"type": "image_url", "image_url": {"url": "/tmp/b.png", "detail": "low"}},
+                                     {"type": "text", "text": "and this?"}]},
+        {"role": "assistant", "content": "a cat"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/c.png"}}]},
+    ])
+    assert prompt == ("<|im_start|>system\nbe brief<|im_end|>\n"
+                      "<|im_start|>user\nwhat is it?\nand this?<|im_end|>\n"
+                      "<|im_start|>assistant\na cat<|im_end|>\n"
+                      "<|im_start|>user\n<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    assert images == [PNG_URI, "/tmp/b.png", "https://x/c.png"]
+    assert completion_prompt("abc") == completion_prompt(["abc"]) == "abc"
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([], "non-empty"),
+    ("hi", "non-empty"),
+    ([{"role": "tool", "content": "x"}], "role 'tool'"),
+    ([{"role": "user"}], "content must be"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "'input_audio' is not supported"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "text must be a string"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}], "non-empty string"),
+    ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": PNG_URI}}]}], "only allowed in user"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}], "tool calls"),
+])
+def test_messages_to_prompt_rejects(messages: Any, error: str) -> None:
+    with pytest.raises(PromptError, match=error):
+        messages_to_prompt(messages)
+    with pytest.raises(PromptError, match="token-id prompts"):
+        completion_prompt([1, 2])
+
+
+# ---- the proxy through the openai client ----
+def test_chat_non_streaming_text_and_images(basic: tuple) -> None:
+    _, p, d, client, _ = basic
+    messages = [{"role": "user", "content": [{"type": "text", "text": "describe"},
+                                             {"type": "image_url", "image_url": {"url": PNG_URI}},
+                                             {"type": "image_url", "image_url": {"url": "/tmp/x.png"}}]}]
+    out = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=7, temperature=0, seed=7)
+    prompt, _ = messages_to_prompt(messages)
+    tokens = decode_tokens(first_token(prompt), 7)
+    assert out.choices[0].message.content == detokenize(tokens) == chr(first_token(prompt)) + "é ok<|1025|>"
+    assert out.choices[0].message.role == "assistant" and out.choices[0].finish_reason == "length"
+    assert out.object == "chat.completion" and out.model == MODEL_ID and out.id.startswith("chatcmpl-")
+    prompt_len = len(prompt.encode()) + 66 * 2
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (prompt_len, 7,
+                                                                                               prompt_len + 7)
+    # what the backends were sent: the rendered prompt and media; decode got prefill's params unchanged
+    (pre,), (dec,) = p.requests, d.requests
+    assert pre["prompt"] == prompt and pre["images"] == [PNG_URI, "/tmp/x.png"]
+    assert dec == {"request_id": pre["request_id"], "max_tokens": 7, "temperature": 0.0, "seed": 7,
+                   "stream": False, "kv_transfer_params": {"remote_engine": "p0", "request_id": pre["request_id"],
+                                                           "first_token": first_token(prompt),
+                                                           "prompt_len": prompt_len}}
+
+    text = client.chat.completions.create(model="any-model", messages=[{"role": "user", "content": "hello"}])
+    assert d.requests[-1]["max_tokens"] == 16  # the default
+    assert text.usage.completion_tokens == 16 and p.requests[-1]["images"] == []
+
+
+def test_chat_streaming(basic: tuple) -> None:
+    _, _, d, client, app = basic
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URI}},
+                                             {"type": "text", "text": "stream it"}]}]
+    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=11, stream=True,
+                                                 stream_options={"include_usage": True}))
+    prompt, _ = messages_to_prompt(messages)
+    expected = detokenize(decode_tokens(first_token(prompt), 11))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(deltas) == expected and all("\ufffd" not in x for x in deltas)
+    assert len(deltas) == 9  # 11 tokens: "é" is one delta from two byte tokens, twice
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 11
+    assert chunks[-1].usage.prompt_tokens == len(prompt.encode()) + 66
+    assert d.requests[0]["stream"] is True and len({c.id for c in chunks}) == 1
+    proxy = app.state.proxy
+    wait_for(lambda: proxy.decodes.backends[0].inflight == 0)
+    assert sorted(s.stage for s in proxy.recorder.spans()) == ["e2e", "tpot", "ttft"]
+    assert proxy.prefills.backends[0].inflight == 0 and proxy.streams_aborted == {}
+
+
+def test_completions(basic: tuple) -> None:
+    _, p, _, client, _ = basic
+    out = client.completions.create(model=MODEL_ID, prompt="once upon", max_tokens=4)
+    assert out.object == "text_completion" and out.choices[0].text == detokenize(decode_tokens(first_token(
+        "once upon"), 4))
+    assert p.requests[0]["prompt"] == "once upon"  # no chat template for completions
+    chunks = list(client.completions.create(model=MODEL_ID, prompt=["once upon"], max_tokens=4, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_models_health_metrics(basic: tuple) -> None:
+    _, _, d, client, app = basic
+    assert [m.id for m in client.models.list()] == [MODEL_ID]
+    list(client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                        stream=True))
+    wait_for(lambda: app.state.proxy.decodes.backends[0].inflight == 0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_ID, messages=[], max_tokens=2)
+    base = str(client.base_url).removesuffix("/v1/")
+    health = httpx.get(base + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["decode"] == [{"url": d.url, "healthy": True, "inflight": 0, "served": 1,
+                                        "health": {"status": "ok", "active": 0}}]
+    metrics = httpx.get(base + "/metrics").text
+    assert 'epd_proxy_requests_total{route="/v1/chat/completions",status="200"} 1' in metrics
+    assert 'epd_proxy_requests_total{route="/v1/chat/completions",status="400"} 1' in metrics
+    assert 'epd_proxy_requests_total{route="/v1/models",status="200"} 1' in metrics
+    assert f'epd_proxy_backend_up{{role="decode",url="{d.url}"}} 1' in metrics
+    assert "epd_proxy_ttft_seconds_count 1" in metrics and 'epd_proxy_ttft_seconds{quantile="0.5"}' in metrics
+    unknown = httpx.get(base + "/v2/nothing")
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("extra, error", [
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
+     "'video_url' is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "'n' is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "'stop' is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+])
+def test_bad_requests_are_400(basic: tuple, extra: dict[str, Any], error: str) -> None:
+    _, p, d, client, _ = basic
+    with pytest.raises(openai.BadRequestError, match=error) as info:
+        client.chat.completions.create(model=MODEL_ID, **extra)
+    assert info.value.status_code == 400 and info.value.type == "invalid_request_error"
+    assert p.requests == [] and d.requests == []  # refused before any backend saw it
+    raw = httpx.post(str(client.base_url) + "chat/completions", content=b"{not json")
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "code"}
+
+
+def test_no_backend_is_503(rig: Rig) -> None:
+    p, d = rig.prefill(), rig.decode()
+    for prefills, decodes, role in (([rig.dead_url()], [d.url], "prefill"), ([p.url], [rig.dead_url()], "decode")):
+        url, _ = rig.proxy(prefills, decodes)
+        client = rig.client(url)
+        with pytest.raises(openai.InternalServerError, match=f"no {role} server is reachable") as info:
+            client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}])
+        assert info.value.status_code == 503 and info.value.code == "no_backend"
+        assert httpx.get(url + "/health").status_code == 503
+
+
+def test_timeout_is_504(rig: Rig) -> None:
+    p, d = rig.prefill(delay=1.0), rig.decode()
+    client = rig.client(rig.proxy([p.url], [d.url], timeout=0.3)[0])
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError, match="timed out") as info:
+        client.completions.create(model=MODEL_ID, prompt="slow")
+    assert info.value.status_code == 504 and time.monotonic() - t0 < 2.0
+    assert d.requests == []
+
+
+def test_backend_errors(rig: Rig) -> None:
+    """A backend's 5xx becomes 502 and its 400 stays 400, each with the backend's detail."""
+    broken, picky, d = rig.prefill("broken", status=500), rig.prefill("picky", status=400), rig.decode()
+    with pytest.raises(openai.InternalServerError, match="broken failed on purpose") as info:
+        rig.client(rig.proxy([broken.url], [d.url])[0]).completions.create(model=MODEL_ID, prompt="x")
+    assert info.value.status_code == 502
+    with pytest.raises(openai.BadRequestError, match="picky failed on purpose"):
+        rig.client(rig.proxy([picky.url], [d.url])[0]).completions.create(model=MODEL_ID, prompt="x")
+    client = rig.client(rig.proxy([rig.prefill().url], [rig.decode("dfail", status=500).url])[0])
+    with pytest.raises(openai.InternalServerError, match="dfail failed on purpose") as info:
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], stream=True)
+    assert info.value.status_code == 502  # before the stream began: a status, not an event
+
+
+@pytest.mark.parametrize("behaviour, error", [({"truncate_after": 3}, "ended its stream before its done line"),
+                                              ({"delay": 2.0}, "timed out")])
+def test_stream_failure_after_start(rig: Rig, behaviour: dict[str, Any], error: str) -> None:
+    """A decode stream that breaks after the response began reaches the client as an error event."""
+    p, d = rig.prefill(), rig.decode(**behaviour)
+    url, app = rig.proxy([p.url], [d.url], timeout=0.5)
+    stream = rig.client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=8, stream=True)
+    with pytest.raises(openai.APIError, match=error):
+        list(stream)
+    proxy = app.state.proxy
+    wait_for(lambda: proxy.decodes.backends[0].inflight == 0)
+    assert sum(proxy.streams_aborted.values()) == 1 and "client_disconnect" not in proxy.streams_aborted
+
+
+def test_round_robin(rig: Rig) -> None:
+    prefills, decodes = [rig.prefill(f"p{i}") for i in range(2)], [rig.decode(f"d{i}") for i in range(2)]
+    client = rig.client(rig.proxy([p.url for p in prefills], [d.url for d in decodes])[0])
+    rids = [client.completions.create(model=MODEL_ID, prompt="x", max_tokens=2).id.removeprefix("cmpl-")
+            for _ in range(4)]
+    for servers in (prefills, decodes):
+        assert [r["request_id"] for r in servers[0].requests] == rids[0::2]
+        assert [r["request_id"] for r in servers[1].requests] == rids[1::2]
+
+
+@pytest.mark.parametrize("policy, expected", [("least_loaded", [0, 3]), ("round_robin", [1, 2])])
+def test_policy_with_a_busy_decode(rig: Rig, policy: str, expected: list[int]) -> None:
+    """While d0 streams a long answer, least_loaded sends every other request to d1; round_robin alternates."""
+    p, decodes = rig.prefill(), [rig.decode(f"d{i}", delay=0.05) for i in range(2)]
+    client = rig.client(rig.proxy([p.url], [d.url for d in decodes], policy=policy)[0])
+    with client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "long"}],
+                                        max_tokens=200, stream=True) as busy:
+        next(iter(busy))
+        for _ in range(3):
+            client.completions.create(model=MODEL_ID, prompt="short", max_tokens=2)
+    assert [len(d.requests) - (i == 0) for i, d in enumerate(decodes)] == expected
+
+
+def test_refusing_backend_is_skipped(rig: Rig) -> None:
+    """A decode that refuses connections is marked down; requests go to the other one, without failing."""
+    p, d = rig.prefill(), rig.decode()
+    dead = rig.dead_url()
+    url, _ = rig.proxy([p.url], [dead, d.url], retry_after=60)
+    client = rig.client(url)
+    for _ in range(3):
+        client.completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
+    assert len(d.requests) == 3
+    assert f'epd_proxy_backend_up{{role="decode",url="{dead}"}} 0' in httpx.get(url + "/metrics").text
+    health = httpx.get(url + "/health").json()
+    assert health["status"] == "ok" and [e["healthy"] for e in health["decode"]] == [False, True]
+
+
+def test_client_disconnect_closes_upstream(rig: Rig) -> None:
+    p, d = rig.prefill(), rig.decode(delay=0.02)
+    url, app = rig.proxy([p.url], [d.url])
+    stream = rig.client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=1000, stream=True)
+    chunks = iter(stream)
+    for _ in range(4):
+        next(chunks)
+    stream.close()
+    assert d.closed.wait(5), "the stand-in decode's stream was not closed"
+    assert d.closed_early == [d.requests[0]["request_id"]]
+    proxy = app.state.proxy
+    wait_for(lambda: proxy.decodes.backends[0].inflight == 0 and proxy.streams_aborted)
+    assert proxy.streams_aborted == {"client_disconnect": 1}
+    assert {s.stage for s in proxy.recorder.spans()} == {"ttft", "tpot", "e2e"}
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while not select.select([proc.stdout], [], [], 0.1)[0]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not print its URL"
+    return proc.stdout.readline()
+
+
+def test_cli(rig: Rig) -> None:
+    p, d = rig.prefill(), rig.decode()
+    cmd = [sys.executable, "-m", "epd_lab.pd.proxy", "--port", "0", "--prefill", p.url, "--decode", f"{d.url},{d.url}",
+           "--policy", "least_loaded", "--timeout", "5"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            info = json.loads(_read_line(proc, 30))
+            assert info["pid"] == proc.pid and info["url"].startswith("http://127.0.0.1:")
+            client = rig.client(info["url"])
+            out = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3)
+            assert out.choices[0].message.content == detokenize(decode_tokens(first_token(
+                messages_to_prompt([{"role": "user", "content": "hi"}])[0]), 3))
+            assert httpx.get(info["url"] + "/health").json()["policy"] == "least_loaded"
+        finally:
+            proc.terminate()
+            assert proc.wait(10) == -signal.SIGTERM  # uvicorn shuts down, then re-raises the signal
+    bad = subprocess.run([sys.executable, "-m", "epd_lab.pd.proxy", "--prefill", p.url, "--decode", d.url,
+                          "--policy", "random"], capture_output=True, text=True, timeout=30, check=False)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
