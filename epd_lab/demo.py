@@ -6,6 +6,9 @@
 2. E→P: two encode servers (real processes) and the prefill role in this process; a few multimodal
    requests go through the seed's mooncake flow, each checked bit for bit against the monolithic
    model, and each request's latency is printed stage by stage.
+3. E→P→D: 2 encoders + a prefill server + a decode server + the OpenAI-compatible proxy; chat
+   requests through the official `openai` client, streamed, each answer checked against
+   `model.generate`.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ def run() -> None:
     run_transfer()
     print("\n== 2. E→P: 2 encoders + prefill, mooncake backend ==")
     run_epd()
+    print("\n== 3. E→P→D: 2 encoders + prefill server + decode server + proxy, openai client ==")
+    run_e2e()
 
 
 def run_transfer(nbytes: int = 64 * MiB, repeats: int = 5) -> None:
@@ -110,3 +115,54 @@ def run_epd(encoders: int = 2, backend: str = "mooncake") -> None:
         print(f"{rid:8s} {n_img:4d} {n_parts:5d} {nbytes // 1024:6d} {str(same):>9s} "
               + " ".join(f"{b.get(s, 0.0):11.2f}" for s in stages) + f" {b['e2e']:7.2f} {b['control_plane']:7.2f}")
     print(f"\nregistrations left on the prefill engine: {left}; every process stopped")
+
+
+def run_e2e(max_tokens: int = 16) -> None:
+    """Chat through the proxy with the `openai` client (streaming); compare with `model.generate`."""
+    import base64
+    import io
+    import time
+
+    import openai
+    from PIL import Image
+
+    from epd_lab.launch import Cluster, Topology
+    from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
+    from epd_lab.pd.text import detokenize, messages_to_prompt
+
+    configure_torch()
+    model = load_model()
+    rng = np.random.default_rng(1)
+    rows = []
+    with Cluster(Topology(encoders=2, prefills=1, decodes=1, proxy=True)) as cluster:
+        print(f"proxy {cluster.proxy_url}; prefill {cluster.prefill_urls[0]}; decode {cluster.decode_urls[0]}")
+        client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for text, sizes in REQUESTS[:3]:
+            images = []
+            for w, h in sizes:
+                buf = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+                images.append(buf.getvalue())
+            content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
+                       for b in images] + [{"type": "text", "text": text}]
+            messages = [{"role": "user", "content": content}]
+            t0 = time.perf_counter()
+            ttft, pieces = None, []
+            for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=messages,
+                                                        max_tokens=max_tokens, temperature=0, stream=True):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    pieces.append(chunk.choices[0].delta.content)
+            total = time.perf_counter() - t0
+            prompt, _ = messages_to_prompt(messages)
+            if images:
+                pixel_values, grid = preprocess([Image.open(io.BytesIO(b)).convert("RGB") for b in images])
+                ids = build_input_ids(prompt, grid.tolist())
+            else:
+                pixel_values = grid = None
+                ids = build_input_ids(prompt, [])
+            same = "".join(pieces) == detokenize(monolithic_generate(model, ids, pixel_values, grid, max_tokens))
+            rows.append((len(images), ttft, total, same))
+    print(f"\n{'images':>6s} {'tokens':>6s} {'TTFT ms':>8s} {'total ms':>9s} {'same as generate':>17s}")
+    for n_img, ttft, total, same in rows:
+        print(f"{n_img:6d} {max_tokens:6d} {ttft * 1e3:8.1f} {total * 1e3:9.1f} {str(same):>17s}")
