@@ -34,9 +34,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import io
-import json
-import os
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,7 +41,6 @@ from typing import TypeVar
 
 import msgspec
 import torch
-import uvicorn
 import zmq
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -68,6 +64,7 @@ from epd_lab.epd.messages import (
     encode_zmq,
 )
 from epd_lab.epd.push import PushSockets
+from epd_lab.serving import bind_tcp, serve_and_announce, url_of
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -543,32 +540,13 @@ def parse_args(argv: list[str] | None = None) -> EncoderSettings:
         ap.error(str(exc))
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket, url: str) -> bool:
-    """Serve until told to stop; False when start-up (the model load) failed."""
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.01)
-    if server.started:  # the launcher reads this line to learn the port
-        print(json.dumps({"url": url, "pid": os.getpid()}), flush=True)
-    await task
-    return server.started
-
-
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab encoder``: serve until SIGINT/SIGTERM."""
     settings = parse_args(argv)
-    # bind here, not in uvicorn, so the port the OS picked is known to the app (its span node name)
-    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
-    # socket says it is TCP (with proto 0, Nagle + delayed ACK add ~40 ms to every answer)
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    # bound here, not in uvicorn, so the app knows the port the OS picked (spans, the printed URL)
+    sock = bind_tcp(settings.host, settings.port)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=int(settings.timeout) + 1)
-    return 0 if asyncio.run(_serve(uvicorn.Server(config), sock, f"http://{host}:{settings.port}")) else 1
+    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
 
 
 if __name__ == "__main__":

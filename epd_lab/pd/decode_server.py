@@ -48,7 +48,6 @@ from transformers import DynamicCache
 from epd_lab import models
 from epd_lab.epd.messages import DTYPES
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
-from epd_lab.pd import bind_tcp, metrics_text, serve_and_announce, url_of
 from epd_lab.pd.messages import (
     DecodeRequest,
     DecodeResponse,
@@ -58,6 +57,7 @@ from epd_lab.pd.messages import (
     encode,
 )
 from epd_lab.pd.prefill_server import HTTPError, decode_body, read_body
+from epd_lab.serving import bind_tcp, metrics_text, serve_and_announce, url_of
 from epd_lab.trace import Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES

@@ -41,7 +41,6 @@ from epd_lab.epd.messages import BACKENDS, DTYPES
 from epd_lab.epd.prefill import EPDPrefill
 from epd_lab.epd.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
-from epd_lab.pd import bind_tcp, metrics_text, serve_and_announce, url_of
 from epd_lab.pd.messages import (
     MAX_BODY_BYTES,
     ErrorResponse,
@@ -51,6 +50,7 @@ from epd_lab.pd.messages import (
     decode,
     encode,
 )
+from epd_lab.serving import bind_tcp, metrics_text, serve_and_announce, url_of
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES

@@ -45,9 +45,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
-import os
-import socket
 import sys
 import time
 import uuid
@@ -56,13 +53,13 @@ from typing import Any
 
 import httpx
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
+from epd_lab.serving import bind_tcp, serve_and_announce, url_of
 from epd_lab.trace import Recorder, Span
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
@@ -736,32 +733,13 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
         ap.error(str(exc))
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket, url: str) -> bool:
-    """Serve until told to stop; False when start-up failed."""
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.01)
-    if server.started:  # the launcher reads this line to learn the port
-        print(json.dumps({"url": url, "pid": os.getpid()}), flush=True)
-    await task
-    return server.started
-
-
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab proxy``: serve until SIGINT/SIGTERM."""
     settings = parse_args(argv)
-    # bind here, not in uvicorn, so the port the OS picked is known before serving (the printed URL).
-    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
-    # socket says it is TCP (with proto 0, Nagle + delayed ACK add ~40 ms to streamed tokens)
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    # bound here, not in uvicorn, so the app knows the port the OS picked (spans, the printed URL)
+    sock = bind_tcp(settings.host, settings.port)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=int(settings.timeout) + 1)
-    return 0 if asyncio.run(_serve(uvicorn.Server(config), sock, f"http://{host}:{settings.port}")) else 1
+    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""How every epd_lab server starts: bind port 0 with TCP_NODELAY, serve with uvicorn, announce the URL.
+
+Each role (encoder, prefill, decode, proxy) is a plain process; `epd_lab.launch` reads the one JSON line
+``{"url", "pid"}`` it prints once serving to learn the port the OS chose.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from typing import Any
+
+__all__ = ["bind_tcp", "metrics_text", "serve_and_announce", "url_of"]
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn. IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted
+    sockets only when the listening socket says it is TCP (with proto 0, Nagle + delayed ACK add ~40 ms)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def url_of(host: str, sock: socket.socket) -> str:
+    """The base URL of a server listening on `sock`."""
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{sock.getsockname()[1]}"
+
+
+def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: float) -> int:
+    """Serve `app` on `sock` until SIGINT/SIGTERM, printing ``{"url", "pid"}`` once serving; 1 when start-up
+    (the lifespan: model load, engine) failed."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=int(graceful_s) + 1)
+    server = uvicorn.Server(config)
+
+    async def run() -> bool:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:  # the launcher reads this line to learn the port
+            print(json.dumps({"url": url, "pid": os.getpid()}), flush=True)
+        await task
+        return server.started
+
+    return 0 if asyncio.run(run()) else 1
+
+
+def metrics_text(prefix: str, values: list[tuple[str, str, float, str]]) -> str:
+    """Prometheus text exposition of (name, kind, value, help) rows."""
+    lines: list[str] = []
+    for name, kind, value, help_ in values:
+        lines += [f"# HELP {prefix}_{name} {help_}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}"]
+    return "\n".join(lines) + "\n"
