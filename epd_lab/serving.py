@@ -6,12 +6,14 @@ Each role (encoder, prefill, decode, proxy) is a plain process; `epd_lab.launch`
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import socket
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
-__all__ = ["bind_tcp", "metrics_text", "serve_and_announce", "url_of"]
+__all__ = ["bind_tcp", "metrics_text", "run_server", "serve_and_announce", "server_lifespan", "url_of"]
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -55,3 +57,27 @@ def metrics_text(prefix: str, values: list[tuple[str, str, float, str]]) -> str:
     for name, kind, value, help_ in values:
         lines += [f"# HELP {prefix}_{name} {help_}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}"]
     return "\n".join(lines) + "\n"
+
+
+def server_lifespan(factory: Callable[[], Any]) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
+    """A FastAPI lifespan that builds the role's state off the event loop (model load, engine), keeps
+    it in ``app.state.server`` and closes it on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        server = await asyncio.to_thread(factory)
+        app.state.server = server
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.close)
+
+    return lifespan
+
+
+def run_server(settings: Any, create_app: Callable[[Any], Any]) -> int:
+    """Bind `settings.host:settings.port` (0: the OS picks), then serve `create_app(settings)` with the
+    port filled in, until SIGINT/SIGTERM."""
+    sock = bind_tcp(settings.host, settings.port)
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
+    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)

@@ -64,7 +64,7 @@ from epd_lab.epd.messages import (
     encode_zmq,
 )
 from epd_lab.epd.push import PushSockets
-from epd_lab.serving import bind_tcp, serve_and_announce, url_of
+from epd_lab.serving import run_server
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -542,11 +542,7 @@ def parse_args(argv: list[str] | None = None) -> EncoderSettings:
 
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab encoder``: serve until SIGINT/SIGTERM."""
-    settings = parse_args(argv)
-    # bound here, not in uvicorn, so the app knows the port the OS picked (spans, the printed URL)
-    sock = bind_tcp(settings.host, settings.port)
-    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
+    return run_server(parse_args(argv), create_app)
 
 
 if __name__ == "__main__":

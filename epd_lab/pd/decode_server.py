@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import sys
 import threading
@@ -57,7 +56,7 @@ from epd_lab.pd.messages import (
     encode,
 )
 from epd_lab.pd.prefill_server import HTTPError, decode_body, read_body
-from epd_lab.serving import bind_tcp, metrics_text, serve_and_announce, url_of
+from epd_lab.serving import metrics_text, run_server, server_lifespan
 from epd_lab.trace import Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -341,16 +340,7 @@ class _GenerationStream(StreamingResponse):
 def create_app(settings: DecodeSettings) -> FastAPI:
     """The decode server's app; the model loads and the cache registers in its lifespan."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server = await asyncio.to_thread(DecodeServer, settings)
-        app.state.server = server
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(server.close)
-
-    app = FastAPI(title="epd_lab decode", lifespan=lifespan)
+    app = FastAPI(title="epd_lab decode", lifespan=server_lifespan(lambda: DecodeServer(settings)))
 
     @app.post("/v1/decode")
     async def decode(request: Request) -> Response:
@@ -438,10 +428,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeSettings:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGINT/SIGTERM."""
-    settings = parse_args(argv)
-    sock = bind_tcp(settings.host, settings.port)
-    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
+    return run_server(parse_args(argv), create_app)
 
 
 if __name__ == "__main__":

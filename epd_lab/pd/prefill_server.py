@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import re
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -50,7 +48,7 @@ from epd_lab.pd.messages import (
     decode,
     encode,
 )
-from epd_lab.serving import bind_tcp, metrics_text, serve_and_announce, url_of
+from epd_lab.serving import metrics_text, run_server, server_lifespan
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -260,16 +258,7 @@ def decode_body(body: bytes, typ: type) -> msgspec.Struct:
 def create_app(settings: PrefillSettings) -> FastAPI:
     """The prefill server's app; the model loads and the cache registers in its lifespan."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server = await asyncio.to_thread(PrefillServer, settings)
-        app.state.server = server
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(server.close)
-
-    app = FastAPI(title="epd_lab prefill", lifespan=lifespan)
+    app = FastAPI(title="epd_lab prefill", lifespan=server_lifespan(lambda: PrefillServer(settings)))
 
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
@@ -325,10 +314,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillSettings:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGINT/SIGTERM."""
-    settings = parse_args(argv)
-    sock = bind_tcp(settings.host, settings.port)
-    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
+    return run_server(parse_args(argv), create_app)
 
 
 if __name__ == "__main__":

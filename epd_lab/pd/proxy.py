@@ -59,7 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
-from epd_lab.serving import bind_tcp, serve_and_announce, url_of
+from epd_lab.serving import run_server
 from epd_lab.trace import Recorder, Span
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
@@ -735,11 +735,7 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
 
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab proxy``: serve until SIGINT/SIGTERM."""
-    settings = parse_args(argv)
-    # bound here, not in uvicorn, so the app knows the port the OS picked (spans, the printed URL)
-    sock = bind_tcp(settings.host, settings.port)
-    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
+    return run_server(parse_args(argv), create_app)
 
 
 if __name__ == "__main__":
