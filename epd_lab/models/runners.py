@@ -13,6 +13,12 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 from transformers import DynamicCache, Qwen2VLForConditionalGeneration
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+    Qwen2VLAttention,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 
 from epd_lab.models.processor import preprocess
 
@@ -118,6 +124,37 @@ class DecodeRunner:
                          logits_to_keep=1)
         return out.logits[:, -1, :]
 
+    @torch.no_grad()
+    def step_batch(self, tokens: Sequence[int], caches: Sequence[DynamicCache],
+                   positions: Sequence[int]) -> torch.Tensor:
+        """One batched step for B requests: feed `tokens[i]` at `positions[i]` on `caches[i]`; logits [B, vocab].
+
+        The caches may hold different lengths and stay separate: embeddings, norms, projections, MLPs and the LM
+        head run once on all B rows, attention runs per row on that row's own cache with the very call `step`
+        makes (no padding, no mask). Each cache grows by one position, exactly as `step` grows it.
+
+        Bits: wherever the kernels give each row of a [B, k] @ [k, n] product the bits of a [1, k] product, the
+        logits equal `step`'s bit for bit (bfloat16 on CPU here); float32 CPU GEMM sums in another order for B > 1,
+        so its logits differ from `step`'s in the last bits (max abs ~1e-5 on the tiny model). Not left-padding
+        into one cache with a mask: padding reorders attention's sums, and in bfloat16 that flipped a greedy
+        token within 32 steps (measured); per-row attention keeps `step`'s bits. tests/test_batching.py pins
+        this sequence against `step`, so a transformers release that changes the decoder layer shows there.
+        """
+        if not len(tokens) == len(caches) == len(positions) > 0:
+            raise ValueError(f"step_batch needs as many tokens, caches and positions (>= 1), got "
+                             f"{len(tokens)}, {len(caches)}, {len(positions)}")
+        text = self.model.model.language_model
+        if text.has_sliding_layers:
+            raise NotImplementedError("step_batch does not do sliding-window attention")
+        # The decoder layer's own sequence (Qwen2VLDecoderLayer.forward), with attention split per row.
+        hidden = text.embed_tokens(torch.tensor(tokens, dtype=torch.long).unsqueeze(1))  # [B, 1, hidden]
+        position_ids = torch.tensor(positions, dtype=torch.long).view(1, -1, 1).expand(3, -1, -1)
+        cos, sin = text.rotary_emb(hidden, position_ids)
+        for layer in text.layers:
+            hidden = hidden + _ragged_attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, caches)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(text.norm(hidden))[:, -1, :]
+
     def greedy(self, prefill_logits: torch.Tensor, cache: DynamicCache, next_position: int,
                max_new_tokens: int) -> list[int]:
         """`max_new_tokens` greedy tokens: the first from the prefill's logits, then one step each."""
@@ -125,6 +162,26 @@ class DecodeRunner:
         for i in range(max_new_tokens - 1):
             tokens.append(int(self.step(tokens[-1], cache, next_position + i).argmax(-1)))
         return tokens
+
+
+def _ragged_attention(attn: Qwen2VLAttention, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      caches: Sequence[DynamicCache]) -> torch.Tensor:
+    """`Qwen2VLAttention.forward` for B one-token rows whose caches differ in length: projections batched,
+    each row's cache update and attention on its own, as a batch of one makes them."""
+    batch = hidden.shape[0]
+    query = attn.q_proj(hidden).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+    key = attn.k_proj(hidden).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+    value = attn.v_proj(hidden).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    rows = []
+    for row, cache in enumerate(caches):
+        keys, values = cache.update(key[row:row + 1], value[row:row + 1], attn.layer_idx)
+        # mask None: a single query token attends to its whole cache, as in `step` (create_causal_mask gives None)
+        out, _ = attention(attn, query[row:row + 1], keys, values, None, dropout=0.0, scaling=attn.scaling,
+                           sliding_window=attn.sliding_window, position_ids=None)
+        rows.append(out)
+    return attn.o_proj(torch.cat(rows).reshape(batch, 1, -1).contiguous())
 
 
 def _vision_kwargs(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,

@@ -7,20 +7,24 @@
    (the cache is a copy). ``TRANS_ERROR`` → 502, no answer within ``--timeout`` (producer dead or stuck) → 504,
    with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
    before they go back to the pool: a producer that was only slow may still write into them.
-2. Generate: token 0 is prefill's ``first_token``; token i+1 comes from
-   ``DecodeRunner.step(token_i, cache, prompt_len + rope_delta + i)``, greedy at temperature 0, else sampled
-   from ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
+2. Generate: token 0 is prefill's ``first_token``; token i+1 comes from the logits of feeding token i at
+   ``prompt_len + rope_delta + i``, greedy at temperature 0, else sampled from ``softmax(logits / temperature)``
+   with a ``torch.Generator`` seeded by ``seed``.
 
-Concurrency: ONE scheduler thread owns the model and runs the active requests round-robin, one decode step
-of each per turn (no tensor batching: each step is a batch of one, so every request's tokens are exactly the
-single-request ones). KV transfers run in other threads meanwhile. A streaming client that disconnects marks
-its request cancelled; the scheduler drops it (and its cache) before its next step.
+Concurrency: ONE scheduler thread owns the model. Each turn it steps every active request once, in batches of
+at most ``--max-batch``: one `DecodeRunner.step_batch` forward per batch (its requests' caches differ in
+length and stay separate), `DecodeRunner.step` for a batch of one. Batched logits are bit-identical to the
+single-request ones in bfloat16 (measured on AVX-512 BF16); in float32 they differ in the last bits (CPU GEMM
+sums a batch in another order), see `DecodeRunner.step_batch`. ``--max-batch 1`` is the round-robin of single
+steps. KV transfers run in other threads meanwhile. A streaming client that disconnects marks its request
+cancelled; the scheduler drops it (and its cache) before its next step.
 
 Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
 KV pool exhausted 503, TRANS_ERROR 502, timeout 504. An error after streaming began is a last NDJSON line
 ``{"error": "..."}``.
 
-``GET /health`` (blocks free/used/quarantined, active requests, counters), ``GET /metrics`` (Prometheus).
+``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
+batched steps, so ``tokens_generated`` over it is about the mean batch), ``GET /metrics`` (Prometheus).
 
 Run: ``python -m epd_lab.pd.decode_server --port 0`` prints ``{"url": ..., "pid": ...}``.
 """
@@ -77,11 +81,12 @@ class DecodeSettings:
     block_size: int = 16
     timeout: float = 10.0  # the side channel's wait for the producer's answer
     kv_quarantine: float | None = None  # blocks of a timed-out transfer rest this long (None: timeout)
+    max_batch: int = 16  # requests per decode forward
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        for name in ("kv_blocks", "block_size"):
+        for name in ("kv_blocks", "block_size", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout > 0:
@@ -213,7 +218,7 @@ class DecodeServer:
         return gen
 
     def _schedule(self) -> None:
-        """Round-robin: one step of every active request per turn."""
+        """One step of every active request per turn, in batches of at most `max_batch`."""
         while True:
             with self._cond:
                 while not self._active and not self._closed:
@@ -224,44 +229,63 @@ class DecodeServer:
                         gen.emit(RuntimeError("the decode server is shutting down"))
                     return
                 batch = list(self._active)
-            finished: list[_Generation] = []
-            for gen in batch:
-                if gen.cancelled:
-                    finished.append(gen)
-                    self._count("requests_cancelled")
-                    continue
-                try:
-                    done = self._step(gen)
-                except Exception as exc:  # noqa: BLE001 - the request fails, the scheduler keeps going
-                    finished.append(gen)
-                    self._count("requests_failed")
-                    gen.emit(exc)
-                    continue
-                if done:
-                    finished.append(gen)
-                    self._count("requests_finished")
-                    gen.emit(_DONE)
+            finished = [gen for gen in batch if gen.cancelled]
+            self._count(requests_cancelled=len(finished))
+            live = [gen for gen in batch if not gen.cancelled]
+            for start in range(0, len(live), self.settings.max_batch):
+                finished += self._step(live[start:start + self.settings.max_batch])
             if finished:
                 with self._cond:
                     self._active = [g for g in self._active if g not in finished]
                 for gen in finished:
                     gen.cache = None  # the KV copy goes now, not when the handler's frame does
 
-    def _step(self, gen: _Generation) -> bool:
-        """One decode step of `gen`: feed its last token, emit the next. True when it has all its tokens."""
-        i = len(gen.tokens) - 1
+    def _step(self, batch: list[_Generation]) -> list[_Generation]:
+        """One decode step of every request in `batch` (one forward): feed each its last token, emit the next.
+
+        Returns the requests that ended: those with all their tokens, and failed ones (all of them when the
+        forward fails). Their decode_step spans share the forward's start.
+        """
         t0 = time.monotonic_ns()
-        logits = self.runner.step(gen.tokens[-1], gen.cache, gen.next_position + i)
+        try:
+            if len(batch) == 1:  # `step`: a lone request's logits stay exactly the single-request ones
+                gen = batch[0]
+                logits = self.runner.step(gen.tokens[-1], gen.cache, gen.next_position + len(gen.tokens) - 1)
+            else:
+                logits = self.runner.step_batch([gen.tokens[-1] for gen in batch], [gen.cache for gen in batch],
+                                                [gen.next_position + len(gen.tokens) - 1 for gen in batch])
+        except Exception as exc:  # noqa: BLE001 - its requests fail, the scheduler keeps going
+            self._count(requests_failed=len(batch))
+            for gen in batch:
+                gen.emit(exc)
+            return batch
+        self._count("decode_forwards")
+        ended: list[_Generation] = []
+        for gen, row in zip(batch, logits):
+            try:
+                token = self._choose(gen, row)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                ended.append(gen)
+                self._count("requests_failed")
+                gen.emit(exc)
+                continue
+            gen.tokens.append(token)
+            gen.spans.append(Span(gen.rid, len(gen.tokens) - 1, "decode_step", self.node, t0, time.monotonic_ns()))
+            self._count(tokens_generated=1)
+            gen.emit(token)
+            if len(gen.tokens) >= gen.max_tokens:
+                ended.append(gen)
+                self._count("requests_finished")
+                gen.emit(_DONE)
+        return ended
+
+    @staticmethod
+    def _choose(gen: _Generation, logits: torch.Tensor) -> int:
+        """The next token from one request's logits [vocab]: argmax, or a draw from its seeded generator."""
         if gen.generator is None:
-            token = int(logits.argmax(-1))
-        else:
-            probs = torch.softmax(logits.float() / gen.temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=gen.generator))
-        gen.tokens.append(token)
-        gen.spans.append(Span(gen.rid, i + 1, "decode_step", self.node, t0, time.monotonic_ns()))
-        self._count(tokens_generated=1)
-        gen.emit(token)
-        return len(gen.tokens) >= gen.max_tokens
+            return int(logits.argmax(-1))
+        probs = torch.softmax(logits.float() / gen.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen.generator))
 
     # ---- health, metrics, lifetime ----
     def _count(self, *names: str, **amounts: int) -> None:
@@ -278,7 +302,8 @@ class DecodeServer:
                 "dtype": self.settings.dtype, "session_id": self.engine.session_id,
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
-                "block_size": self.cache.block_size, "active_requests": active, "counters": counters}
+                "block_size": self.cache.block_size, "active_requests": active,
+                "max_batch": self.settings.max_batch, "counters": counters}
 
     def metrics(self) -> str:
         h = self.health()
@@ -295,6 +320,7 @@ class DecodeServer:
             ("requests_cancelled_total", "counter", c["requests_cancelled"], "requests whose client went away"),
             ("requests_failed_total", "counter", c["requests_failed"], "requests that failed while generating"),
             ("tokens_generated_total", "counter", c["tokens_generated"], "tokens emitted"),
+            ("decode_forwards_total", "counter", c["decode_forwards"], "decode steps run (each one forward)"),
             ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
             ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
             ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
@@ -418,10 +444,12 @@ def parse_args(argv: list[str] | None = None) -> DecodeSettings:
     ap.add_argument("--timeout", type=float, default=d["timeout"], help="seconds to wait for the producer's answer")
     ap.add_argument("--kv-quarantine", type=float, default=None,
                     help="seconds the blocks of a timed-out transfer rest before reuse (default: --timeout)")
+    ap.add_argument("--max-batch", type=int, default=d["max_batch"],
+                    help="requests per decode forward (1: round-robin single steps)")
     args = ap.parse_args(argv)
     try:
         return DecodeSettings(args.host, args.port, args.transport, args.model, args.dtype, args.kv_blocks,
-                              args.block_size, args.timeout, args.kv_quarantine)
+                              args.block_size, args.timeout, args.kv_quarantine, args.max_batch)
     except ValueError as exc:
         ap.error(str(exc))
 
