@@ -3,6 +3,7 @@ over REQ, the producer writes the blocks with one batch write and answers ``TRAN
 
     producer = KVProducer(engine, cache, free_blocks=blocks.free)      # prefill
     producer.ready(request_id, block_ids)                              # after its prefill wrote the KV
+    producer.abort(request_id)                                         # decode will never ask: free now
     consumer = KVConsumer(engine, cache)                               # decode
     consumer.receive_kv(producer.url, request_id, block_ids)           # returns once the KV is in place
 
@@ -10,6 +11,10 @@ Bounded everywhere, so no request waits forever (vLLM #35943): the producer answ
 request not readied within `timeout`, and frees a readied request's blocks once it is answered or after
 `free_timeout` if decode never asks; the consumer raises `KVTransferError` on ``TRANS_ERROR``, after
 `timeout` without an answer (producer dead or stuck), or on a reply it cannot decode.
+
+Abort (what vLLM's proxy does when decode fails): `abort` frees a readied request's blocks at once instead of
+after `free_timeout`, and for `free_timeout` afterwards an ask for that request is answered
+``TRANS_ERROR`` "aborted" at once, and `ready` for it is refused (a prefill still running when the abort came).
 
 Limit kept from the seed: after a consumer timed out, a producer that was only slow may still write into
 the blocks it named. Decode should not hand those blocks to another request before the producer's
@@ -38,6 +43,10 @@ log = logging.getLogger(__name__)
 
 class KVTransferError(RuntimeError):
     """The KV of a request did not arrive: ``TRANS_ERROR``, a timeout, or a dead producer."""
+
+
+class RequestAborted(ValueError):
+    """`KVProducer.ready` for a request that was aborted first."""
 
 
 @dataclass(slots=True)
@@ -75,11 +84,12 @@ class KVProducer:
         self.engine, self.cache, self.free_blocks = engine, cache, free_blocks
         self.timeout, self.free_timeout = timeout, free_timeout
         self._ready: dict[str, _Ready] = {}
+        self._aborted: dict[str, float] = {}  # request id → monotonic time its abort is forgotten
         self._asks: list[_Ask] = []  # touched by the serving thread only
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(
             ("transfers_done", "transfers_failed", "requests_done", "requests_failed", "requests_expired",
-             "malformed", "blocks_freed", "bytes_sent"), 0)
+             "requests_aborted", "malformed", "blocks_freed", "bytes_sent"), 0)
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
@@ -97,20 +107,42 @@ class KVProducer:
 
     # ---- the scheduler side ----
     def ready(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Mark `request_id`'s prefill KV as written into `block_ids`: it may now be sent."""
+        """Mark `request_id`'s prefill KV as written into `block_ids`: it may now be sent.
+
+        Raises `ValueError` when the producer is closed, the request is already ready, or it was aborted
+        (`RequestAborted`); the blocks then stay the caller's to free."""
         with self._lock:
             if self._closed:
                 raise ValueError("the producer is closed")
             if request_id in self._ready:
                 raise ValueError(f"request {request_id!r} is already ready")
+            if request_id in self._aborted:
+                raise RequestAborted(f"request {request_id!r} was aborted")
             self._ready[request_id] = _Ready(list(block_ids), time.monotonic() + self.free_timeout)
         self._wake()
+
+    def abort(self, request_id: str) -> int:
+        """Drop `request_id`: free its blocks now if it is ready, and answer its asks (waiting or to come
+        within `free_timeout`) ``TRANS_ERROR`` "aborted". Returns the number of blocks freed: 0 when it was not
+        ready (unknown, not yet readied, or its transfer already taken up: that one frees its blocks itself)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            entry = self._ready.pop(request_id, None)
+            self._aborted[request_id] = time.monotonic() + self.free_timeout
+            if entry is not None:
+                self._counters["requests_aborted"] += 1
+        self._wake()  # an ask already waiting for it is answered now, not at its deadline
+        if entry is None:
+            return 0
+        self._free(entry.block_ids)
+        return len(entry.block_ids)
 
     def stats(self) -> dict[str, int]:
         """Counters: ``requests_ready`` (readied, not yet asked), ``transfers_done`` / ``transfers_failed``
         (asks answered ``TRANS_DONE`` / ``TRANS_ERROR``), ``requests_done`` / ``requests_failed``,
-        ``requests_expired`` (freed unasked), ``malformed`` (frames that were not metadata),
-        ``blocks_freed``, ``bytes_sent``."""
+        ``requests_expired`` (freed unasked), ``requests_aborted`` (freed by `abort`), ``malformed``
+        (frames that were not metadata), ``blocks_freed``, ``bytes_sent``."""
         with self._lock:
             return {"requests_ready": len(self._ready), **self._counters}
 
@@ -154,11 +186,15 @@ class KVProducer:
         now, waiting = time.monotonic(), []
         for ask in self._asks:
             with self._lock:
+                aborted = [rid for rid in ask.metadata.request_ids if rid in self._aborted]
                 entries = [self._ready.get(rid) for rid in ask.metadata.request_ids]
-                if all(entries):
+                if all(entries) and not aborted:
                     for rid in ask.metadata.request_ids:
                         del self._ready[rid]
-            if all(entries):
+            if aborted:  # the other requests of the ask stay ready: they may be asked for again
+                self._count("transfers_failed")
+                self._reply(ask.envelope, TransError(ask.metadata.request_ids, f"request(s) {aborted} aborted"))
+            elif all(entries):
                 self._send(ask, entries)
             elif now >= ask.deadline:
                 missing = [rid for rid, e in zip(ask.metadata.request_ids, entries) if e is None]
@@ -204,6 +240,7 @@ class KVProducer:
         with self._lock:
             expired = [rid for rid, r in self._ready.items() if now >= r.expires]
             entries = [self._ready.pop(rid) for rid in expired]
+            self._aborted = {rid: until for rid, until in self._aborted.items() if now < until}
         for rid, entry in zip(expired, entries):
             log.warning("KV of request %r was never asked for within %s s; freeing its blocks", rid, self.free_timeout)
             self._count(requests_expired=1)

@@ -4,6 +4,7 @@ Everything is validated on decode (`decode`); a malformed body or an unknown fie
 
     PrefillRequest  → POST /v1/prefill → PrefillResponse   (its kv_transfer_params: `KVTransferParams`)
     DecodeRequest   → POST /v1/decode  → DecodeResponse, or NDJSON lines `StreamToken`… then `StreamDone`
+    AbortRequest    → POST /v1/abort   → AbortResponse     (prefill: decode will never ask for this KV)
 
 `KVTransferParams` is what decode needs besides the KV blocks (issue 4, DESIGN.md §4): where to ask for
 them (the producer's side channel and request id), the prompt length and the mrope rope delta (decode
@@ -60,6 +61,21 @@ class PrefillResponse(msgspec.Struct):
     prompt_len: int
     kv_transfer_params: KVTransferParams | None
     spans: list[Span] = []
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/abort on a prefill server: the proxy gave up on `request_id` (its decode failed, or its client
+    left before decode began), so its KV will never be asked for."""
+
+    request_id: NonEmpty
+
+
+class AbortResponse(msgspec.Struct):
+    """The answer to /v1/abort. `freed_blocks`: blocks freed now (0 when the KV was not waiting: unknown, already
+    sent, or still being prefilled; such a prefill's KV is then refused instead of kept)."""
+
+    request_id: str
+    freed_blocks: int
 
 
 class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):

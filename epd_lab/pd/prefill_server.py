@@ -10,9 +10,14 @@
    ``--kv-free-timeout`` if decode never asks.
 3. The answer carries the first token (greedy argmax of the last logits) and the `KVTransferParams` decode needs.
 
+``POST /v1/abort`` (`AbortRequest` → `AbortResponse`): the proxy gave up on a request (its decode failed, or its
+client left before decode began). ``producer.abort`` frees its blocks now instead of after ``--kv-free-timeout``;
+decode asking for it later gets ``TRANS_ERROR`` "aborted", and a prefill of it still running when the abort came
+keeps nothing (answered 409). Idempotent; an unknown request_id is answered 200 with ``freed_blocks`` 0.
+
 Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 8 MiB 413, an image an
 encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted 503, a
-request_id whose KV is still waiting for decode 409.
+request_id whose KV is still waiting for decode, or that was aborted, 409.
 
 ``GET /health`` (JSON: blocks free/used, the producer's counters), ``GET /metrics`` (Prometheus text).
 
@@ -39,8 +44,11 @@ from epd_lab.epd.messages import BACKENDS, DTYPES
 from epd_lab.epd.prefill import EPDPrefill
 from epd_lab.epd.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
+from epd_lab.kv.connector import RequestAborted
 from epd_lab.pd.messages import (
     MAX_BODY_BYTES,
+    AbortRequest,
+    AbortResponse,
     ErrorResponse,
     KVTransferParams,
     PrefillRequest,
@@ -180,6 +188,10 @@ class PrefillServer:
             with self.recorder.span("kv_write", rid, nbytes=n * self.cache.block_len * 2 * self.cache.num_layers):
                 self.cache.write_from(result.past_key_values, ids, result.prompt_len)
             self.producer.ready(rid, ids)
+        except RequestAborted:
+            self.blocks.free(ids)
+            self.counters["aborted_while_prefilling"] += 1
+            raise HTTPError(409, f"request_id {rid!r} was aborted while it was being prefilled") from None
         except ValueError as exc:
             self.blocks.free(ids)
             if "already ready" in str(exc):
@@ -189,6 +201,10 @@ class PrefillServer:
             self.blocks.free(ids)
             raise
         return KVTransferParams(self.producer.url, rid, result.prompt_len, result.rope_delta, first_token, n)
+
+    def abort(self, req: AbortRequest) -> AbortResponse:
+        """Drop a request's KV: decode will never ask for it."""
+        return AbortResponse(req.request_id, self.producer.abort(req.request_id))
 
     # ---- health, metrics, lifetime ----
     def health(self) -> dict:
@@ -215,6 +231,7 @@ class PrefillServer:
             ("kv_transfers_done_total", "counter", p["transfers_done"], "side-channel asks answered TRANS_DONE"),
             ("kv_transfers_failed_total", "counter", p["transfers_failed"], "side-channel asks answered TRANS_ERROR"),
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
+            ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
             ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
         ])
 
@@ -274,6 +291,16 @@ def create_app(settings: PrefillSettings) -> FastAPI:
             out = _error(500, f"{type(exc).__name__}: {exc}")
         server.statuses[out.status_code] += 1
         return out
+
+    @app.post("/v1/abort")
+    async def abort(request: Request) -> Response:
+        server: PrefillServer = app.state.server
+        try:
+            req = decode_body(await read_body(request), AbortRequest)
+            # freeing takes the block manager's lock only: no need to leave the event loop
+            return Response(encode(server.abort(req)), media_type="application/json")
+        except HTTPError as exc:
+            return _error(exc.status, exc.detail)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible proxy in front of prefill and decode servers (XpYd): ``epd-lab proxy``.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming SSE and non-streaming),
-``GET /v1/models`` (one model), ``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models`` (one model), ``GET /v1/spans?request_id=...`` (one request's E→P→D timeline),
+``GET /health``, ``GET /metrics`` (Prometheus text).
 
 One request, as vLLM's disaggregated proxy does it:
 
@@ -31,9 +32,17 @@ A client that goes away mid-stream: the upstream decode stream is closed at once
 generating and frees the request's blocks (the prefill freed its blocks when decode pulled them). A
 non-streaming request runs to its end.
 
-Spans (`epd_lab.trace`), per request: ``ttft`` (request received → first token handed out) and ``tpot``
-(from the first token; its duration is the mean time per output token after the first), for streamed
-requests, and ``e2e`` for all. ``/metrics`` gives them as summaries.
+Abort (vLLM's proxy does the same): when no decode takes a prefilled request (every decode down, a decode's
+error or timeout, the proxy's handler cancelled) or its client is gone before decode begins (answered 499), the
+proxy sends ``POST /v1/abort {"request_id"}`` to the prefill that served it, which frees the request's KV
+blocks at once instead of after its ``--kv-free-timeout``. Best effort: an abort that fails is counted
+(``epd_proxy_prefill_aborts_total``), and the prefill's free timeout still bounds the blocks' life.
+
+Spans (`epd_lab.trace`), per request: the proxy's own ``ttft`` (request received → first token handed out) and
+``tpot`` (from the first token; its duration is the mean time per output token after the first), for streamed
+requests, and ``e2e`` for all; ``/metrics`` gives them as summaries. With them the recorder keeps the spans the
+backends return (prefill: the E→P stages, ``prefill``, ``kv_write``; decode: ``kv_transfer``, ``decode_step``).
+All share one host's CLOCK_MONOTONIC, so ``/v1/spans`` lines them up as one timeline.
 
 Run: ``python -m epd_lab.pd.proxy --port 0 --prefill URL[,URL] --decode URL[,URL]`` prints
 ``{"url": ..., "pid": ...}``.
@@ -64,7 +73,7 @@ from epd_lab.trace import Recorder, Span
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
 POLICIES = ("round_robin", "least_loaded")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/spans", "/health", "/metrics")
 MAX_BODY_BYTES = 64 << 20  # a request with several data-URI images is MiBs
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat too
 PROBE_TIMEOUT = 1.0  # seconds, at most, for a /health probe of a backend
@@ -197,6 +206,13 @@ class PrefillResponse(msgspec.Struct):
     first_token: int
     prompt_len: int
     kv_transfer_params: dict[str, Any]
+    spans: list[Span] = []
+
+
+class _AbortAnswer(msgspec.Struct):
+    """The prefill server's answer to /v1/abort (extra fields ignored)."""
+
+    freed_blocks: int
 
 
 class DecodeResponse(msgspec.Struct):
@@ -205,6 +221,7 @@ class DecodeResponse(msgspec.Struct):
     request_id: str
     tokens: list[int]
     finish_reason: str
+    spans: list[Span] = []
 
 
 class DecodeLine(msgspec.Struct):
@@ -216,6 +233,7 @@ class DecodeLine(msgspec.Struct):
     finish_reason: str | None = None
     error: str | None = None
     detail: str | None = None
+    spans: list[Span] = []  # on the done line
 
 
 @dataclasses.dataclass(slots=True)
@@ -359,6 +377,7 @@ class Proxy:
         self.recorder = Recorder(node=f"proxy:{settings.port}")
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
+        self.prefill_aborts: collections.Counter[str] = collections.Counter()  # by result
         self.latency_sum: collections.Counter[str] = collections.Counter()  # seconds, by span stage
         self.latency_count: collections.Counter[str] = collections.Counter()
         self.started = int(time.time())
@@ -432,14 +451,38 @@ class Proxy:
         urls = ", ".join(b.url for b in pool.backends)
         raise ProxyError(503, f"no {pool.role} server is reachable ({urls})", "service_unavailable", "no_backend")
 
-    async def _prefill(self, job: _Job, prompt: str, images: list[str]) -> PrefillResponse:
+    async def _prefill(self, job: _Job, prompt: str, images: list[str]) -> tuple[Backend, PrefillResponse]:
         backend, response = await self._post(self.prefills, "/v1/prefill", {
             "request_id": job.rid, "prompt": prompt, "images": images,
             "kv_transfer_params": {"do_remote_decode": True}}, stream=False)
         backend.inflight -= 1
-        prefill = _decode_json(backend, response.content, PrefillResponse)
+        try:
+            prefill = _decode_json(backend, response.content, PrefillResponse)
+        except ProxyError:
+            await self._abort(backend, job.rid)  # it answered 200, so it may hold KV we cannot hand on
+            raise
         job.prompt_len = prefill.prompt_len
-        return prefill
+        self.recorder.extend(prefill.spans)
+        return backend, prefill
+
+    async def _abort(self, backend: Backend, rid: str) -> None:
+        """Have the prefill `backend` drop `rid`'s KV now (no decode will ask for it). Best effort and short:
+        a prefill that does not answer still frees the blocks after its own free timeout."""
+        try:
+            response = await self.client.post(backend.url + "/v1/abort", json={"request_id": rid},
+                                              timeout=min(self.settings.timeout, PROBE_TIMEOUT))
+        except httpx.HTTPError:
+            self.prefill_aborts["unreachable"] += 1
+            return
+        if response.status_code != 200:  # e.g. 404 from a prefill without /v1/abort
+            self.prefill_aborts[f"status_{response.status_code}"] += 1
+            return
+        try:
+            freed = msgspec.json.decode(response.content, type=_AbortAnswer).freed_blocks
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            self.prefill_aborts["malformed"] += 1
+            return
+        self.prefill_aborts["freed" if freed else "nothing_held"] += 1
 
     def _decode_body(self, job: _Job, prefill: PrefillResponse) -> dict[str, Any]:
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
@@ -449,15 +492,23 @@ class Proxy:
     async def complete(self, request: Request, kind: str) -> Response:
         """Serve one /v1/chat/completions (`kind` "chat") or /v1/completions ("text") request."""
         job, prompt, images = _parse_request(await _read_json(request), kind)
-        prefill = await self._prefill(job, prompt, images)
-        backend, response = await self._post(self.decodes, "/v1/decode", self._decode_body(job, prefill),
-                                             stream=job.stream)
+        prefill_backend, prefill = await self._prefill(job, prompt, images)
+        try:
+            if await request.is_disconnected():
+                raise ProxyError(499, "the client closed the request before decode began", "client_disconnect",
+                                 "client_disconnect")
+            backend, response = await self._post(self.decodes, "/v1/decode", self._decode_body(job, prefill),
+                                                 stream=job.stream)
+        except BaseException:  # cancellation included: no decode will ask for the KV, so free it now
+            await asyncio.shield(self._abort(prefill_backend, job.rid))
+            raise
         if job.stream:
             stream = _TokenStream(self, job, backend, response)
             return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
         backend.inflight -= 1
         decoded = _decode_json(backend, response.content, DecodeResponse)
+        self.recorder.extend(decoded.spans)
         self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
         usage = self.usage(job, len(decoded.tokens))
         text = detokenize(decoded.tokens)
@@ -482,6 +533,13 @@ class Proxy:
         self.latency_count[span.stage] += 1
 
     # ---- observability ----
+    def request_spans(self, request_id: str) -> list[Span]:
+        """Every span of one request, by its id or the response's (``chatcmpl-``/``cmpl-`` + id), oldest first:
+        the proxy's, the prefill's (with the E→P parts ``{id}_local_part_{i}``) and the decode's."""
+        rid = request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+        spans = [s for s in self.recorder.spans(rid) if s.req_id == rid or s.req_id.startswith(rid + "_")]
+        return sorted(spans, key=lambda s: (s.t_start_ns, s.t_end_ns))
+
     async def health(self) -> tuple[int, dict[str, Any]]:
         """Probe every backend; 200 when at least one prefill and one decode answer, else 503.
 
@@ -510,6 +568,10 @@ class Proxy:
                   "# TYPE epd_proxy_streams_aborted_total counter"]
         lines += [f'epd_proxy_streams_aborted_total{{reason="{reason}"}} {n}'
                   for reason, n in sorted(self.streams_aborted.items())]
+        lines += ["# HELP epd_proxy_prefill_aborts_total /v1/abort calls to prefills, by result",
+                  "# TYPE epd_proxy_prefill_aborts_total counter"]
+        lines += [f'epd_proxy_prefill_aborts_total{{result="{result}"}} {n}'
+                  for result, n in sorted(self.prefill_aborts.items())]
         now = time.monotonic()
         backends = self.prefills.backends + self.decodes.backends
         for name, kind, help_, value in (
@@ -594,6 +656,7 @@ class _TokenStream:
                             yield self._event(text)
                     elif msg.done:
                         finish_reason = msg.finish_reason or "length"
+                        self.proxy.recorder.extend(msg.spans)
                         break
                     else:
                         raise ProxyError(502, f"decode {backend.url} failed mid-stream: "
@@ -692,6 +755,17 @@ def create_app(settings: ProxySettings) -> FastAPI:
     async def list_models() -> Response:
         return _json({"object": "list", "data": [{"id": settings.model, "object": "model",
                                                   "created": app.state.proxy.started, "owned_by": "epd_lab"}]})
+
+    @app.get("/v1/spans")
+    async def spans(request: Request) -> Response:
+        request_id = request.query_params.get("request_id", "")
+        if not request_id:
+            raise bad_request("the request_id query parameter is required")
+        found = app.state.proxy.request_spans(request_id)
+        if not found:
+            raise ProxyError(404, f"no spans of request {request_id!r} (unknown, or dropped from the recorder)",
+                             "invalid_request_error", "not_found")
+        return _json({"request_id": request_id, "spans": found})
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,362 @@
+"""XpYd through real processes: 2 encoders, 2 prefills, 2 decodes and the proxy (`Cluster`), driven by the
+official `openai` client. Answers equal the monolithic model's; both prefills and both decodes serve; a failed
+decode makes the proxy abort the request on its prefill (`POST /v1/abort`), which frees the KV at once instead
+of after ``--kv-free-timeout`` (30 s by default, far above every wait here); spans of one request line up.
+
+The tests share one cluster (booting 7 processes takes most of this file's time) and run in file order: the
+last two freeze and kill a decode, then a prefill, and check that the rest keeps serving.
+
+The first test is in-process: `KVProducer.abort` against a producer and a raw side-channel REQ socket.
+"""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import zmq
+from PIL import Image
+
+from epd_lab.kv import BlockManager, KVConsumer, KVProducer, PagedKVCache, TransError
+from epd_lab.kv.connector import RequestAborted
+from epd_lab.kv.messages import decode_reply, encode
+from epd_lab.launch import Cluster, Topology, _die_with_parent
+from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
+from epd_lab.pd.text import detokenize, messages_to_prompt
+from epd_lab.transfer import TransferEngine
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_TOKENS = 16
+TIMEOUT = 4.0  # every role's timeout: the proxy's idle timeout, decode's wait for the producer, E→P
+SLACK = 3.0  # bounded-time checks only; the prefills' KV free timeout (30 s) is far above TIMEOUT + SLACK
+MODEL = "epd-lab-tiny-qwen2-vl"
+PREFILLS, DECODES = slice(2, 4), slice(4, 6)  # Cluster.procs: encoders, prefills, decodes, proxy
+
+
+# ---- KVProducer.abort, in process ----
+def _ask(producer: KVProducer, consumer: KVConsumer, rid: str) -> Any:
+    """Send decode's metadata for `rid` over a raw REQ socket; the producer's reply."""
+    with zmq.Context.instance().socket(zmq.REQ) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(producer.url)
+        sock.send(encode(consumer.metadata(rid, [0, 1])))
+        assert sock.poll(3000), "no reply from the producer"
+        return decode_reply(sock.recv())
+
+
+def test_producer_abort_frees_blocks_and_answers_trans_error() -> None:
+    with (TransferEngine(timeout=2.0) as p_engine, TransferEngine(timeout=2.0) as d_engine,
+          PagedKVCache(2, 2, 64, num_blocks=8, engine=p_engine) as p_cache,
+          PagedKVCache(2, 2, 64, num_blocks=8, engine=d_engine) as d_cache):
+        blocks = BlockManager(8)
+        consumer = KVConsumer(d_engine, d_cache)
+        with KVProducer(p_engine, p_cache, free_blocks=blocks.free, timeout=5.0, free_timeout=60.0) as producer:
+            producer.ready("r", blocks.allocate(2))
+            assert producer.abort("r") == 2 and blocks.num_free_blocks == 8  # now, not after free_timeout
+            assert producer.abort("r") == 0  # idempotent
+            start = time.monotonic()
+            reply = _ask(producer, consumer, "r")
+            assert isinstance(reply, TransError) and "aborted" in reply.error
+            assert time.monotonic() - start < 1.0  # at once, not after the ask's 5 s wait
+            with pytest.raises(RequestAborted):
+                producer.ready("r", [3])  # a prefill that finishes after its abort keeps nothing
+            # an abort of a request not yet readied answers an ask already waiting for it at once
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(_ask, producer, consumer, "late")
+                time.sleep(0.2)
+                assert producer.abort("late") == 0
+                assert "aborted" in waiting.result(2).error
+            stats = producer.stats()
+            assert stats["requests_aborted"] == 1 and stats["requests_ready"] == 0 and stats["blocks_freed"] == 2
+
+
+# ---- the cluster ----
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(Topology(encoders=2, prefills=2, decodes=2, proxy=True, timeout=TIMEOUT)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    configure_torch()  # one thread, as every server: bit-identical tokens
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _health(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def _live(cluster: Cluster, urls: list[str], procs: slice) -> list[str]:
+    return [url for url, proc in zip(urls, cluster.procs[procs], strict=True) if proc.poll() is None]
+
+
+def _wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return value
+
+
+@pytest.fixture(autouse=True)
+def blocks_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every cluster test: all blocks free and nothing generating on every live prefill and decode. The
+    wait is far below the prefills' KV free timeout, so a request the proxy failed to abort shows here."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    c: Cluster = request.getfixturevalue("cluster")
+    for url in _live(c, c.prefill_urls, PREFILLS) + _live(c, c.decode_urls, DECODES):
+        health = _wait(lambda u=url: (h := _health(u))["used_blocks"] == 0 and h.get("active_requests", 0) == 0 and h,
+                       SLACK, f"{url} kept blocks or requests")
+        assert health["free_blocks"] == health["num_blocks"]
+
+
+def _data_uri(w: int, h: int, seed: int) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _messages(text: str, sizes: list[tuple[int, int]], seed: int) -> list[dict[str, Any]]:
+    content = [{"type": "image_url", "image_url": {"url": _data_uri(w, h, seed + i)}} for i, (w, h) in enumerate(sizes)]
+    return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+
+
+def _expected(model: Any, messages: list[dict[str, Any]]) -> str:
+    """The monolithic model's answer (as tests/test_e2e.py)."""
+    prompt, images = messages_to_prompt(messages)
+    pil = [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).convert("RGB") for u in images]
+    if pil:
+        pixel_values, grid = preprocess(pil)
+        ids = build_input_ids(prompt, grid.tolist())
+    else:
+        pixel_values = grid = None
+        ids = build_input_ids(prompt, [])
+    return detokenize(monolithic_generate(model, ids, pixel_values, grid, MAX_TOKENS))
+
+
+def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool = False) -> tuple[str, str]:
+    """(response id, text) of one greedy chat request."""
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        return reply.id, reply.choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    return chunks[0].id, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _served(cluster: Cluster) -> tuple[list[int], list[int]]:
+    """Requests answered by each prefill, requests finished by each decode."""
+    return ([_health(u)["counters"].get("requests_ok", 0) for u in cluster.prefill_urls],
+            [_health(u)["counters"].get("requests_finished", 0) for u in cluster.decode_urls])
+
+
+def _aborts(cluster: Cluster) -> int:
+    """Requests whose KV the live prefills freed on the proxy's abort."""
+    return sum(_health(u)["producer"]["requests_aborted"] for u in _live(cluster, cluster.prefill_urls, PREFILLS))
+
+
+def _metric(cluster: Cluster, line: str) -> float | None:
+    """The value of the proxy's metric line that starts with `line` (name and labels), None if absent."""
+    text = httpx.get(cluster.proxy_url + "/metrics", timeout=5).text
+    found = re.search("^" + re.escape(line) + r" (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else None
+
+
+def test_xpyd_concurrent_chats_equal_the_monolithic_model(cluster: Cluster, client: openai.OpenAI,
+                                                          model: Any) -> None:
+    cases = [(_messages("what do you see?", sizes, seed=10 * i), i % 2 == 1)
+             for i, sizes in enumerate([[], [(224, 224)], [(100, 333), (64, 64)], [(500, 260)], [], [(128, 96)]])]
+    before_p, before_d = _served(cluster)
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = [pool.submit(_chat, client, messages, stream) for messages, stream in cases]
+        texts = [f.result(120)[1] for f in futures]
+    assert texts == [_expected(model, messages) for messages, _ in cases]
+    after_p, after_d = _served(cluster)
+    served_p = [a - b for a, b in zip(after_p, before_p, strict=True)]
+    served_d = [a - b for a, b in zip(after_d, before_d, strict=True)]
+    assert sum(served_p) == sum(served_d) == len(cases)
+    assert all(served_p) and all(served_d), (served_p, served_d)  # round robin spread them over both of each
+
+
+def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai.OpenAI) -> None:
+    response_id, _ = _chat(client, _messages("timeline", [(224, 224)], seed=99), stream=True)
+    got = _wait(lambda: (r := httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id}))
+                .status_code == 200 and "e2e" in {s[2] for s in r.json()["spans"]} and r.json(),
+                SLACK, "the proxy never recorded the request's e2e span")  # recorded as the stream closes
+    spans = got["spans"]
+    stages = {s[2] for s in spans}
+    assert stages >= {"http_encode", "vit", "transfer", "prefill", "kv_write", "kv_transfer", "decode_step",
+                      "ttft", "tpot", "e2e"}, stages
+    assert {s[3].split(":")[0] for s in spans} >= {"proxy", "prefill", "decode"}
+    assert [s[4] for s in spans] == sorted(s[4] for s in spans)  # oldest first
+    first = {stage: min(s[4] for s in spans if s[2] == stage) for stage in stages}
+    last = {stage: max(s[5] for s in spans if s[2] == stage) for stage in stages}
+    # one clock for every process: E→P, then prefill, then the KV transfer, then decode steps, inside e2e
+    assert first["e2e"] <= first["http_encode"] <= last["transfer"] <= first["prefill"]
+    assert last["prefill"] <= first["kv_transfer"] <= last["kv_transfer"] <= first["decode_step"]
+    assert last["decode_step"] <= last["e2e"] and last["ttft"] <= last["e2e"]
+    assert sum(s[2] == "decode_step" for s in spans) == MAX_TOKENS - 1
+    bare = httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id.removeprefix("chatcmpl-")})
+    assert bare.json()["spans"] == spans
+    assert httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": "nope"}).status_code == 404
+    missing = httpx.get(cluster.proxy_url + "/v1/spans")
+    assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def _start_proxy(prefills: list[str], decodes: list[str]) -> tuple[subprocess.Popen, str]:
+    """``python -m epd_lab.pd.proxy`` as a process; (process, URL)."""
+    cmd = [sys.executable, "-m", "epd_lab.pd.proxy", "--port", "0", "--prefill", ",".join(prefills),
+           "--decode", ",".join(decodes), "--timeout", str(TIMEOUT)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
+    deadline = time.monotonic() + 30
+    while not select.select([proc.stdout], [], [], 0.1)[0]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+    return proc, json.loads(proc.stdout.readline())["url"]
+
+
+def test_no_reachable_decode_aborts_the_prefilled_request(cluster: Cluster) -> None:
+    """A proxy whose only decode is dead: the client gets 503, and the prefill that served the request frees
+    its KV at once (the proxy's abort), not after its 30 s free timeout."""
+    with socket.socket() as dead:  # bound, never listening: connections are refused
+        dead.bind(("127.0.0.1", 0))
+        proc, url = _start_proxy(cluster.prefill_urls, [f"http://127.0.0.1:{dead.getsockname()[1]}"])
+        try:
+            aborted_before = _aborts(cluster)
+            with (openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30) as c,
+                  pytest.raises(openai.InternalServerError, match="no decode server is reachable") as info):
+                _chat(c, _messages("nobody decodes me", [(224, 224)], seed=5))
+            assert info.value.status_code == 503
+            assert _aborts(cluster) == aborted_before + 1
+            assert 'epd_proxy_prefill_aborts_total{result="freed"} 1' in httpx.get(url + "/metrics").text
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            proc.stdout.close()
+    # blocks_back: that prefill's pool is whole again within SLACK
+
+
+def test_streaming_client_disconnect_releases_prefill_and_decode(cluster: Cluster, client: openai.OpenAI) -> None:
+    def cancelled() -> int:
+        return sum(_health(u)["counters"].get("requests_cancelled", 0) for u in cluster.decode_urls)
+
+    before = cancelled()
+    stream = client.chat.completions.create(model=MODEL, messages=_messages("go on", [], seed=0), max_tokens=3000,
+                                            temperature=0, stream=True)
+    chunks = iter(stream)
+    for _ in range(4):
+        next(chunks)
+    assert sum(_health(u)["active_requests"] for u in cluster.decode_urls) == 1
+    stream.close()
+    _wait(lambda: cancelled() == before + 1, SLACK, "the decode did not drop the request")
+    _wait(lambda: _metric(cluster, 'epd_proxy_streams_aborted_total{reason="client_disconnect"}') == 1, SLACK,
+          "the proxy did not count the disconnect")
+    # blocks_back: no blocks held and nothing generating on any prefill or decode
+
+
+def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
+    """Both prefills frozen while the proxy waits on one; the client hangs up; the prefills thaw: the proxy sees
+    the client gone before it calls decode, answers 499 into the void and aborts the request on its prefill."""
+    body = json.dumps({"model": MODEL, "messages": _messages("leaving", [], seed=1), "max_tokens": MAX_TOKENS,
+                       "stream": True}).encode()
+    host, port = cluster.proxy_url.removeprefix("http://").split(":")
+    aborted_before, served_before = _aborts(cluster), _served(cluster)[1]
+    for proc in cluster.procs[PREFILLS]:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            _wait(lambda: sum(_metric(cluster, f'epd_proxy_backend_inflight{{role="prefill",url="{u}"}}')
+                              for u in cluster.prefill_urls) == 1, SLACK, "the request never reached a prefill")
+    finally:  # thawed well within the proxy's idle timeout, which would otherwise fail the prefill call
+        for proc in cluster.procs[PREFILLS]:
+            os.kill(proc.pid, signal.SIGCONT)
+    _wait(lambda: _aborts(cluster) == aborted_before + 1, SLACK, "the prefill never got the abort")
+    assert _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') == 1
+    assert _served(cluster)[1] == served_before  # no decode was asked
+
+
+def _concurrently(client: openai.OpenAI, n: int, text: str) -> list[concurrent.futures.Future]:
+    pool = concurrent.futures.ThreadPoolExecutor(n)
+    futures = [pool.submit(_chat, client, _messages(f"{text} {i}", [(128, 96)], seed=i)) for i in range(n)]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def test_frozen_then_killed_decode(cluster: Cluster, client: openai.OpenAI, model: Any) -> None:
+    """Decode 1 frozen (SIGSTOP): of two concurrent requests, round robin sends one to it; that client gets a 504
+    error object within the proxy's timeout and its prefill's KV is aborted, while the other is answered. Then
+    decode 1 is killed: the proxy marks it down and decode 0 serves everything."""
+    victim = cluster.procs[DECODES][1]
+    aborted_before = _aborts(cluster)
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        futures = _concurrently(client, 2, "frozen")
+        errors = [f.exception(TIMEOUT + 30) for f in futures]
+        failed = [e for e in errors if e is not None]
+        assert len(failed) == 1 and isinstance(failed[0], openai.InternalServerError), errors
+        assert failed[0].status_code == 504 and "timed out" in str(failed[0])
+        assert time.monotonic() - start < TIMEOUT + 2 * SLACK
+        # the prefill that served it holds no KV: blocks_back below checks the pool, this the cause
+        assert _aborts(cluster) == aborted_before + 1
+        assert _metric(cluster, 'epd_proxy_prefill_aborts_total{result="freed"}') >= 1
+    finally:
+        victim.kill()  # SIGKILL ends a stopped process too
+        victim.wait(10)
+    messages = [_messages(f"after {i}", [], seed=i) for i in range(3)]
+    assert [_chat(client, m)[1] for m in messages] == [_expected(model, m) for m in messages]
+    health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
+    assert health["status"] == "ok" and [e["healthy"] for e in health["decode"]] == [True, False]
+    assert _metric(cluster, f'epd_proxy_backend_up{{role="decode",url="{cluster.decode_urls[1]}"}}') == 0
+
+
+def test_killed_prefill_is_a_502_and_the_other_keeps_serving(cluster: Cluster, client: openai.OpenAI,
+                                                             model: Any) -> None:
+    """Prefill 1 frozen, then killed once the proxy's request is on it: that client gets a 502 error object at once;
+    the other request, and every one after, is served by prefill 0 (prefill 1 marked down)."""
+    victim, victim_url = cluster.procs[PREFILLS][1], cluster.prefill_urls[1]
+    inflight = f'epd_proxy_backend_inflight{{role="prefill",url="{victim_url}"}}'
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        futures = _concurrently(client, 2, "doomed")
+        _wait(lambda: _metric(cluster, inflight) == 1, SLACK, "no request reached the frozen prefill")
+    finally:
+        victim.kill()
+        victim.wait(10)
+    start = time.monotonic()
+    errors = [f.exception(TIMEOUT + 30) for f in futures]
+    failed = [e for e in errors if e is not None]
+    assert len(failed) == 1 and isinstance(failed[0], openai.InternalServerError), errors
+    assert failed[0].status_code == 502 and f"prefill {victim_url}" in str(failed[0])
+    assert time.monotonic() - start < SLACK
+    messages = [_messages(f"one prefill left {i}", [(100, 100)] * (i % 2), seed=i) for i in range(3)]
+    assert [_chat(client, m)[1] for m in messages] == [_expected(model, m) for m in messages]
+    health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
+    assert health["status"] == "ok" and [e["healthy"] for e in health["prefill"]] == [True, False]
+    assert _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 0
