@@ -123,12 +123,15 @@ def run_e2e(max_tokens: int = 16) -> None:
     import io
     import time
 
+    import httpx
+    import msgspec
     import openai
     from PIL import Image
 
     from epd_lab.launch import Cluster, Topology
     from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
     from epd_lab.pd.text import detokenize, messages_to_prompt
+    from epd_lab.trace import Span
 
     configure_torch()
     model = load_model()
@@ -147,13 +150,16 @@ def run_e2e(max_tokens: int = 16) -> None:
                        for b in images] + [{"type": "text", "text": text}]
             messages = [{"role": "user", "content": content}]
             t0 = time.perf_counter()
-            ttft, pieces = None, []
+            ttft, pieces, response_id = None, [], None
             for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=messages,
                                                         max_tokens=max_tokens, temperature=0, stream=True):
+                response_id = chunk.id
                 if chunk.choices and chunk.choices[0].delta.content:
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
                     pieces.append(chunk.choices[0].delta.content)
             total = time.perf_counter() - t0
+            timeline = httpx.get(f"{cluster.proxy_url}/v1/spans", params={"request_id": response_id}, timeout=10)
+            spans = msgspec.convert(timeline.json()["spans"], list[Span])
             prompt, _ = messages_to_prompt(messages)
             if images:
                 pixel_values, grid = preprocess([Image.open(io.BytesIO(b)).convert("RGB") for b in images])
@@ -162,7 +168,21 @@ def run_e2e(max_tokens: int = 16) -> None:
                 pixel_values = grid = None
                 ids = build_input_ids(prompt, [])
             same = "".join(pieces) == detokenize(monolithic_generate(model, ids, pixel_values, grid, max_tokens))
-            rows.append((len(images), ttft, total, same))
-    print(f"\n{'images':>6s} {'tokens':>6s} {'TTFT ms':>8s} {'total ms':>9s} {'same as generate':>17s}")
-    for n_img, ttft, total, same in rows:
-        print(f"{n_img:6d} {max_tokens:6d} {ttft * 1e3:8.1f} {total * 1e3:9.1f} {str(same):>17s}")
+            rows.append((len(images), ttft, total, same, _stage_ms(spans)))
+    stages = ("http_encode", "vit", "transfer", "prefill", "kv_transfer", "decode_step", "ttft")
+    print(f"\n{'images':>6s} {'tokens':>6s} {'TTFT ms':>8s} {'total ms':>9s} {'same as generate':>17s}   "
+          + " ".join(f"{s:>11s}" for s in stages) + "   (stages from the proxy's /v1/spans, ms)")
+    for n_img, ttft, total, same, per_stage in rows:
+        print(f"{n_img:6d} {max_tokens:6d} {ttft * 1e3:8.1f} {total * 1e3:9.1f} {str(same):>17s}   "
+              + " ".join(f"{per_stage.get(s, 0.0):11.2f}" for s in stages))
+
+
+def _stage_ms(spans: list) -> dict[str, float]:
+    """ms per stage of one request: parts in parallel count once (the longest), decode steps add up."""
+    out: dict[str, float] = {}
+    for s in spans:
+        if s.stage == "decode_step":
+            out[s.stage] = out.get(s.stage, 0.0) + s.duration_ms
+        else:
+            out[s.stage] = max(out.get(s.stage, 0.0), s.duration_ms)
+    return out
