@@ -369,3 +369,22 @@ def test_prefill_killed_before_decode_fails_within_the_timeout(stack):
     r = stack.http.post(stack.decode.url + "/v1/decode", json=body)
     assert time.monotonic() - start < DECODE_TIMEOUT + SLACK
     assert r.status_code == 504 and "no answer from the producer" in r.json()["detail"]
+
+
+def test_logits_through_the_servers_are_bit_identical_to_generate(stack, model, images):
+    """float32, one request: prefill server (E→P from an encoder) → KV over the side channel → decode
+    server; every decode step's logits equal those `model.generate` scored the same token with."""
+    pixel_values, grid = preprocess([Image.open(images[0])])
+    ids = build_input_ids("look", grid.tolist())
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixel_values,
+                             image_grid_thw=grid, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                             max_new_tokens=N_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    pre = stack.prefill(stack.main, "logits-1", "look", [str(images[0])]).json()
+    out = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body(
+        "logits-1", pre["kv_transfer_params"], return_logits=True)).json()
+    assert out["tokens"] == ref.sequences[0, ids.shape[1]:].tolist()
+    assert len(out["logits"]) == N_TOKENS - 1
+    for step, row in enumerate(out["logits"]):
+        assert torch.equal(torch.tensor(row, dtype=torch.float32), ref.logits[step + 1][0]), f"step {step}"

@@ -108,6 +108,7 @@ class _Generation:
     emit: Callable[[Any], None]  # thread-safe: an int token, _DONE, or an Exception
     tokens: list[int]
     spans: list[Span]
+    logits: list[torch.Tensor] | None = None  # kept only when the request asked for them
     cancelled: bool = False
 
 
@@ -205,7 +206,7 @@ class DecodeServer:
             else:
                 generator.manual_seed(req.seed)
         gen = _Generation(req.request_id, cache, p.prompt_len + p.rope_delta, req.max_tokens, req.temperature,
-                          generator, emit, [p.first_token], spans)
+                          generator, emit, [p.first_token], spans, [] if req.return_logits else None)
         self._count("requests_admitted", tokens_generated=1)
         emit(p.first_token)
         if req.max_tokens == 1:
@@ -270,6 +271,8 @@ class DecodeServer:
                 gen.emit(exc)
                 continue
             gen.tokens.append(token)
+            if gen.logits is not None:
+                gen.logits.append(row.float())  # float32 holds float32 and bfloat16 logits exactly
             gen.spans.append(Span(gen.rid, len(gen.tokens) - 1, "decode_step", self.node, t0, time.monotonic_ns()))
             self._count(tokens_generated=1)
             gen.emit(token)
@@ -402,7 +405,8 @@ def create_app(settings: DecodeSettings) -> FastAPI:
                     raise HTTPError(500, f"decode failed: {type(item).__name__}: {item}")
         finally:
             gen.cancelled = True  # a no-op once it finished; stops it if this handler was cancelled
-        return Response(encode(DecodeResponse(req.request_id, list(gen.tokens), "length", gen.spans)),
+        logits = [row.tolist() for row in gen.logits] if gen.logits is not None else None
+        return Response(encode(DecodeResponse(req.request_id, list(gen.tokens), "length", gen.spans, logits)),
                         media_type="application/json")
 
     async def _stream(gen: _Generation, queue: asyncio.Queue) -> AsyncIterator[bytes]:

@@ -88,6 +88,7 @@ class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
     seed: int | None = None  # the sampler's torch.Generator seed (None: random)
     stream: bool = False
+    return_logits: bool = False  # the non-streaming answer carries each decode step's logits (bit-exact checks)
 
 
 class DecodeResponse(msgspec.Struct):
@@ -97,6 +98,7 @@ class DecodeResponse(msgspec.Struct):
     tokens: list[int]
     finish_reason: str = "length"
     spans: list[Span] = []
+    logits: list[list[float]] | None = None  # with return_logits: step i's logits, which chose token i + 1
 
 
 class StreamToken(msgspec.Struct):
