@@ -129,8 +129,8 @@ def run_e2e(max_tokens: int = 16) -> None:
     from PIL import Image
 
     from epd_lab.launch import Cluster, Topology
-    from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
-    from epd_lab.pd.text import detokenize, messages_to_prompt
+    from epd_lab.models import configure_torch, load_model
+    from epd_lab.pd.reference import monolithic_chat
     from epd_lab.trace import Span
 
     configure_torch()
@@ -160,14 +160,7 @@ def run_e2e(max_tokens: int = 16) -> None:
             total = time.perf_counter() - t0
             timeline = httpx.get(f"{cluster.proxy_url}/v1/spans", params={"request_id": response_id}, timeout=10)
             spans = msgspec.convert(timeline.json()["spans"], list[Span])
-            prompt, _ = messages_to_prompt(messages)
-            if images:
-                pixel_values, grid = preprocess([Image.open(io.BytesIO(b)).convert("RGB") for b in images])
-                ids = build_input_ids(prompt, grid.tolist())
-            else:
-                pixel_values = grid = None
-                ids = build_input_ids(prompt, [])
-            same = "".join(pieces) == detokenize(monolithic_generate(model, ids, pixel_values, grid, max_tokens))
+            same = "".join(pieces) == monolithic_chat(model, messages, max_tokens)
             rows.append((len(images), ttft, total, same, _stage_ms(spans)))
     stages = ("http_encode", "vit", "transfer", "prefill", "kv_transfer", "decode_step", "ttft")
     print(f"\n{'images':>6s} {'tokens':>6s} {'TTFT ms':>8s} {'total ms':>9s} {'same as generate':>17s}   "

@@ -13,7 +13,10 @@ import os
 import socket
 from typing import Any, AsyncIterator, Callable
 
-__all__ = ["bind_tcp", "metrics_text", "run_server", "serve_and_announce", "server_lifespan", "url_of"]
+import msgspec
+
+__all__ = ["add_status_routes", "bind_tcp", "metrics_text", "run_server", "serve_and_announce", "server_lifespan",
+           "url_of"]
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -81,3 +84,17 @@ def run_server(settings: Any, create_app: Callable[[Any], Any]) -> int:
     sock = bind_tcp(settings.host, settings.port)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
     return serve_and_announce(create_app(settings), sock, url_of(settings.host, sock), settings.timeout)
+
+
+def add_status_routes(app: Any, state: Callable[[], Any]) -> None:
+    """``GET /health`` (JSON of ``state().health()``) and ``GET /metrics`` (``state().metrics()``, Prometheus
+    text) on a role's app; `state` returns the role's object once the lifespan has built it."""
+    from fastapi.responses import PlainTextResponse, Response
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(msgspec.json.encode(state().health()), media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state().metrics(), media_type="text/plain; version=0.0.4")

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
-from epd_lab.pd.text import detokenize, messages_to_prompt
+from epd_lab.models import configure_torch, load_model
+from epd_lab.pd.reference import monolithic_chat
 
 MAX_TOKENS = 16
 
@@ -37,18 +37,6 @@ def _data_uri(w: int, h: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _expected(model, messages) -> str:
-    prompt, images = messages_to_prompt(messages)
-    pil = [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).convert("RGB") for u in images]
-    if pil:
-        pixel_values, grid = preprocess(pil)
-        ids = build_input_ids(prompt, grid.tolist())
-    else:
-        pixel_values = grid = None
-        ids = build_input_ids(prompt, [])
-    return detokenize(monolithic_generate(model, ids, pixel_values, grid, MAX_TOKENS))
-
-
 @pytest.mark.parametrize("n_images", [0, 1, 3])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_through_the_proxy_equals_the_monolithic_model(cluster, model, n_images, stream):
@@ -65,7 +53,7 @@ def test_chat_through_the_proxy_equals_the_monolithic_model(cluster, model, n_im
         reply = client.chat.completions.create(**kwargs)
         text = reply.choices[0].message.content
         assert reply.usage.completion_tokens == MAX_TOKENS
-    assert text == _expected(model, messages)
+    assert text == monolithic_chat(model, messages, MAX_TOKENS)
     # every block is back in both pools once the request is over (prefill frees right after TRANS_DONE)
     for url in (*cluster.prefill_urls, *cluster.decode_urls):
         deadline = time.monotonic() + 10

@@ -36,8 +36,8 @@ from epd_lab.kv import BlockManager, KVConsumer, KVProducer, PagedKVCache, Trans
 from epd_lab.kv.connector import RequestAborted
 from epd_lab.kv.messages import decode_reply, encode
 from epd_lab.launch import Cluster, Topology, _die_with_parent
-from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
-from epd_lab.pd.text import detokenize, messages_to_prompt
+from epd_lab.models import configure_torch, load_model
+from epd_lab.pd.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
 
 pytestmark = pytest.mark.timeout(240)
@@ -146,19 +146,6 @@ def _messages(text: str, sizes: list[tuple[int, int]], seed: int) -> list[dict[s
     return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
 
 
-def _expected(model: Any, messages: list[dict[str, Any]]) -> str:
-    """The monolithic model's answer (as tests/test_e2e.py)."""
-    prompt, images = messages_to_prompt(messages)
-    pil = [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).convert("RGB") for u in images]
-    if pil:
-        pixel_values, grid = preprocess(pil)
-        ids = build_input_ids(prompt, grid.tolist())
-    else:
-        pixel_values = grid = None
-        ids = build_input_ids(prompt, [])
-    return detokenize(monolithic_generate(model, ids, pixel_values, grid, MAX_TOKENS))
-
-
 def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool = False) -> tuple[str, str]:
     """(response id, text) of one greedy chat request."""
     kwargs: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -195,7 +182,7 @@ def test_xpyd_concurrent_chats_equal_the_monolithic_model(cluster: Cluster, clie
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         futures = [pool.submit(_chat, client, messages, stream) for messages, stream in cases]
         texts = [f.result(120)[1] for f in futures]
-    assert texts == [_expected(model, messages) for messages, _ in cases]
+    assert texts == [monolithic_chat(model, messages, MAX_TOKENS) for messages, _ in cases]
     after_p, after_d = _served(cluster)
     served_p = [a - b for a, b in zip(after_p, before_p, strict=True)]
     served_d = [a - b for a, b in zip(after_d, before_d, strict=True)]
@@ -330,7 +317,7 @@ def test_frozen_then_killed_decode(cluster: Cluster, client: openai.OpenAI, mode
         victim.kill()  # SIGKILL ends a stopped process too
         victim.wait(10)
     messages = [_messages(f"after {i}", [], seed=i) for i in range(3)]
-    assert [_chat(client, m)[1] for m in messages] == [_expected(model, m) for m in messages]
+    assert [_chat(client, m)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
     health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
     assert health["status"] == "ok" and [e["healthy"] for e in health["decode"]] == [True, False]
     assert _metric(cluster, f'epd_proxy_backend_up{{role="decode",url="{cluster.decode_urls[1]}"}}') == 0
@@ -356,7 +343,7 @@ def test_killed_prefill_is_a_502_and_the_other_keeps_serving(cluster: Cluster, c
     assert failed[0].status_code == 502 and f"prefill {victim_url}" in str(failed[0])
     assert time.monotonic() - start < SLACK
     messages = [_messages(f"one prefill left {i}", [(100, 100)] * (i % 2), seed=i) for i in range(3)]
-    assert [_chat(client, m)[1] for m in messages] == [_expected(model, m) for m in messages]
+    assert [_chat(client, m)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
     health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
     assert health["status"] == "ok" and [e["healthy"] for e in health["prefill"]] == [True, False]
     assert _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 0

@@ -43,12 +43,12 @@ import msgspec
 import torch
 import zmq
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
 from epd_lab import models
 from epd_lab.epd.cache import EmbeddingCache
-from epd_lab.epd.media import MediaError, content_hash, decode_image, fetch_media
+from epd_lab.epd.media import MAX_MEDIA_BYTES, MediaError, content_hash, decode_image, fetch_media
 from epd_lab.epd.messages import (
     BACKENDS,
     DTYPES,
@@ -64,7 +64,7 @@ from epd_lab.epd.messages import (
     encode_zmq,
 )
 from epd_lab.epd.push import PushSockets
-from epd_lab.serving import run_server
+from epd_lab.serving import add_status_routes, run_server
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -77,7 +77,6 @@ from epd_lab.transfer import (
 from epd_lab.transfer.engine import ENGINES
 
 TRANSPORTS = ENGINES
-MAX_MEDIA_BYTES = 32 << 20  # per media item, after base64 decoding or download
 ROUTES = ("/encode", "/send", "/scheduler_receive_url", "/health", "/metrics")
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -507,13 +506,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
         app.state.encoder.set_receive_url(req)
         return JSONResponse({"req_id": req.req_id, "receive_url": req.receive_url})
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse(app.state.encoder.health())
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(app.state.encoder.metrics(), media_type="text/plain; version=0.0.4")
+    add_status_routes(app, lambda: app.state.encoder)
 
     return app
 

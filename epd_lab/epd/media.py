@@ -112,6 +112,9 @@ def decode_image(raw: bytes, name: str = "image") -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
+MAX_MEDIA_BYTES = 32 << 20  # per media item, after base64 decoding or download
+
+
 def load_image(item: str, timeout: float, max_bytes: int) -> Image.Image:
     """Fetch (`fetch_media`) and decode (`decode_image`) one image item; raises `MediaError`."""
     return decode_image(fetch_media(item, timeout, max_bytes), item)

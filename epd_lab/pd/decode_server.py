@@ -45,7 +45,7 @@ import msgspec
 import torch
 import zmq
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from transformers import DynamicCache
 
 from epd_lab import models
@@ -60,7 +60,7 @@ from epd_lab.pd.messages import (
     encode,
 )
 from epd_lab.pd.prefill_server import HTTPError, decode_body, read_body
-from epd_lab.serving import metrics_text, run_server, server_lifespan
+from epd_lab.serving import add_status_routes, metrics_text, run_server, server_lifespan
 from epd_lab.trace import Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -424,13 +424,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
         finally:
             gen.cancelled = True
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(msgspec.json.encode(app.state.server.health()), media_type="application/json")
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(app.state.server.metrics(), media_type="text/plain; version=0.0.4")
+    add_status_routes(app, lambda: app.state.server)
 
     return app
 

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import Response
 
 from epd_lab import models
 from epd_lab.epd.messages import BACKENDS, DTYPES
@@ -56,7 +56,7 @@ from epd_lab.pd.messages import (
     decode,
     encode,
 )
-from epd_lab.serving import metrics_text, run_server, server_lifespan
+from epd_lab.serving import add_status_routes, metrics_text, run_server, server_lifespan
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -302,13 +302,7 @@ def create_app(settings: PrefillSettings) -> FastAPI:
         except HTTPError as exc:
             return _error(exc.status, exc.detail)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(msgspec.json.encode(app.state.server.health()), media_type="application/json")
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(app.state.server.metrics(), media_type="text/plain; version=0.0.4")
+    add_status_routes(app, lambda: app.state.server)
 
     return app
 
