@@ -5,14 +5,20 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.epd-lab-installed
 NATIVE := $(wildcard native/*.pyx native/*.pxd native/*.c native/*.h)
 NATIVE := $(filter-out native/_native.c native/_verbs.c,$(NATIVE))
+JUPYTER_ENV := JUPYTER_CONFIG_DIR=$(CURDIR)/.jupyter/config JUPYTER_DATA_DIR=$(CURDIR)/.jupyter/data \
+	JUPYTER_RUNTIME_DIR=$(CURDIR)/.jupyter/runtime IPYTHONDIR=$(CURDIR)/.jupyter/ipython
 
-.PHONY: demo test bench build clean
+.PHONY: demo test bench build lab clean
 
 demo: build
 	$(BIN)/epd-lab demo
 
 test: build
 	$(BIN)/python -m pytest -q
+
+# JupyterLab on loopback, with Jupyter's config, data and runtime dirs inside the project (.jupyter/).
+lab: build
+	$(JUPYTER_ENV) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser notebooks
 
 bench: build
 	$(BIN)/epd-lab bench transfer --json data/bench/transfer.json
@@ -28,6 +34,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "cython>=3.0" numpy setuptools wheel
 	$(BIN)/pip install -q --no-build-isolation -e '.[test]'
 	$(BIN)/pip install -q --no-build-isolation -e '.[mooncake]' || echo "epd_lab: Mooncake engine not installed; its tests will skip"
+	# jsonschema's format checker pulls rfc3987-syntax, which adds ~1.7 s to every Jupyter process and to
+	# plotly's first show() (DESIGN.md §7); without it the checker skips that one format.
+	$(BIN)/pip uninstall -q -y rfc3987-syntax || true
 	touch $@
 
 build: $(STAMP) epd_lab/.native-built
