@@ -23,13 +23,17 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
 
 import httpx
 
 from epd_lab.epd.messages import BACKENDS
 from epd_lab.epd.receiver import EmbeddingReceiver, ReceiverConfig
-from epd_lab.trace import Recorder
+from epd_lab.trace import Recorder, Span, collect
 from epd_lab.transfer.engine import ENGINES
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
@@ -51,6 +55,7 @@ class Topology:
         decodes: decode servers (`epd_lab.pd.decode_server`).
         proxy: start the OpenAI-compatible proxy in front of the prefills and decodes.
         kv_blocks: KV-cache blocks per prefill and decode server.
+        trace: record spans in every process (``EPD_TRACE=0`` in their environment when False).
     """
 
     encoders: int = 1
@@ -64,6 +69,7 @@ class Topology:
     decodes: int = 0
     proxy: bool = False
     kv_blocks: int = 512
+    trace: bool = True
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -136,7 +142,8 @@ class Cluster:
         self.logs.append(log)
         with open(log, "wb") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent,
+                                    env={**os.environ, "EPD_TRACE": "1" if self.topology.trace else "0"})
         self.procs.append(proc)
         deadline = time.monotonic() + 6 * self.topology.timeout
         while time.monotonic() < deadline:
@@ -159,9 +166,16 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError(f"{url}/health did not answer 200")
 
+    def spans(self, request_id: str | None = None, extra: Iterable[Span] = (), since_ns: int = 0) -> pd.DataFrame:
+        """Every server's spans (optionally of one request, and `extra` ones such as an in-process
+        receiver's) as one frame on this host's clock (`epd_lab.trace.collect`)."""
+        return collect(self.urls(), request_id, since_ns, extra, timeout=self.topology.timeout)
+
     def receiver(self, recorder: Recorder | None = None, **overrides) -> EmbeddingReceiver:
         """A receiver (the prefill side) wired to this cluster's encoders."""
         t = self.topology
+        if recorder is None and not t.trace:
+            recorder = Recorder("prefill", enabled=False)
         config = ReceiverConfig(self.encoder_urls, t.backend, overrides.pop("timeout", t.timeout),
                                 overrides.pop("pool_bytes", t.pool_bytes), transport=t.transport, **overrides)
         return EmbeddingReceiver(config, recorder)

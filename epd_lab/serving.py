@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
-__all__ = ["add_status_routes", "bind_tcp", "metrics_text", "run_server", "serve_and_announce", "server_lifespan",
+__all__ = ["add_status_routes", "add_trace_routes", "bind_tcp", "metrics_text", "run_server", "serve_and_announce", "server_lifespan",
            "url_of"]
 
 
@@ -87,9 +87,12 @@ def run_server(settings: Any, create_app: Callable[[Any], Any]) -> int:
 
 
 def add_status_routes(app: Any, state: Callable[[], Any]) -> None:
-    """``GET /health`` (JSON of ``state().health()``) and ``GET /metrics`` (``state().metrics()``, Prometheus
-    text) on a role's app; `state` returns the role's object once the lifespan has built it."""
+    """``GET /health`` (JSON of ``state().health()``), ``GET /metrics`` (``state().metrics()``, Prometheus
+    text) and the trace routes of ``state().recorder`` on a role's app; `state` returns the role's object
+    once the lifespan has built it."""
     from fastapi.responses import PlainTextResponse, Response
+
+    add_trace_routes(app, lambda: state().recorder)
 
     @app.get("/health")
     async def health() -> Response:
@@ -98,3 +101,23 @@ def add_status_routes(app: Any, state: Callable[[], Any]) -> None:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(state().metrics(), media_type="text/plain; version=0.0.4")
+
+
+def add_trace_routes(app: Any, recorder: Callable[[], Any], normalize: Callable[[str], str] = str) -> None:
+    """``GET /v1/spans`` (the role's spans, oldest first; ``request_id`` — through `normalize` — and
+    ``since_ns`` filter, an unknown request gives an empty list) and ``GET /v1/clock`` (CLOCK_MONOTONIC and
+    host, for `epd_lab.trace.collect`'s clock offsets). `recorder` returns the role's `Recorder`."""
+    from fastapi import Query
+    from fastapi.responses import Response
+
+    from epd_lab.trace import clock_answer, spans_answer
+
+    @app.get("/v1/spans")
+    async def spans(request_id: str = "", since_ns: int = Query(0, ge=0)) -> Response:
+        page = spans_answer(recorder(), normalize(request_id) if request_id else None, since_ns)
+        page.spans.sort(key=lambda s: (s.t_start_ns, s.t_end_ns))
+        return Response(msgspec.json.encode(page), media_type="application/json")
+
+    @app.get("/v1/clock")
+    async def clock() -> Response:
+        return Response(msgspec.json.encode(clock_answer(recorder().node)), media_type="application/json")

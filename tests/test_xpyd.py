@@ -210,9 +210,9 @@ def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai
     assert sum(s[2] == "decode_step" for s in spans) == MAX_TOKENS - 1
     bare = httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id.removeprefix("chatcmpl-")})
     assert bare.json()["spans"] == spans
-    assert httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": "nope"}).status_code == 404
-    missing = httpx.get(cluster.proxy_url + "/v1/spans")
-    assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": "nope"}).json()["spans"] == []
+    every = httpx.get(cluster.proxy_url + "/v1/spans").json()["spans"]  # no request_id: all the proxy holds
+    assert all(s in every for s in spans)
 
 
 def _start_proxy(prefills: list[str], decodes: list[str]) -> tuple[subprocess.Popen, str]:

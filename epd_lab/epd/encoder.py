@@ -242,7 +242,7 @@ class MMEncoder:
         embedding = torch.cat(pieces)
         span = Span(req_id, part_idx, "vit", self.recorder.node, t0, time.monotonic_ns(), embedding.nbytes)
         self.recorder.extend([load_span, span])
-        return embedding, [load_span, span]
+        return embedding, [load_span, span] if self.recorder.enabled else []
 
     async def _encode_and_push(self, req: EncodeRequest, resp: EncodeResponse,
                                future: concurrent.futures.Future) -> None:
@@ -345,7 +345,8 @@ class MMEncoder:
             raise HTTPException(502, f"transfer to {req.session_id} failed: {exc}") from None
         span = Span(req.req_id, req.part_idx, "transfer", self.recorder.node, t0, time.monotonic_ns(), nbytes)
         self.recorder.add(span)
-        spans.append(span)
+        if self.recorder.enabled:
+            spans.append(span)
         return path
 
     # ---- ZMQ ----
@@ -365,7 +366,8 @@ class MMEncoder:
         """Send `msg` to `url`, its last span being this send's start (the receiver closes it)."""
         t0 = time.monotonic_ns()
         nbytes = len(msg.data) if isinstance(msg, EmbeddingData) else 0
-        msg.spans = [*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)]
+        if self.recorder.enabled:
+            msg.spans = [*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)]
         try:
             self.pushers.push(url, encode_zmq(msg))
         except zmq.ZMQError as exc:

@@ -61,7 +61,7 @@ from epd_lab.pd.messages import (
 )
 from epd_lab.pd.prefill_server import HTTPError, decode_body, read_body
 from epd_lab.serving import add_status_routes, metrics_text, run_server, server_lifespan
-from epd_lab.trace import Span
+from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
 
@@ -121,7 +121,8 @@ class DecodeServer:
         dtype = DTYPES[settings.dtype]
         self.model = models.load_model(settings.model, dtype=dtype)
         self.runner = models.DecodeRunner(self.model)
-        self.node = f"decode:{settings.port}"
+        self.recorder = Recorder(node=f"decode:{settings.port}")
+        self.node = self.recorder.node
         self.engine = open_engine(settings.transport, settings.host, settings.timeout)
         try:
             self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
@@ -170,6 +171,7 @@ class DecodeServer:
                 raise HTTPError(400, f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
             nbytes = n * self.cache.block_len * 2 * self.cache.num_layers
             span = Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes)
+            self.recorder.add(span)
             cache = self.cache.read_to_dynamic_cache(ids, p.prompt_len, self.model.config)
             self._count(kv_bytes=nbytes)
             return cache, span
@@ -274,6 +276,7 @@ class DecodeServer:
             if gen.logits is not None:
                 gen.logits.append(row.float())  # float32 holds float32 and bfloat16 logits exactly
             gen.spans.append(Span(gen.rid, len(gen.tokens) - 1, "decode_step", self.node, t0, time.monotonic_ns()))
+            self.recorder.add(gen.spans[-1])
             self._count(tokens_generated=1)
             gen.emit(token)
             if len(gen.tokens) >= gen.max_tokens:

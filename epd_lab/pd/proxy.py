@@ -1,8 +1,8 @@
 """The OpenAI-compatible proxy in front of prefill and decode servers (XpYd): ``epd-lab proxy``.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming SSE and non-streaming),
-``GET /v1/models`` (one model), ``GET /v1/spans?request_id=...`` (one request's E→P→D timeline),
-``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models`` (one model), ``GET /v1/spans?request_id=...`` (one request's E→P→D timeline, by its id or
+the response's), ``GET /v1/clock``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 One request, as vLLM's disaggregated proxy does it:
 
@@ -68,12 +68,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
-from epd_lab.serving import run_server
+from epd_lab.serving import add_trace_routes, run_server
 from epd_lab.trace import Recorder, Span
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
 POLICIES = ("round_robin", "least_loaded")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/spans", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/spans", "/v1/clock", "/health", "/metrics")
 MAX_BODY_BYTES = 64 << 20  # a request with several data-URI images is MiBs
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat too
 PROBE_TIMEOUT = 1.0  # seconds, at most, for a /health probe of a backend
@@ -533,13 +533,6 @@ class Proxy:
         self.latency_count[span.stage] += 1
 
     # ---- observability ----
-    def request_spans(self, request_id: str) -> list[Span]:
-        """Every span of one request, by its id or the response's (``chatcmpl-``/``cmpl-`` + id), oldest first:
-        the proxy's, the prefill's (with the E→P parts ``{id}_local_part_{i}``) and the decode's."""
-        rid = request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
-        spans = [s for s in self.recorder.spans(rid) if s.req_id == rid or s.req_id.startswith(rid + "_")]
-        return sorted(spans, key=lambda s: (s.t_start_ns, s.t_end_ns))
-
     async def health(self) -> tuple[int, dict[str, Any]]:
         """Probe every backend; 200 when at least one prefill and one decode answer, else 503.
 
@@ -719,6 +712,11 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
 
 
+def _bare_request_id(request_id: str) -> str:
+    """A request's id from the response's (``chatcmpl-``/``cmpl-`` + id)."""
+    return request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+
+
 def create_app(settings: ProxySettings) -> FastAPI:
     """The proxy's app; its HTTP client to the backends lives for the app's lifespan."""
 
@@ -756,16 +754,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return _json({"object": "list", "data": [{"id": settings.model, "object": "model",
                                                   "created": app.state.proxy.started, "owned_by": "epd_lab"}]})
 
-    @app.get("/v1/spans")
-    async def spans(request: Request) -> Response:
-        request_id = request.query_params.get("request_id", "")
-        if not request_id:
-            raise bad_request("the request_id query parameter is required")
-        found = app.state.proxy.request_spans(request_id)
-        if not found:
-            raise ProxyError(404, f"no spans of request {request_id!r} (unknown, or dropped from the recorder)",
-                             "invalid_request_error", "not_found")
-        return _json({"request_id": request_id, "spans": found})
+    add_trace_routes(app, lambda: app.state.proxy.recorder, _bare_request_id)
 
     @app.get("/health")
     async def health() -> Response:

@@ -4,6 +4,9 @@ A span is ``(req_id, part, stage, node, t_start_ns, t_end_ns, nbytes)``. Clocks 
 (`time.monotonic_ns`), which all processes of one host share, so spans from the encoders and the
 receiver line up without correction. Spans recorded by an encoder travel back to the receiver inside
 its notification message.
+
+Tracing is on unless the environment says ``EPD_TRACE=0`` (`Topology(trace=False)` sets it for a whole
+cluster); `epd-lab bench epd --trace-overhead` measures what it costs.
 """
 from __future__ import annotations
 
@@ -18,6 +21,13 @@ import msgspec
 
 STAGES = ("http_encode", "load", "vit", "buffer_alloc", "register", "http_send", "transfer", "notify", "reassemble",
           "prefill")
+# The P→D stages and the proxy's per-request spans, in the order a request meets them.
+PD_STAGES = ("kv_write", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
+
+
+def tracing_enabled() -> bool:
+    """Whether this process records spans (``EPD_TRACE=0`` turns it off)."""
+    return os.environ.get("EPD_TRACE", "1") != "0"
 
 
 class Span(msgspec.Struct, array_like=True, frozen=True):
@@ -37,37 +47,49 @@ class Span(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Recorder:
-    """A bounded in-memory buffer of spans (the oldest are dropped first)."""
+    """A bounded in-memory buffer of spans (the oldest are dropped first; `dropped` counts them).
 
-    def __init__(self, node: str | None = None, capacity: int = 100_000) -> None:
+    With ``enabled=False`` (default: `tracing_enabled()`) it records nothing.
+    """
+
+    def __init__(self, node: str | None = None, capacity: int = 100_000, enabled: bool | None = None) -> None:
         self.node = node or f"pid{os.getpid()}"
+        self.enabled = tracing_enabled() if enabled is None else enabled
+        self.dropped = 0
         self._spans: collections.deque[Span] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
 
     def add(self, span: Span) -> None:
-        with self._lock:
-            self._spans.append(span)
+        if self.enabled:
+            with self._lock:
+                self.dropped += len(self._spans) == self._spans.maxlen
+                self._spans.append(span)
 
     def extend(self, spans: list[Span]) -> None:
-        with self._lock:
-            self._spans.extend(spans)
+        if self.enabled:
+            with self._lock:
+                self.dropped += max(0, len(self._spans) + len(spans) - self._spans.maxlen)
+                self._spans.extend(spans)
 
     @contextlib.contextmanager
     def span(self, stage: str, req_id: str, part: int = -1, nbytes: int = 0) -> Iterator[None]:
         """Record the time the body takes as `stage` (recorded also when it raises)."""
+        if not self.enabled:
+            yield
+            return
         t0 = time.monotonic_ns()
         try:
             yield
         finally:
             self.add(Span(req_id, part, stage, self.node, t0, time.monotonic_ns(), nbytes))
 
-    def spans(self, req_id_prefix: str | None = None) -> list[Span]:
-        """A copy of the spans, optionally of one request (its parts share the rid prefix)."""
+    def spans(self, req_id_prefix: str | None = None, since_ns: int = 0) -> list[Span]:
+        """A copy of the spans, optionally of one request (its parts share the rid prefix) and only those
+        that ended after `since_ns`."""
         with self._lock:
             spans = list(self._spans)
-        if req_id_prefix is None:
-            return spans
-        return [s for s in spans if s.req_id.startswith(req_id_prefix)]
+        return [s for s in spans
+                if (req_id_prefix is None or s.req_id.startswith(req_id_prefix)) and s.t_end_ns >= since_ns]
 
     def clear(self) -> None:
         with self._lock:

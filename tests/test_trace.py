@@ -1,0 +1,132 @@
+"""Tracing across processes: real encoder processes record spans, `Cluster.spans` collects them with the
+in-process receiver's into one frame, and the frame exports to Chrome/Perfetto JSON, parquet and CSV.
+Also: the bounded recorder, the duplicate rule, clock offsets over loopback, and tracing switched off."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from epd_lab.epd.prefill import EPDPrefill
+from epd_lab.launch import Cluster, Topology
+from epd_lab.models import configure_torch, load_model
+from epd_lab.trace import (COLUMNS, Recorder, Span, estimate_clock_offset, frame_spans, load_frame, request_of,
+                           save_frame, spans_frame, to_chrome_trace)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def model():
+    configure_torch()
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    d = tmp_path_factory.mktemp("img")
+    rng = np.random.default_rng(5)
+    paths = []
+    for i, side in enumerate((224, 112)):
+        paths.append(str(d / f"{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(paths[-1])
+    return paths
+
+
+def test_recorder_is_bounded_and_counts_what_it_drops():
+    rec = Recorder("n", capacity=3)
+    for i in range(5):
+        rec.add(Span(f"r{i}", -1, "vit", "n", i, i + 1))
+    rec.extend([Span("x", -1, "vit", "n", 9, 10), Span("y", -1, "vit", "n", 9, 10)])
+    assert [s.req_id for s in rec.spans()] == ["r4", "x", "y"] and rec.dropped == 4
+    assert [s.req_id for s in rec.spans(since_ns=10)] == ["x", "y"]
+
+
+def test_recorder_switched_off_records_nothing(monkeypatch):
+    monkeypatch.setenv("EPD_TRACE", "0")
+    rec = Recorder("n")
+    with rec.span("vit", "r"):
+        pass
+    rec.add(Span("r", -1, "vit", "n", 0, 1))
+    assert not rec.enabled and rec.spans() == []
+
+
+def test_frame_columns_request_clock_and_duplicates():
+    spans = [Span("a_local_part_0", 0, "vit", "enc:1", 1_000_000, 3_000_000, 10),
+             Span("a_local_part_1", 1, "vit", "enc:2", 2_000_000, 5_000_000, 20),
+             Span("a_local_part_0", 0, "notify", "enc:1", 3_000_000, 3_000_000),  # as sent
+             Span("a_local_part_0", 0, "notify", "enc:1", 3_000_000, 3_500_000),  # as its receiver ended it
+             Span("b", -1, "prefill", "prefill", 7_000_000, 8_000_000)]
+    frame = spans_frame(spans, {"enc:2": 500_000})
+    assert tuple(frame.columns) == COLUMNS
+    assert len(frame) == 4 and frame.loc[frame.stage == "notify", "duration_ms"].tolist() == [0.5]
+    assert set(frame.request) == {"a", "b"} and request_of("x_local_part_12") == "x"
+    a = frame[frame.request == "a"].set_index("node")
+    assert a.loc["enc:1", "start_ms"].min() == 0.0 and a.loc["enc:2", "start_ms"] == 0.5  # offset applied
+    assert frame[frame.request == "b"].start_ms.tolist() == [0.0]
+    assert frame.attrs["clock_offsets"] == {"enc:2": 500_000}
+    assert len(frame_spans(frame)) == 4
+
+
+def test_exports_round_trip(tmp_path):
+    spans = [Span("r_local_part_0", 0, "vit", "encoder:1", 10_000, 50_000, 7),
+             Span("r", -1, "prefill", "prefill", 60_000, 90_000)]
+    frame = spans_frame(spans, {"encoder:1": 0})
+    for name in ("s.parquet", "s.csv"):
+        back = load_frame(save_frame(frame, tmp_path / name))
+        assert back[list(COLUMNS)].equals(frame[list(COLUMNS)]), name
+        assert back.attrs["clock_offsets"] == {"encoder:1": 0}
+    with pytest.raises(ValueError, match="parquet or .csv"):
+        save_frame(frame, tmp_path / "s.xlsx")
+    trace = json.loads(json.dumps(to_chrome_trace(frame, tmp_path / "t.json")))
+    assert json.loads((tmp_path / "t.json").read_text()) == trace
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["ts"], e["dur"], e["args"]["nbytes"]) for e in events] == [("vit", 0, 40, 7),
+                                                                                       ("prefill", 50, 30, 0)]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"encoder:1", "prefill", "r part 0", "r"} <= names
+
+
+def test_cluster_spans_line_up_one_request_across_processes(model, images):
+    with Cluster(Topology(encoders=2, backend="mooncake", timeout=30)) as cluster, \
+            cluster.receiver() as receiver:
+        result = EPDPrefill(receiver, model).prefill("trace me", images)
+        rid = result.rid
+        frame = cluster.spans(rid, extra=result.spans)
+        with httpx.Client() as client:
+            clock = estimate_clock_offset(client, cluster.encoder_urls[0], force=True)
+        everything = cluster.spans(extra=result.spans)
+    nodes = set(frame.node)
+    assert {"prefill"} < nodes and len({n for n in nodes if n.startswith("encoder:")}) == 2
+    assert set(frame.request) == {rid}
+    assert set(frame.attrs["clock_offsets"].values()) == {0}  # one host: CLOCK_MONOTONIC is shared
+    by_part = frame[frame.part >= 0].groupby("part")
+    assert sorted(by_part.groups) == [0, 1]
+    for part, rows in by_part:
+        stages = rows.set_index("stage")
+        # on one timeline: the encoder's ViT ends before its write, and the write before the notification ends
+        assert {"http_encode", "vit", "transfer", "notify", "http_send"} <= set(stages.index), part
+        assert stages.loc["vit", "t_end_ns"] <= stages.loc["transfer", "t_start_ns"]
+        assert stages.loc["transfer", "t_end_ns"] <= stages.loc["notify", "t_end_ns"]
+        assert (rows.nbytes[rows.stage == "transfer"] > 0).all()
+    assert frame.start_ms.min() == 0 and (frame.duration_ms >= 0).all()
+    prefill = frame[frame.stage == "prefill"].iloc[0]
+    assert prefill.t_start_ns >= frame[frame.stage == "notify"].t_end_ns.max()  # prefill waits for every part
+    assert len(everything) >= len(frame) and rid in set(everything.request)
+    # loopback: the estimate is off by at most half the shortest round trip
+    assert abs(clock.offset_ns) <= clock.rtt_ns // 2 + 1 and clock.same_host
+
+
+def test_tracing_off_cluster_records_nothing_and_answers_the_same(model, images):
+    with Cluster(Topology(encoders=1, trace=False, timeout=30)) as cluster, cluster.receiver() as receiver:
+        on = Recorder("prefill", enabled=True)
+        result = EPDPrefill(receiver, model).prefill("quiet", images[:1])
+        assert result.spans == [] and len(cluster.spans()) == 0
+        assert httpx.get(cluster.encoder_urls[0] + "/v1/spans").json()["spans"] == []
+    with Cluster(Topology(encoders=1, timeout=30)) as cluster, cluster.receiver(on) as receiver:
+        traced = EPDPrefill(receiver, model).prefill("quiet", images[:1])
+    assert traced.spans and torch.equal(traced.prefill.logits, result.prefill.logits)
