@@ -11,13 +11,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="epd-lab", description="EPD disaggregation workbench")
     sub = ap.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="benchmarks", add_help=False)
-    bench.add_argument("what", choices=["transfer", "epd", "e2e"])
+    bench.add_argument("what", choices=["transfer", "epd", "e2e", "trace"])
     sub.add_parser("encoder", help="an encode server (FastAPI): /encode, /send, /scheduler_receive_url", add_help=False)
     sub.add_parser("launch", help="start a topology on loopback and keep it up until Ctrl-C", add_help=False)
     sub.add_parser("prefill-server", help="a prefill server: E→P, then KV for decode", add_help=False)
     sub.add_parser("decode-server", help="a decode server: pulls KV, generates, streams", add_help=False)
     sub.add_parser("proxy", help="the OpenAI-compatible proxy in front of prefills and decodes", add_help=False)
-    sub.add_parser("demo", help="loopback transfer demo between two processes")
+    sub.add_parser("sweep", help="run a papermill notebook over a parameter grid, collect sweep.csv", add_help=False)
+    sub.add_parser("demo", help="transfer engine, E→P, E→P→D on loopback; ends with an HTML report", add_help=False)
     sub.add_parser("rdma-info", help="RDMA devices, ports and GIDs (pyverbs and the own binding)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "bench":
@@ -32,18 +33,22 @@ def main(argv: list[str] | None = None) -> int:
         from epd_lab import launch
 
         return launch.main(rest)
+    if args.cmd == "sweep":
+        from epd_lab import sweep
+
+        return sweep.main(rest)
     if args.cmd in ("prefill-server", "decode-server", "proxy"):
         import importlib
 
         module = importlib.import_module(f"epd_lab.pd.{args.cmd.replace('-', '_')}")
         return module.main(rest) or 0
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "demo":
         from epd_lab import demo
 
-        demo.run()
-    elif args.cmd == "rdma-info":
+        return demo.main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "rdma-info":
         from epd_lab.rdma_info import format_rdma_info, rdma_info
 
         print(format_rdma_info(rdma_info()))

@@ -1,0 +1,220 @@
+"""The plotly figures draw what the spans and benchmarks hold, and their exports are real files.
+
+- Waterfall: one bar per span of a real E→P request (two encode servers, the receiver and prefill in this
+  process) at its start and duration, in start order, coloured by stage; labels and geometry on hand-made
+  spans; small multiples from a real `Recorder`.
+- Bandwidth: one line per contiguous path of ``data/bench/transfer.json`` plus the memcpy limit.
+- Sweep: heatmap cells and line points are the aggregates of the table's rows.
+- Export: a PNG through kaleido and Debian's Chromium (magic bytes and IHDR size), and an HTML report that
+  references nothing external, inlines plotly.js once, and renders every figure in Chromium with the network
+  blocked. Both skip, saying why, when Chromium (or Playwright) is missing.
+"""
+from __future__ import annotations
+
+import re
+import struct
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+from plotly.offline import get_plotlyjs
+
+from epd_lab.epd.messages import part_req_id
+from epd_lab.epd.prefill import EPDPrefill
+from epd_lab.launch import Cluster, Topology
+from epd_lab.models import configure_torch, load_model
+from epd_lab.trace import Recorder, Span, spans_frame
+from epd_lab.viz import (STAGE_ORDER, bandwidth_curves, chromium_path, html_report, load_bench, request_spans,
+                         save_png, save_pngs, stage_color, stage_distributions, sweep_heatmap, sweep_lines,
+                         waterfall, waterfalls)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _chromium() -> str:
+    try:
+        return chromium_path()
+    except RuntimeError as exc:
+        pytest.skip(f"no Chromium for kaleido/Playwright: {exc}")
+
+
+@pytest.fixture(scope="module")
+def epd_frame(tmp_path_factory) -> pd.DataFrame:
+    """The spans of one real E→P request whose two images went to two encode servers."""
+    d = tmp_path_factory.mktemp("img")
+    rng = np.random.default_rng(3)
+    paths = []
+    for i, (w, h) in enumerate(((448, 448), (224, 112))):
+        paths.append(str(d / f"{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    configure_torch()
+    model = load_model()
+    with Cluster(Topology(encoders=2, backend="mooncake", timeout=30)) as cluster, cluster.receiver() as rx:
+        result = EPDPrefill(rx, model).prefill("draw me", paths, rid="viz0")
+    return spans_frame(result.spans)
+
+
+def _bars(fig):
+    return [t for t in fig.data if t.type == "bar"]
+
+
+def test_waterfall_has_one_bar_per_span_of_a_real_request(epd_frame):
+    fig = waterfall(epd_frame)
+    bars = _bars(fig)
+    assert sum(len(t.x) for t in bars) == len(epd_frame)
+    rows = request_spans(epd_frame, "viz0").set_index("label")
+    for t in bars:
+        assert set(rows.loc[list(t.y), "stage"]) == {t.name} and t.marker.color == stage_color(t.name)
+        assert list(t.base) == pytest.approx(list(rows.loc[list(t.y), "start_ms"]))
+        assert list(t.x) == pytest.approx(list(rows.loc[list(t.y), "duration_ms"]))
+    # rows top to bottom in order of start, from 0 (the request's first span)
+    order = list(fig.layout.yaxis.categoryarray)
+    starts = [rows.loc[label, "start_ms"] for label in order]
+    assert starts == sorted(starts) and starts[0] == 0 and fig.layout.yaxis.autorange == "reversed"
+    names = [t.name for t in bars]
+    assert names == sorted(names, key=STAGE_ORDER.index)  # legend in protocol order
+    # both parts, each encoded on its own encode server; on the timeline a part's ViT ends before its write
+    vit = {label: rows.loc[label, "node"] for label in order if label.startswith("vit · part")}
+    assert len(vit) == 2 and len(set(vit.values())) == 2 and all(n.startswith("encoder:") for n in vit.values())
+    for part in (0, 1):
+        node = vit[next(label for label in vit if label.startswith(f"vit · part {part} "))]
+        assert rows.loc[f"vit · part {part} · {node}", "end_ms"] <= rows.loc[f"transfer · part {part} · {node}",
+                                                                             "start_ms"]
+    assert order[-1] == "prefill · prefill"  # prefill starts last: it waits for every part
+
+
+def test_waterfall_labels_and_geometry():
+    ms = 1_000_000
+    spans = [Span("r1", 0, "http_encode", "prefill", 10 * ms, 14 * ms),
+             Span("r1_local_part_1", 1, "vit", "encoder:4321", 11 * ms, 13 * ms, 4096),
+             Span("r1_local_part_1", 1, "vit", "encoder:4321", 13 * ms, 15 * ms, 4096),
+             Span("r1", -1, "prefill", "prefill", 15 * ms, 17 * ms),
+             Span("r1", 3, "decode_step", "decode:9", 18 * ms, 19 * ms),
+             Span("r0", -1, "e2e", "proxy:1", 1 * ms, 2 * ms)]
+    frame = spans_frame(spans)
+    assert list(_bars(waterfall(frame))[0].y) == ["e2e · proxy:1"]  # None: the request that started first
+    fig = waterfall(frame, "r1")
+    assert list(fig.layout.yaxis.categoryarray) == [
+        "http_encode · part 0 · prefill", "vit · part 1 · encoder:4321", "vit · part 1 · encoder:4321 (2)",
+        "prefill · prefill", "decode_step · token 3 · decode:9"]
+    geometry = {y: (b, x) for t in _bars(fig) for y, b, x in zip(t.y, t.base, t.x)}
+    assert geometry["vit · part 1 · encoder:4321 (2)"] == (3.0, 2.0)
+    assert geometry["decode_step · token 3 · decode:9"] == (8.0, 1.0)
+    assert [t.name for t in _bars(fig)] == ["http_encode", "vit", "prefill", "decode_step"]
+    assert list(_bars(fig)[1].customdata[:, 3]) == [4096, 4096]  # bytes, for the hover
+    with pytest.raises(ValueError, match="'nope'.*r0"):
+        waterfall(frame, "nope")
+
+
+def test_waterfalls_small_multiples_from_a_recorder():
+    rec = Recorder("rx", enabled=True)
+    for rid in ("a", "b", "c"):
+        with rec.span("http_encode", rid, 0):
+            with rec.span("vit", part_req_id(rid, 0), 0, nbytes=1024):
+                pass
+        with rec.span("prefill", rid):
+            pass
+    frame = spans_frame(rec.spans())
+    fig = waterfalls(frame, cols=2)
+    assert [a.text for a in fig.layout.annotations] == ["a", "b", "c"]
+    assert sum(len(t.x) for t in _bars(fig)) == 9
+    legend = [t.name for t in _bars(fig) if t.showlegend]
+    assert sorted(legend) == ["http_encode", "prefill", "vit"]  # each stage once across the panels
+    # 2 columns (a, b above c), one time axis: every panel's x follows the bottom-left one
+    assert fig.layout.xaxis.matches == fig.layout.xaxis2.matches == "x3" and fig.layout.xaxis3.domain[0] == 0
+    with pytest.raises(ValueError, match="2 titles for 3 requests"):
+        waterfalls(frame, titles=["x", "y"])
+
+
+def test_stage_distributions(epd_frame):
+    fig = stage_distributions(epd_frame)
+    assert sorted(fig.layout.xaxis.categoryarray, key=STAGE_ORDER.index) == list(fig.layout.xaxis.categoryarray)
+    assert {t.name for t in fig.data} == set(epd_frame.stage) and sum(len(t.y) for t in fig.data) == len(epd_frame)
+    assert all(t.marker.color == stage_color(t.name) for t in fig.data)
+    two = pd.concat([epd_frame.assign(backend="mooncake"), epd_frame.assign(backend="zmq")], ignore_index=True)
+    fig = stage_distributions(two, color="backend", kind="violin")
+    assert [(t.type, t.name, len(t.y)) for t in fig.data] == [("violin", "mooncake", len(epd_frame)),
+                                                              ("violin", "zmq", len(epd_frame))]
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        stage_distributions(epd_frame, color="nope")
+
+
+def test_bandwidth_curves_one_line_per_path_and_the_memcpy_limit():
+    bench = load_bench()
+    contiguous = [r for r in bench["rows"] if r["blocks"] == 1]
+    assert len(contiguous) < len(bench["rows"])  # the file also has scattered (256-block) rows
+    fig = bandwidth_curves(bench)
+    paths = list(dict.fromkeys(r["path"] for r in contiguous))
+    assert [t.name for t in fig.data] == [f"{p} (limit)" if p == "memcpy" else p for p in paths]
+    for trace, path in zip(fig.data, paths):
+        rows = sorted((r for r in contiguous if r["path"] == path), key=lambda r: r["size"])
+        assert list(trace.x) == [r["size"] for r in rows] and list(trace.y) == [r["gbps"] for r in rows]
+        assert list(trace.error_y.array) == pytest.approx([r["gbps_max"] - r["gbps"] for r in rows])
+        assert list(trace.error_y.arrayminus) == pytest.approx([r["gbps"] - r["gbps_min"] for r in rows])
+        assert (trace.line.dash == "dash") == (path == "memcpy")
+    assert fig.layout.xaxis.type == "log" and "1 MiB" in fig.layout.xaxis.ticktext
+    with pytest.raises(ValueError, match="no contiguous rows"):
+        bandwidth_curves({"rows": [r for r in bench["rows"] if r["blocks"] > 1]})
+
+
+def test_sweep_heatmap_and_lines_aggregate_the_rows():
+    table = pd.DataFrame({"encoders": [1, 1, 1, 2, 2, 2, 1, 2], "images": [1, 1, 1, 1, 1, 1, 2, 2],
+                          "ttft_ms": [10.0, 30.0, 20.0, 5.0, 7.0, 6.0, 40.0, 12.0]})
+    heat = sweep_heatmap(table, x="encoders", y="images", value="ttft_ms")
+    assert heat.data[0].z.tolist() == [[20.0, 6.0], [40.0, 12.0]] and heat.data[0].text.tolist() == [[3, 3], [1, 1]]
+    assert list(heat.data[0].x) == ["1", "2"] and list(heat.data[0].y) == ["1", "2"]
+    assert sweep_heatmap(table, "encoders", "images", "ttft_ms", agg="max").data[0].z.tolist()[0] == [30.0, 7.0]
+    lines = sweep_lines(table, x="encoders", value="ttft_ms", color="images")
+    one = lines.data[0]
+    assert [t.name for t in lines.data] == ["1", "2"] and list(one.x) == [1, 2] and list(one.y) == [20.0, 6.0]
+    assert list(one.error_y.array) == [10.0, 1.0] and list(one.error_y.arrayminus) == [10.0, 1.0]
+    with pytest.raises(ValueError, match="unknown agg"):
+        sweep_lines(table, "encoders", "ttft_ms", agg="mode")
+
+
+def test_png_export_writes_real_pngs(epd_frame, tmp_path, monkeypatch):
+    _chromium()
+    figs = {"waterfall": waterfall(epd_frame), "bandwidth": bandwidth_curves(load_bench())}
+    paths = save_pngs(figs, tmp_path, width=1100)  # one kaleido call, one browser start
+    for name, fig in figs.items():
+        data = paths[name].read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+        assert struct.unpack(">II", data[16:24]) == (1100, fig.layout.height)
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-chromium"))
+    with pytest.raises(RuntimeError, match="BROWSER_PATH=.*not an executable"):
+        save_png(figs["bandwidth"], tmp_path / "x.png")
+
+
+def test_html_report_is_self_contained_and_renders_offline(epd_frame, tmp_path):
+    table = epd_frame[["stage", "node", "duration_ms"]].head(3)
+    path = html_report([("waterfall", waterfall(epd_frame)), ("bandwidth", bandwidth_curves(load_bench())),
+                        ("spans", table), ("note", "bars <b>are</b> spans\n\nsecond paragraph")],
+                       tmp_path / "r" / "report.html", title="viz test")
+    text = path.read_text()
+    assert text.count(get_plotlyjs()) == 1
+    assert not re.search(r"<script[^>]*\ssrc=", text) and not re.search(r"<link[^>]*\shref=", text)
+    assert text.count('class="plotly-graph-div"') == 2 and text.count("<table") == 1
+    assert "bars &lt;b&gt;are&lt;/b&gt; spans" in text and text.count("<p>") == 2
+    assert all(node in text for node in table.node)
+    # open it in Chromium with every non-file request refused: each figure draws, the waterfall one bar per span
+    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright (python package) is not installed")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            external, errors = [], []
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                       else (external.append(route.request.url), route.abort()))
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(path.as_uri())
+            page.wait_for_function("document.querySelectorAll('.plotly-graph-div .main-svg').length >= 2")
+            drawn = page.evaluate("[...document.querySelectorAll('.plotly-graph-div')].map("
+                                  "d => [d.id, d.querySelectorAll('.barlayer .point').length,"
+                                  " d.querySelectorAll('.scatterlayer .trace').length])")
+            rows = page.evaluate("document.querySelectorAll('table tbody tr').length")
+        finally:
+            browser.close()
+    assert external == [] and errors == []
+    assert drawn == [["figure-0", len(epd_frame), 0], ["figure-1", 0, len(bandwidth_curves(load_bench()).data)]]
+    assert rows == 3
