@@ -18,6 +18,7 @@ test: build
 
 # JupyterLab on loopback, with Jupyter's config, data and runtime dirs inside the project (.jupyter/).
 lab: build
+	mkdir -p .jupyter
 	$(JUPYTER_ENV) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser notebooks
 
 bench: build
