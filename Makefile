@@ -14,7 +14,7 @@ demo: build
 	$(BIN)/epd-lab demo
 
 test: build
-	$(BIN)/python -m pytest -q
+	EPD_ARTIFACTS=$(CURDIR)/.artifacts $(BIN)/python -m pytest -q
 
 # JupyterLab on loopback, with Jupyter's config, data and runtime dirs inside the project (.jupyter/).
 lab: build

@@ -9,3 +9,12 @@ def pytest_configure(config) -> None:
     root = tempfile.mkdtemp(prefix="epd-lab-jupyter-")
     for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
         os.environ.setdefault(var, os.path.join(root, var.lower()))
+
+
+def pytest_collection_modifyitems(items) -> None:
+    # A notebook cell may start a cluster or run a nested sweep: a wider bound than a unit test's.
+    import pytest
+
+    for item in items:
+        if item.nodeid.split("::")[0].endswith(".ipynb"):
+            item.add_marker(pytest.mark.timeout(600))
