@@ -93,6 +93,8 @@ class ReceivedEmbeddings:
     grid_thw: dict[str, list[list[int]]]
     nbytes: int
     parts: list[PartPlan] = field(default_factory=list)
+    # mooncake: (offset, embedding_size) of each part in the registered buffer, in part order
+    part_ranges: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -268,7 +270,9 @@ class EmbeddingReceiver:
                 # pool memory goes back to the pool: copy out; a per-request buffer is viewed in place
                 tensors = [_tensor_from_bytes(m, buf[offsets[i]:offsets[i] + sizes[i]], copy=self._pool is not None)
                            for i, m in enumerate(messages)]
-                return self._assemble(rid, plans, messages, tensors)
+                got = self._assemble(rid, plans, messages, tensors)
+                got.part_ranges = list(zip(offsets, sizes))
+                return got
         finally:
             if self._pool is not None:
                 self._pool.release(pool_off, total)

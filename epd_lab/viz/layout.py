@@ -21,13 +21,20 @@ COLORS = qualitative.Plotly
 POOL_COLOR = "rgba(180, 180, 180, 0.35)"
 
 
+def _item_name(item: str) -> str:
+    """A media item as a short label: a file's name, or the head of a data: URI or URL."""
+    if item.startswith(("data:", "http://", "https://")):
+        return item if len(item) <= 40 else item[:37] + "…"
+    return os.path.basename(item)
+
+
 def part_ranges(received: ReceivedEmbeddings) -> pd.DataFrame:
     """One row per part of a ``mooncake`` request: ``part_idx, encoder, modality, items, offset, nbytes, end``,
     the byte range of the registered buffer that the part's encoder wrote."""
     if not received.part_ranges or len(received.part_ranges) != len(received.parts):
         raise ValueError(f"request {received.rid} has no buffer layout (only the mooncake backend registers one)")
     rows = [{"part_idx": plan.part_idx, "encoder": plan.encoder, "modality": plan.modality,
-             "items": [os.path.basename(item) for item in plan.items], "offset": offset, "nbytes": nbytes,
+             "items": [_item_name(item) for item in plan.items], "offset": offset, "nbytes": nbytes,
              "end": offset + nbytes}
             for plan, (offset, nbytes) in zip(received.parts, received.part_ranges, strict=True)]
     return pd.DataFrame(rows)
