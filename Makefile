@@ -8,7 +8,7 @@ NATIVE := $(filter-out native/_native.c native/_verbs.c,$(NATIVE))
 JUPYTER_ENV := JUPYTER_CONFIG_DIR=$(CURDIR)/.jupyter/config JUPYTER_DATA_DIR=$(CURDIR)/.jupyter/data \
 	JUPYTER_RUNTIME_DIR=$(CURDIR)/.jupyter/runtime IPYTHONDIR=$(CURDIR)/.jupyter/ipython
 
-.PHONY: demo test bench build lab clean
+.PHONY: demo test bench build lab notebooks clean
 
 demo: build
 	$(BIN)/epd-lab demo
@@ -20,6 +20,13 @@ test: build
 lab: build
 	mkdir -p .jupyter
 	$(JUPYTER_ENV) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser notebooks
+
+# Re-run every notebook in place (the committed outputs). Widget state is not stored: plotly's FigureWidget
+# would put its whole JavaScript bundle (5 MB) into the file.
+notebooks: build
+	mkdir -p .jupyter
+	$(JUPYTER_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 \
+		--ExecutePreprocessor.store_widget_state=False notebooks/*.ipynb
 
 bench: build
 	$(BIN)/epd-lab bench transfer --json data/bench/transfer.json

@@ -158,7 +158,7 @@ def launcher(request):
     """Shared clusters (3 encoders per backend × dtype) and spare single-encoder clusters for the kill tests,
     booted for exactly the tests that were selected."""
     launcher = _Launcher()
-    items = [item for item in request.session.items if item.module is request.module]
+    items = [item for item in request.session.items if getattr(item, "module", None) is request.module]
     for item in items:  # shared clusters first: the first tests need them
         params = getattr(item, "callspec", None)
         params = params.params if params else {}
