@@ -3,8 +3,9 @@
 Two clusters of the same topology run side by side, one with tracing on and one with it off
 (`Topology(trace=False)`: ``EPD_TRACE=0`` in every encoder, a disabled recorder in the receiver). Requests
 alternate between them in pairs (on/off, off/on, ... so that neither always goes first), each with images of
-its own (no cache hit), and the client times each one end to end. The overhead is the ratio of the medians
-minus one; its range comes from the ratios of medians over disjoint blocks of pairs.
+its own (no cache hit), and the client times each one end to end. A round's overhead is the ratio of its
+medians minus one. Each round starts two fresh clusters (which one starts first alternates), because the
+processes' placement on the 2 vCPUs biases a whole round one way or the other.
 
 That A/B difference sits inside this machine's noise, so the bench also reports a bound that noise cannot
 hide: the measured cost of one span (a `Recorder.span` round, plus twice its encoding: into the notification
@@ -13,6 +14,7 @@ and out of it) times the most spans one request recorded, over the median untrac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -48,43 +50,59 @@ def span_cost_ns(rounds: int = 100_000) -> dict[str, float]:
     return {"record_ns": statistics.median(costs), "encode_ns": (time.perf_counter_ns() - t0) / rounds}
 
 
-def run(requests: int = 40, side: int = 224, images: int = 1, encoders: int = 1, backend: str = "mooncake",
-        blocks: int = 4, log=print) -> dict:
-    """Measure; returns the JSON document (see the module docstring)."""
-    configure_torch()
-    model = load_model()
+def _round(model, tmp: str, pairs: int, side: int, images: int, topology: dict, on_first: bool,
+           seed: int) -> tuple[dict[bool, list[float]], int]:
+    """One round on two fresh clusters (the traced one started first when `on_first`): the client's ms
+    per request, traced and untraced, and the most spans one request recorded."""
     times: dict[bool, list[float]] = {True: [], False: []}
-    with tempfile.TemporaryDirectory(prefix="epd-bench-trace-") as tmp, \
-            Cluster(Topology(encoders=encoders, backend=backend, timeout=60)) as on, \
-            Cluster(Topology(encoders=encoders, backend=backend, timeout=60, trace=False)) as off, \
-            on.receiver() as rx_on, off.receiver() as rx_off:
-        epd = {True: EPDPrefill(rx_on, model), False: EPDPrefill(rx_off, model)}
-        for r in range(requests + 1):
+    with contextlib.ExitStack() as stack:
+        clusters = {}
+        for traced in ((True, False) if on_first else (False, True)):
+            clusters[traced] = stack.enter_context(Cluster(Topology(**topology, timeout=60, trace=traced)))
+        rx = {traced: stack.enter_context(c.receiver()) for traced, c in clusters.items()}
+        epd = {traced: EPDPrefill(r, model) for traced, r in rx.items()}
+        for r in range(pairs + 1):
             for traced in ((True, False) if r % 2 else (False, True)):
-                paths = make_images(tmp, side, images, seed=(r << 1) | traced)
+                paths = make_images(tmp, side, images, seed=seed + ((r << 1) | traced))
                 t0 = time.perf_counter()
                 epd[traced].prefill("describe the image", paths)
                 if r:  # the first pair warms connections and mappings
                     times[traced].append((time.perf_counter() - t0) * 1e3)
-        frame = on.spans(extra=rx_on.recorder.spans())  # every span of every request, from every process
-    n_spans = int(frame.groupby("request").size().max())
-    med = {k: statistics.median(v) for k, v in times.items()}
-    size = max(1, requests // blocks)
-    block_ratios = [statistics.median(times[True][i:i + size]) / statistics.median(times[False][i:i + size]) - 1
-                    for i in range(0, requests - size + 1, size)]
+        frame = clusters[True].spans(extra=rx[True].recorder.spans())  # every span, from every process
+    return times, int(frame.groupby("request").size().max())
+
+
+def run(pairs: int = 100, rounds: int = 3, side: int = 224, images: int = 1, encoders: int = 1,
+        backend: str = "mooncake", log=print) -> dict:
+    """Measure; returns the JSON document (see the module docstring)."""
+    configure_torch()
+    model = load_model()
+    topology = {"encoders": encoders, "backend": backend}
+    out_rounds = []
+    n_spans = 0
+    with tempfile.TemporaryDirectory(prefix="epd-bench-trace-") as tmp:
+        for k in range(rounds):
+            times, spans = _round(model, tmp, pairs, side, images, topology, on_first=k % 2 == 0, seed=k << 20)
+            n_spans = max(n_spans, spans)
+            med = {traced: statistics.median(v) for traced, v in times.items()}
+            out_rounds.append({"traced_ms": med[True], "untraced_ms": med[False],
+                               "traced_range_ms": [min(times[True]), max(times[True])],
+                               "untraced_range_ms": [min(times[False]), max(times[False])],
+                               "ab_overhead": med[True] / med[False] - 1})
+            log(f"round {k}: e2e median traced {med[True]:.2f} ms, untraced {med[False]:.2f} ms: "
+                f"A/B {out_rounds[-1]['ab_overhead']:+.2%}")
     cost = span_cost_ns()
+    untraced = statistics.median(r["untraced_ms"] for r in out_rounds)
     # each span is recorded, encoded into a notification and decoded at most once (decoding ~ encoding)
-    bound = n_spans * (cost["record_ns"] + 2 * cost["encode_ns"]) / 1e6 / med[False]
+    bound = n_spans * (cost["record_ns"] + 2 * cost["encode_ns"]) / 1e6 / untraced
+    ab = [r["ab_overhead"] for r in out_rounds]
     result = {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "topology": {"encoders": encoders, "backend": backend, "images": images, "side": side},
-              "requests": requests, "target": TARGET,
-              "e2e_ms": {"traced": med[True], "untraced": med[False],
-                         "traced_range": [min(times[True]), max(times[True])],
-                         "untraced_range": [min(times[False]), max(times[False])]},
-              "ab_overhead": med[True] / med[False] - 1, "ab_overhead_blocks": block_ratios,
-              "spans_per_request": n_spans, "span_cost_ns": cost, "cost_bound": bound}
-    log(f"e2e median traced {med[True]:.2f} ms, untraced {med[False]:.2f} ms: A/B overhead "
-        f"{result['ab_overhead']:+.2%} (blocks {', '.join(f'{b:+.2%}' for b in block_ratios)})")
+              "topology": {**topology, "images": images, "side": side}, "pairs_per_round": pairs,
+              "target": TARGET, "rounds": out_rounds, "ab_overhead_median": statistics.median(ab),
+              "ab_overhead_range": [min(ab), max(ab)], "spans_per_request": n_spans, "span_cost_ns": cost,
+              "cost_bound": bound}
+    log(f"A/B overhead median {result['ab_overhead_median']:+.2%} over {rounds} rounds "
+        f"(range {min(ab):+.2%} .. {max(ab):+.2%})")
     log(f"{n_spans} spans/request x {cost['record_ns'] + 2 * cost['encode_ns']:.0f} ns = bound {bound:.3%} of the "
         f"request (target < {TARGET:.0%})")
     return result
@@ -93,13 +111,14 @@ def run(requests: int = 40, side: int = 224, images: int = 1, encoders: int = 1,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="epd-lab bench trace", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--requests", type=int, default=40, help="request pairs (traced + untraced)")
+    ap.add_argument("--pairs", type=int, default=100, help="request pairs (traced + untraced) per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each on two fresh clusters")
     ap.add_argument("--side", type=int, default=224)
     ap.add_argument("--images", type=int, default=1)
     ap.add_argument("--encoders", type=int, default=1)
     ap.add_argument("--backend", default="mooncake")
     args = ap.parse_args(argv)
-    result = run(args.requests, args.side, args.images, args.encoders, args.backend)
+    result = run(args.pairs, args.rounds, args.side, args.images, args.encoders, args.backend)
     if args.json:
         write_json(args.json, result)
     return 0
