@@ -103,10 +103,11 @@ def add_status_routes(app: Any, state: Callable[[], Any]) -> None:
         return PlainTextResponse(state().metrics(), media_type="text/plain; version=0.0.4")
 
 
-def add_trace_routes(app: Any, recorder: Callable[[], Any], normalize: Callable[[str], str] = str) -> None:
-    """``GET /v1/spans`` (the role's spans, oldest first; ``request_id`` — through `normalize` — and
-    ``since_ns`` filter, an unknown request gives an empty list) and ``GET /v1/clock`` (CLOCK_MONOTONIC and
-    host, for `epd_lab.trace.collect`'s clock offsets). `recorder` returns the role's `Recorder`."""
+def add_trace_routes(app: Any, recorder: Callable[[], Any]) -> None:
+    """``GET /v1/spans`` (the role's spans, oldest first; ``request_id`` — a request's or an OpenAI
+    response's id — and ``since_ns`` filter, an unknown request gives an empty list) and ``GET /v1/clock``
+    (CLOCK_MONOTONIC and host, for `epd_lab.trace.collect`'s clock offsets). `recorder` returns the role's
+    `Recorder`."""
     from fastapi import Query
     from fastapi.responses import Response
 
@@ -114,7 +115,7 @@ def add_trace_routes(app: Any, recorder: Callable[[], Any], normalize: Callable[
 
     @app.get("/v1/spans")
     async def spans(request_id: str = "", since_ns: int = Query(0, ge=0)) -> Response:
-        page = spans_answer(recorder(), normalize(request_id) if request_id else None, since_ns)
+        page = spans_answer(recorder(), request_id or None, since_ns)
         page.spans.sort(key=lambda s: (s.t_start_ns, s.t_end_ns))
         return Response(msgspec.json.encode(page), media_type="application/json")
 

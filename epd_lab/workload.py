@@ -69,9 +69,8 @@ class RequestOutcome:
 def run_requests(epd: EPDPrefill, images: list[list[str]], workload: Workload) -> list[RequestOutcome]:
     """Warm up with `images[0]`, then send `images[1:]` with `workload.concurrency` in flight.
 
-    Request ids are fixed-width (`req00000`, ...), so none is a prefix of another (the receiver's
-    recorder selects a request's spans by prefix). A failed request is recorded, not raised; a failed
-    warm-up raises (nothing would work).
+    Request ids are `req00000`, `req00001`, ... (fixed width, so they sort in sending order). A failed
+    request is recorded, not raised; a failed warm-up raises (nothing would work).
     """
     epd.prefill(workload.text, images[0], rid="warmup")
     outcomes = [RequestOutcome(f"req{i:05d}", i, paths) for i, paths in enumerate(images[1:])]

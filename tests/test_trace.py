@@ -46,6 +46,15 @@ def test_recorder_is_bounded_and_counts_what_it_drops():
     assert [s.req_id for s in rec.spans(since_ns=10)] == ["x", "y"]
 
 
+def test_a_request_is_its_id_and_its_parts_not_a_prefix():
+    rec = Recorder("n")
+    for rid in ("req1", "req1_local_part_0", "req1_local_part_1", "req10", "req10_local_part_0"):
+        rec.add(Span(rid, -1, "vit", "n", 0, 1))
+    assert [s.req_id for s in rec.spans("req1")] == ["req1", "req1_local_part_0", "req1_local_part_1"]
+    assert [s.req_id for s in rec.spans("chatcmpl-req10")] == ["req10", "req10_local_part_0"]
+    assert len(rec.spans()) == 5
+
+
 def test_recorder_switched_off_records_nothing(monkeypatch):
     monkeypatch.setenv("EPD_TRACE", "0")
     rec = Recorder("n")

@@ -213,6 +213,11 @@ def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai
     assert httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": "nope"}).json()["spans"] == []
     every = httpx.get(cluster.proxy_url + "/v1/spans").json()["spans"]  # no request_id: all the proxy holds
     assert all(s in every for s in spans)
+    # the same timeline collected from every server (each answers /v1/spans), copies counted once
+    frame = cluster.spans(response_id)
+    assert {n.split(":")[0] for n in frame.node} == {"encoder", "prefill", "decode", "proxy"}
+    assert not frame.duplicated(["req_id", "part", "stage", "node", "t_start_ns"]).any()
+    assert len(frame) == len(spans) and set(frame.stage) == stages
 
 
 def _start_proxy(prefills: list[str], decodes: list[str]) -> tuple[subprocess.Popen, str]:

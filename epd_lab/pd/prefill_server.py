@@ -172,8 +172,7 @@ class PrefillServer:
             params = self._keep_kv(rid, result, first_token)
         self.counters["requests_ok"] += 1
         self.counters["prompt_tokens"] += result.prompt_len
-        spans = [s for s in self.recorder.spans(rid)
-                 if (s.req_id == rid or s.req_id.startswith(rid + "_local_part_")) and s.t_start_ns >= t0]
+        spans = [s for s in self.recorder.spans(rid) if s.t_start_ns >= t0]
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
 
     def _keep_kv(self, rid: str, result: models.PrefillResult, first_token: int) -> KVTransferParams:

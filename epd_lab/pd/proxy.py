@@ -712,11 +712,6 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
 
 
-def _bare_request_id(request_id: str) -> str:
-    """A request's id from the response's (``chatcmpl-``/``cmpl-`` + id)."""
-    return request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
-
-
 def create_app(settings: ProxySettings) -> FastAPI:
     """The proxy's app; its HTTP client to the backends lives for the app's lifespan."""
 
@@ -754,7 +749,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return _json({"object": "list", "data": [{"id": settings.model, "object": "model",
                                                   "created": app.state.proxy.started, "owned_by": "epd_lab"}]})
 
-    add_trace_routes(app, lambda: app.state.proxy.recorder, _bare_request_id)
+    add_trace_routes(app, lambda: app.state.proxy.recorder)
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,9 +3,9 @@
 from epd_lab.trace.collect import ClockOffset, SpansPage, clock_answer, collect, estimate_clock_offset, spans_answer
 from epd_lab.trace.frame import (COLUMNS, frame_spans, load_frame, request_of, save_frame, spans_frame,
                                  to_chrome_trace)
-from epd_lab.trace.spans import (DATA_STAGES, PD_STAGES, STAGES, Recorder, Span, request_breakdown,
-                                 tracing_enabled)
+from epd_lab.trace.spans import (DATA_STAGES, PD_STAGES, STAGES, Recorder, Span, bare_request_id, of_request,
+                                 request_breakdown, tracing_enabled)
 
 __all__ = ["COLUMNS", "DATA_STAGES", "PD_STAGES", "STAGES", "ClockOffset", "Recorder", "Span", "SpansPage",
-           "clock_answer", "collect", "estimate_clock_offset", "frame_spans", "load_frame", "request_breakdown",
-           "request_of", "save_frame", "spans_answer", "spans_frame", "to_chrome_trace", "tracing_enabled"]
+           "bare_request_id", "clock_answer", "collect", "estimate_clock_offset", "frame_spans", "load_frame",
+           "of_request", "request_breakdown", "request_of", "save_frame", "spans_answer", "spans_frame", "to_chrome_trace", "tracing_enabled"]

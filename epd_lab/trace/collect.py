@@ -16,7 +16,7 @@ import httpx
 import msgspec
 
 from epd_lab.trace.frame import spans_frame
-from epd_lab.trace.spans import Recorder, Span
+from epd_lab.trace.spans import Recorder, Span, of_request
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -46,11 +46,9 @@ def clock_answer(node: str) -> dict[str, Any]:
 
 
 def spans_answer(recorder: Recorder, request_id: str | None, since_ns: int) -> SpansPage:
-    """The body of GET /v1/spans: the recorder's spans of one request (its parts included) or all."""
-    spans = recorder.spans(request_id, since_ns)
-    if request_id:
-        spans = [s for s in spans if s.req_id == request_id or s.req_id.startswith(request_id + "_")]
-    return SpansPage(recorder.node, spans, recorder.dropped)
+    """The body of GET /v1/spans: the recorder's spans of one request (its parts included; a response's
+    id names its request) or all."""
+    return SpansPage(recorder.node, recorder.spans(request_id, since_ns), recorder.dropped)
 
 
 def estimate_clock_offset(client: httpx.Client, url: str, samples: int = 8, force: bool = False) -> ClockOffset:
@@ -71,11 +69,11 @@ def estimate_clock_offset(client: httpx.Client, url: str, samples: int = 8, forc
 
 def collect(urls: Iterable[str], request_id: str | None = None, since_ns: int = 0, extra: Iterable[Span] = (),
             timeout: float = 10.0) -> pd.DataFrame:
-    """Every span the servers at `urls` hold (and `extra`, e.g. an in-process receiver's) in one frame,
-    each node's timestamps brought onto this host's clock. ``frame.attrs``: ``clock_offsets`` (ns per
-    node), ``clocks`` (the `ClockOffset` of each node, as dicts) and ``dropped`` (spans each recorder
-    had to drop)."""
-    spans: list[Span] = list(extra)
+    """Every span the servers at `urls` hold and `extra` ones (e.g. an in-process receiver's), of one
+    request only when `request_id` is given (`of_request`), in one frame, each node's timestamps brought
+    onto this host's clock. ``frame.attrs``: ``clock_offsets`` (ns per node), ``clocks`` (each node's
+    `ClockOffset`, as dicts) and ``dropped`` (spans each recorder had to drop)."""
+    spans = of_request(extra, request_id)
     clocks: dict[str, ClockOffset] = {}
     dropped: dict[str, int] = {}
     params: dict[str, Any] = {"since_ns": since_ns, **({"request_id": request_id} if request_id else {})}

@@ -15,7 +15,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import msgspec
 
@@ -44,6 +44,20 @@ class Span(msgspec.Struct, array_like=True, frozen=True):
     @property
     def duration_ms(self) -> float:
         return (self.t_end_ns - self.t_start_ns) / 1e6
+
+
+def bare_request_id(request_id: str) -> str:
+    """A request's id from an OpenAI response's (``chatcmpl-``/``cmpl-`` + id), or unchanged."""
+    return request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+
+
+def of_request(spans: Iterable[Span], request_id: str | None) -> list[Span]:
+    """The spans of one request (its ``_local_part_N`` parts included; a response's id names its request),
+    or all of them when `request_id` is None."""
+    if not request_id:
+        return list(spans)
+    rid = bare_request_id(request_id)
+    return [s for s in spans if s.req_id == rid or s.req_id.startswith(rid + "_local_part_")]
 
 
 class Recorder:
@@ -83,13 +97,12 @@ class Recorder:
         finally:
             self.add(Span(req_id, part, stage, self.node, t0, time.monotonic_ns(), nbytes))
 
-    def spans(self, req_id_prefix: str | None = None, since_ns: int = 0) -> list[Span]:
-        """A copy of the spans, optionally of one request (its parts share the rid prefix) and only those
-        that ended after `since_ns`."""
+    def spans(self, request_id: str | None = None, since_ns: int = 0) -> list[Span]:
+        """A copy of the spans, optionally of one request (`of_request`) and only those that ended
+        after `since_ns`."""
         with self._lock:
-            spans = list(self._spans)
-        return [s for s in spans
-                if (req_id_prefix is None or s.req_id.startswith(req_id_prefix)) and s.t_end_ns >= since_ns]
+            spans = [s for s in self._spans if s.t_end_ns >= since_ns]
+        return of_request(spans, request_id)
 
     def clear(self) -> None:
         with self._lock:
