@@ -130,6 +130,17 @@ def test_cluster_spans_line_up_one_request_across_processes(model, images):
     assert abs(clock.offset_ns) <= clock.rtt_ns // 2 + 1 and clock.same_host
 
 
+def test_a_dead_server_loses_its_spans_only(model, images):
+    with Cluster(Topology(encoders=2, timeout=30)) as cluster, cluster.receiver() as receiver:
+        result = EPDPrefill(receiver, model).prefill("then one dies", images)
+        dead = cluster.encoder_urls[0]
+        cluster.procs[0].kill()
+        cluster.procs[0].wait()
+        frame = cluster.spans(result.rid)
+    assert list(frame.attrs["unreachable"]) == [dead] and "ConnectError" in frame.attrs["unreachable"][dead]
+    assert len(frame.attrs["clocks"]) == 1 and result.rid in set(frame.request)
+
+
 def test_tracing_off_cluster_records_nothing_and_answers_the_same(model, images):
     with Cluster(Topology(encoders=1, trace=False, timeout=30)) as cluster, cluster.receiver() as receiver:
         on = Recorder("prefill", enabled=True)

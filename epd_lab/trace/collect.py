@@ -72,20 +72,27 @@ def collect(urls: Iterable[str], request_id: str | None = None, since_ns: int = 
     """Every span the servers at `urls` hold and `extra` ones (e.g. an in-process receiver's), of one
     request only when `request_id` is given (`of_request`), in one frame, each node's timestamps brought
     onto this host's clock. ``frame.attrs``: ``clock_offsets`` (ns per node), ``clocks`` (each node's
-    `ClockOffset`, as dicts) and ``dropped`` (spans each recorder had to drop)."""
+    `ClockOffset`, as dicts), ``dropped`` (spans each recorder had to drop) and ``unreachable`` (URL →
+    error, for servers that did not answer within `timeout`: the others are still collected)."""
     spans = of_request(extra, request_id)
     clocks: dict[str, ClockOffset] = {}
     dropped: dict[str, int] = {}
     params: dict[str, Any] = {"since_ns": since_ns, **({"request_id": request_id} if request_id else {})}
+    unreachable: dict[str, str] = {}
     with httpx.Client(timeout=timeout) as client:
         for url in urls:
-            page = msgspec.json.decode(client.get(f"{url}/v1/spans", params=params).raise_for_status().content,
-                                       type=SpansPage)
-            clocks[page.node] = estimate_clock_offset(client, url)
+            try:
+                page = msgspec.json.decode(client.get(f"{url}/v1/spans", params=params).raise_for_status().content,
+                                           type=SpansPage)
+                clocks[page.node] = estimate_clock_offset(client, url)
+            except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                unreachable[url] = f"{type(exc).__name__}: {exc}"  # a dead server's spans are lost, not the rest
+                continue
             dropped[page.node] = page.dropped
             spans.extend(page.spans)
     # A span's node may differ from the server that held it (the proxy keeps the prefill's and decode's).
     frame = spans_frame(spans, {node: c.offset_ns for node, c in clocks.items()})
     frame.attrs["clocks"] = {node: msgspec.structs.asdict(c) for node, c in clocks.items()}
     frame.attrs["dropped"] = dropped
+    frame.attrs["unreachable"] = unreachable
     return frame
