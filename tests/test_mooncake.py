@@ -23,6 +23,7 @@ import pytest
 from epd_lab.transfer import mooncake
 from epd_lab.transfer.errors import PeerUnreachable, RegistrationError, TransferError, TransferTimeout
 from epd_lab.transfer.mooncake import MooncakeTransferEngine
+from procs import freeze
 
 if not mooncake.available():
     pytest.skip(f"Mooncake is unavailable: {mooncake.unavailable_reason()}", allow_module_level=True)
@@ -242,7 +243,7 @@ def test_dead_peer_raises_peer_unreachable(engine: MooncakeTransferEngine, sourc
 def test_frozen_peer_raises_timeout(engine: MooncakeTransferEngine, source: np.ndarray, peer: Peer) -> None:
     # connect first: a first contact with a frozen peer waits in Mooncake's handshake (60 s measured)
     engine.transfer_sync_write(peer.session_id, source.ctypes.data, peer.addr, 4096)
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    freeze(peer.proc.pid)  # SIGSTOP lands asynchronously: a small write could still be served before it
     with pytest.raises(TransferTimeout):  # after engine.timeout = 5 s
         engine.transfer_sync_write(peer.session_id, source.ctypes.data, peer.addr, 4096)
 
