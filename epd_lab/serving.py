@@ -15,8 +15,8 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
-__all__ = ["add_status_routes", "add_trace_routes", "bind_tcp", "metrics_text", "run_server", "serve_and_announce", "server_lifespan",
-           "url_of"]
+__all__ = ["add_status_routes", "add_trace_routes", "bind_tcp", "metrics_text", "run_server", "serve_and_announce",
+           "server_lifespan", "url_of"]
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:

@@ -8,4 +8,5 @@ from epd_lab.trace.spans import (DATA_STAGES, PD_STAGES, STAGES, Recorder, Span,
 
 __all__ = ["COLUMNS", "DATA_STAGES", "PD_STAGES", "STAGES", "ClockOffset", "Recorder", "Span", "SpansPage",
            "bare_request_id", "clock_answer", "collect", "estimate_clock_offset", "frame_spans", "load_frame",
-           "of_request", "request_breakdown", "request_of", "save_frame", "spans_answer", "spans_frame", "to_chrome_trace", "tracing_enabled"]
+           "of_request", "request_breakdown", "request_of", "save_frame", "spans_answer", "spans_frame",
+           "to_chrome_trace", "tracing_enabled"]

@@ -71,8 +71,8 @@ def to_chrome_trace(frame: pd.DataFrame, path: str | Path | None = None) -> dict
     t0 = int(frame["t_start_ns"].min()) if len(frame) else 0
     nodes = {node: pid for pid, node in enumerate(sorted(frame["node"].unique()), start=1)}
     tracks: dict[tuple[str, str, int], int] = {}
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": node}} for node, pid in nodes.items()]
+    events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": node}}
+                                    for node, pid in nodes.items()]
     for r in frame.itertuples(index=False):
         pid = nodes[r.node]
         key = (r.node, r.request, int(r.part))

@@ -116,7 +116,8 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int], src_num_blocks: i
                 marker_color=POOL_COLOR, hoverinfo="skip")
     for r in runs.itertuples():
         src0, dst0 = r.src_block_ids[0], r.dst_block_ids[0]
-        text = f"{src_name} blocks {src0}–{src0 + r.num_blocks - 1} → {dst_name} blocks {dst0}–{dst0 + r.num_blocks - 1}"
+        last = r.num_blocks - 1
+        text = f"{src_name} blocks {src0}–{src0 + last} → {dst_name} blocks {dst0}–{dst0 + last}"
         fig.add_trace(_run_bar(r.run, r.num_blocks, [src_name, dst_name], [src0, dst0], text))
         fig.add_scatter(x=[src0 + r.num_blocks / 2, dst0 + r.num_blocks / 2], y=[src_name, dst_name], mode="lines",
                         line={"color": COLORS[r.run % len(COLORS)], "dash": "dot"}, legendgroup=f"run {r.run}",
