@@ -111,9 +111,9 @@ def run_epd(encoders: int = 2, backend: str = "mooncake") -> dict[str, Any]:
     import torch
     from PIL import Image
 
-    from epd_lab.epd.prefill import EPDPrefill
+    from epd_lab.epd.prefill import EPDPrefill, reference_prefill
     from epd_lab.launch import Cluster, Topology
-    from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
+    from epd_lab.models import configure_torch, load_model
     from epd_lab.trace import STAGES, request_breakdown
 
     configure_torch()
@@ -130,8 +130,7 @@ def run_epd(encoders: int = 2, backend: str = "mooncake") -> dict[str, Any]:
                 paths.append(f"{tmp}/r{i}_{j}.png")
                 Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
             result = epd.prefill(text, paths, rid=f"demo{i}")
-            pixel_values, grid = preprocess([Image.open(p).convert("RGB") for p in paths])
-            ref = monolithic_prefill(model, build_input_ids(text, grid.tolist()), pixel_values, grid)
+            ref = reference_prefill(model, text, [Image.open(p).convert("RGB") for p in paths])
             same = torch.equal(ref, result.prefill.logits)
             rows.append((result.rid, len(paths), len(result.received.parts), result.received.nbytes, same,
                          request_breakdown(result.spans)))

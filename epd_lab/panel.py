@@ -27,9 +27,9 @@ from PIL import Image
 
 from epd_lab.epd.media import decode_image
 from epd_lab.epd.messages import BACKENDS, DTYPES
-from epd_lab.epd.prefill import EPDPrefill, EPDResult
+from epd_lab.epd.prefill import EPDPrefill, EPDResult, reference_prefill
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
+from epd_lab.models import configure_torch, load_model
 from epd_lab.trace import STAGES, request_breakdown, spans_frame
 from epd_lab.transfer.engine import ENGINES
 from epd_lab.viz.timeline import waterfall
@@ -126,8 +126,7 @@ class ControlPanel:
         files = self._image_files()
         items = [f"data:{mime};base64,{base64.b64encode(raw).decode()}" for mime, raw in files]
         result = self.epd.prefill(self.text.value, items, rid=f"panel{len(self.sent)}")
-        pixel_values, grid = preprocess([decode_image(raw) for _, raw in files])
-        ref = monolithic_prefill(self.model, build_input_ids(self.text.value, grid.tolist()), pixel_values, grid)
+        ref = reference_prefill(self.model, self.text.value, [decode_image(raw) for _, raw in files])
         frame = spans_frame(result.spans)
         sent = Sent(result, torch.equal(result.prefill.logits, ref), request_breakdown(result.spans), frame)
         self.sent.append(sent)

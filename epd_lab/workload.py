@@ -24,8 +24,7 @@ import torch
 from PIL import Image
 
 from epd_lab.bench.epd import make_images
-from epd_lab.epd.prefill import EPDPrefill, EPDResult
-from epd_lab.models import build_input_ids, monolithic_prefill, preprocess
+from epd_lab.epd.prefill import EPDPrefill, EPDResult, reference_prefill
 from epd_lab.trace import STAGES, request_breakdown, save_frame, to_chrome_trace
 
 
@@ -98,13 +97,11 @@ def run_requests(epd: EPDPrefill, images: list[list[str]], workload: Workload) -
     return outcomes
 
 
-@torch.no_grad()
 def bit_exact(model: torch.nn.Module, text: str, outcome: RequestOutcome) -> bool:
     """Whether the request's E→P logits equal, bit for bit, the monolithic model's on the same inputs."""
     if outcome.result is None:
         return False
-    pixel_values, grid = preprocess([Image.open(p).convert("RGB") for p in outcome.paths])
-    ref = monolithic_prefill(model, build_input_ids(text, grid.tolist()), pixel_values, grid)
+    ref = reference_prefill(model, text, [Image.open(p).convert("RGB") for p in outcome.paths])
     return torch.equal(ref, outcome.result.prefill.logits)
 
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+from PIL import Image
 
 from epd_lab.epd.receiver import EmbeddingReceiver, ReceivedEmbeddings
-from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids
+from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids, monolithic_prefill, preprocess
 from epd_lab.trace import Span
 
 
@@ -37,3 +39,10 @@ class EPDPrefill:
         with self.receiver.recorder.span("prefill", rid):
             result = self.runner.prefill(input_ids, got.embeddings["image"], torch.tensor(grids))
         return EPDResult(rid, result, got, self.receiver.recorder.spans(rid))
+
+
+def reference_prefill(model: torch.nn.Module, text: str, images: Sequence[Image.Image]) -> torch.Tensor:
+    """The monolithic model's prefill logits for the prompt `EPDPrefill.prefill` builds (the images, then
+    `text`), with the ViT in this process: what a split prefill's logits must equal bit for bit."""
+    pixel_values, grid = preprocess(list(images))
+    return monolithic_prefill(model, build_input_ids(text, grid.tolist()), pixel_values, grid)
