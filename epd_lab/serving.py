@@ -5,18 +5,21 @@ Each role (encoder, prefill, decode, proxy) is a plain process; `epd_lab.launch`
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import socket
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import msgspec
 
 __all__ = ["add_status_routes", "add_trace_routes", "bind_tcp", "metrics_text", "run_server", "serve_and_announce",
-           "server_lifespan", "url_of"]
+           "server_arguments", "server_lifespan", "settings_from_args", "url_of"]
+
+SettingsT = TypeVar("SettingsT")
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -76,6 +79,25 @@ def server_lifespan(factory: Callable[[], Any]) -> Callable[[Any], contextlib.Ab
             await asyncio.to_thread(server.close)
 
     return lifespan
+
+
+def server_arguments(prog: str, description: str) -> argparse.ArgumentParser:
+    """A role's command line, starting with ``--host`` (127.0.0.1) and ``--port`` (0: the OS picks)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    return ap
+
+
+def settings_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, cls: type[SettingsT],
+                       **values: Any) -> SettingsT:
+    """`cls` (a settings dataclass) from the options named like its fields, `values` taking precedence;
+    a value the settings refuse (`ValueError`) exits with the usage."""
+    options = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(cls)}}
+    try:
+        return cls(**{**options, **values})
+    except ValueError as exc:
+        ap.error(str(exc))
 
 
 def run_server(settings: Any, create_app: Callable[[Any], Any]) -> int:

@@ -27,7 +27,6 @@ Run: ``python -m epd_lab.epd.encoder --port 0 --backend mooncake`` prints ``{"ur
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import concurrent.futures
@@ -64,7 +63,7 @@ from epd_lab.epd.messages import (
     encode_zmq,
 )
 from epd_lab.epd.push import PushSockets
-from epd_lab.serving import add_status_routes, run_server
+from epd_lab.serving import add_status_routes, run_server, server_arguments, settings_from_args
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -516,9 +515,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
 def parse_args(argv: list[str] | None = None) -> EncoderSettings:
     """`EncoderSettings` from the command line (errors exit with the usage)."""
     default = {f.name: f.default for f in dataclasses.fields(EncoderSettings)}
-    ap = argparse.ArgumentParser(prog="epd-lab encoder", description="the EPD encode server (ViT → embeddings)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap = server_arguments("epd-lab encoder", "the EPD encode server (ViT → embeddings)")
     ap.add_argument("--backend", default="mooncake", choices=BACKENDS)
     ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
@@ -527,12 +524,7 @@ def parse_args(argv: list[str] | None = None) -> EncoderSettings:
     ap.add_argument("--embedding-ttl", type=float, default=default["embedding_ttl"],
                     help="seconds a held embedding waits for /send")
     ap.add_argument("--cache-bytes", type=int, default=default["cache_bytes"], help="embedding cache capacity (0: off)")
-    args = ap.parse_args(argv)
-    try:
-        return EncoderSettings(args.host, args.port, args.backend, args.model, args.dtype, args.transport,
-                               args.timeout, args.embedding_ttl, args.cache_bytes)
-    except ValueError as exc:
-        ap.error(str(exc))
+    return settings_from_args(ap, ap.parse_args(argv), EncoderSettings)
 
 
 def main(argv: list[str] | None = None) -> int:

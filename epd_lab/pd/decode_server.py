@@ -30,7 +30,6 @@ Run: ``python -m epd_lab.pd.decode_server --port 0`` prints ``{"url": ..., "pid"
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import dataclasses
@@ -60,7 +59,8 @@ from epd_lab.pd.messages import (
     encode,
 )
 from epd_lab.pd.prefill_server import HTTPError, decode_body, read_body
-from epd_lab.serving import add_status_routes, metrics_text, run_server, server_lifespan
+from epd_lab.serving import (add_status_routes, metrics_text, run_server, server_arguments, server_lifespan,
+                             settings_from_args)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -434,9 +434,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
 
 def parse_args(argv: list[str] | None = None) -> DecodeSettings:
     d = {f.name: f.default for f in dataclasses.fields(DecodeSettings)}
-    ap = argparse.ArgumentParser(prog="python -m epd_lab.pd.decode_server", description="the EPD decode server")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap = server_arguments("python -m epd_lab.pd.decode_server", "the EPD decode server")
     ap.add_argument("--transport", default=d["transport"], choices=ENGINES, help="transfer engine protocol")
     ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
     ap.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
@@ -447,12 +445,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeSettings:
                     help="seconds the blocks of a timed-out transfer rest before reuse (default: --timeout)")
     ap.add_argument("--max-batch", type=int, default=d["max_batch"],
                     help="requests per decode forward (1: round-robin single steps)")
-    args = ap.parse_args(argv)
-    try:
-        return DecodeSettings(args.host, args.port, args.transport, args.model, args.dtype, args.kv_blocks,
-                              args.block_size, args.timeout, args.kv_quarantine, args.max_batch)
-    except ValueError as exc:
-        ap.error(str(exc))
+    return settings_from_args(ap, ap.parse_args(argv), DecodeSettings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,6 @@ Run: ``python -m epd_lab.pd.prefill_server --port 0 --encoders URL,URL`` prints 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import dataclasses
@@ -56,7 +55,8 @@ from epd_lab.pd.messages import (
     decode,
     encode,
 )
-from epd_lab.serving import add_status_routes, metrics_text, run_server, server_lifespan
+from epd_lab.serving import (add_status_routes, metrics_text, run_server, server_arguments, server_lifespan,
+                             settings_from_args)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -308,9 +308,7 @@ def create_app(settings: PrefillSettings) -> FastAPI:
 
 def parse_args(argv: list[str] | None = None) -> PrefillSettings:
     d = {f.name: f.default for f in dataclasses.fields(PrefillSettings)}
-    ap = argparse.ArgumentParser(prog="python -m epd_lab.pd.prefill_server", description="the EPD prefill server")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap = server_arguments("python -m epd_lab.pd.prefill_server", "the EPD prefill server")
     ap.add_argument("--encoders", default="", help="comma-separated encode server URLs (none: text only)")
     ap.add_argument("--backend", default=d["backend"], choices=BACKENDS, help="the E→P backend")
     ap.add_argument("--transport", default=d["transport"], choices=ENGINES, help="transfer engine protocol")
@@ -325,11 +323,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillSettings:
     ap.add_argument("--workers", type=int, default=d["workers"], help="prefills in flight at once")
     args = ap.parse_args(argv)
     encoders = tuple(u.strip().rstrip("/") for u in args.encoders.split(",") if u.strip())
-    try:
-        return PrefillSettings(args.host, args.port, encoders, args.backend, args.transport, args.model, args.dtype,
-                               args.kv_blocks, args.block_size, args.timeout, args.kv_free_timeout, args.workers)
-    except ValueError as exc:
-        ap.error(str(exc))
+    return settings_from_args(ap, args, PrefillSettings, encoders=encoders)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,6 @@ Run: ``python -m epd_lab.pd.proxy --port 0 --prefill URL[,URL] --decode URL[,URL
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
@@ -68,7 +67,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
-from epd_lab.serving import add_trace_routes, run_server
+from epd_lab.serving import add_trace_routes, run_server, server_arguments, settings_from_args
 from epd_lab.trace import Recorder, Span
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
@@ -771,10 +770,7 @@ def _urls(values: list[str]) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None = None) -> ProxySettings:
     """`ProxySettings` from the command line (errors exit with the usage)."""
     default = {f.name: f.default for f in dataclasses.fields(ProxySettings)}
-    ap = argparse.ArgumentParser(prog="epd-lab proxy", description="the OpenAI-compatible proxy over prefill and "
-                                 "decode servers")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0: the OS picks (printed on stdout)")
+    ap = server_arguments("epd-lab proxy", "the OpenAI-compatible proxy over prefill and decode servers")
     ap.add_argument("--prefill", action="append", required=True, help="prefill server URL(s), comma-separated")
     ap.add_argument("--decode", action="append", required=True, help="decode server URL(s), comma-separated")
     ap.add_argument("--policy", default=default["policy"], choices=POLICIES)
@@ -784,11 +780,7 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
                     help="seconds a backend that refused a connection is skipped")
     ap.add_argument("--model", default=default["model"], help="the model id /v1/models lists")
     args = ap.parse_args(argv)
-    try:
-        return ProxySettings(_urls(args.prefill), _urls(args.decode), args.host, args.port, args.policy,
-                             args.timeout, args.retry_after, args.model)
-    except ValueError as exc:
-        ap.error(str(exc))
+    return settings_from_args(ap, args, ProxySettings, prefills=_urls(args.prefill), decodes=_urls(args.decode))
 
 
 def main(argv: list[str] | None = None) -> int:
