@@ -6,9 +6,11 @@ import tempfile
 
 
 def pytest_configure(config) -> None:
+    from epd_lab.sweep import JUPYTER_DIRS
+
     root = tempfile.mkdtemp(prefix="epd-lab-jupyter-")
-    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
-        os.environ.setdefault(var, os.path.join(root, var.lower()))
+    for var, sub in JUPYTER_DIRS.items():
+        os.environ.setdefault(var, os.path.join(root, sub))
 
 
 def pytest_collection_modifyitems(items) -> None:

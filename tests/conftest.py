@@ -29,3 +29,17 @@ def writer(request):
 def engine():
     with TransferEngine(timeout=2.0) as e:
         yield e
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """configure_torch(1), as every role runs (float32 bits depend on the thread count); the count is
+    restored after the module."""
+    import torch
+
+    from epd_lab.models import configure_torch
+
+    before = torch.get_num_threads()
+    configure_torch(1)
+    yield
+    torch.set_num_threads(before)

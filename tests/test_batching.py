@@ -23,7 +23,6 @@ from epd_lab.models import (
     PrefillRunner,
     VisionEncoder,
     build_input_ids,
-    configure_torch,
     load_model,
     monolithic_generate,
     preprocess,
@@ -31,22 +30,13 @@ from epd_lab.models import (
 from epd_lab.pd.decode_server import _DONE, DecodeServer, DecodeSettings
 from epd_lab.pd.messages import DecodeRequest, KVTransferParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 N_TOKENS = 32
 F32_ATOL = 1e-4  # float32 batched vs single logits (|logits| < 10); measured max 1.4e-5
 # Prompt lengths 2, 105, 74 (one image), 129 (two images): the caches in one batch all differ in length.
 CASES = [("hi", []), ("a longer text prompt " * 5, []), ("describe", [(224, 224)]),
          ("compare these", [(224, 224), (100, 333)])]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As every role: configure_torch(1), restoring the count afterwards."""
-    before = torch.get_num_threads()
-    configure_torch(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

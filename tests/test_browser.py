@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from epd_lab.sweep import JUPYTER_DIRS
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "01_epd_protocol_step_by_step.ipynb"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -86,8 +88,7 @@ def lab(tmp_path):
     """JupyterLab on 127.0.0.1 serving a copy of notebooks/: yields (base URL, token)."""
     root = tmp_path / "notebooks"
     shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    dirs = {var: tmp_path / "jupyter" / var.lower() for var in
-            ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR")}
+    dirs = {var: tmp_path / "jupyter" / sub for var, sub in JUPYTER_DIRS.items()}
     for name, settings in USER_SETTINGS.items():
         path = dirs["JUPYTER_CONFIG_DIR"] / "lab" / "user-settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)

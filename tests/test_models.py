@@ -33,21 +33,14 @@ from epd_lab.models import (
     resized_size,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # every role runs under configure_torch(1)
+
 IMAGE_SETS = {
     "one": [(224, 224)],
     "two-odd": [(100, 333), (500, 260)],
     "four-mixed": [(224, 224), (56, 56), (300, 200), (640, 480)],
 }
 PROMPT = "Describe the pictures."
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Every role runs under configure_torch(1); so do these tests, restoring the count afterwards."""
-    before = torch.get_num_threads()
-    configure_torch(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
