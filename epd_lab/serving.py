@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import socket
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Mapping, TypeVar
 
 import msgspec
 
@@ -57,9 +57,16 @@ def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: floa
     return 0 if asyncio.run(run()) else 1
 
 
-def metrics_text(prefix: str, values: list[tuple[str, str, float, str]]) -> str:
-    """Prometheus text exposition of (name, kind, value, help) rows."""
+def metrics_text(prefix: str, values: list[tuple[str, str, float, str]],
+                 statuses: tuple[str, Mapping[int, int]] | None = None) -> str:
+    """Prometheus text exposition of (name, kind, value, help) rows, after the labelled counter
+    ``{prefix}_http_requests_total{status=...}`` when `statuses` gives (route, answers by status)."""
     lines: list[str] = []
+    if statuses is not None:
+        route, counts = statuses
+        name = f"{prefix}_http_requests_total"
+        lines += [f"# HELP {name} {route} answers by status", f"# TYPE {name} counter"]
+        lines += [f'{name}{{status="{s}"}} {n}' for s, n in sorted(counts.items())]
     for name, kind, value, help_ in values:
         lines += [f"# HELP {prefix}_{name} {help_}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}"]
     return "\n".join(lines) + "\n"

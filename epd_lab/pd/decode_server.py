@@ -314,10 +314,7 @@ class DecodeServer:
     def metrics(self) -> str:
         h = self.health()
         c = collections.Counter(h["counters"])
-        lines = ["# HELP epd_decode_http_requests_total /v1/decode answers by status",
-                 "# TYPE epd_decode_http_requests_total counter"]
-        lines += [f'epd_decode_http_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.statuses.items())]
-        return "\n".join(lines) + "\n" + metrics_text("epd_decode", [
+        return metrics_text("epd_decode", [
             ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
             ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
@@ -330,7 +327,7 @@ class DecodeServer:
             ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
             ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
             ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
-        ])
+        ], statuses=("/v1/decode", self.statuses))
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""

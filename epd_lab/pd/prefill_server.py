@@ -217,10 +217,7 @@ class PrefillServer:
 
     def metrics(self) -> str:
         p = self.producer.stats()
-        lines = ["# HELP epd_prefill_http_requests_total /v1/prefill answers by status",
-                 "# TYPE epd_prefill_http_requests_total counter"]
-        lines += [f'epd_prefill_http_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.statuses.items())]
-        return "\n".join(lines) + "\n" + metrics_text("epd_prefill", [
+        return metrics_text("epd_prefill", [
             ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
             ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
             ("inflight", "gauge", len(self._inflight), "prefills running"),
@@ -232,7 +229,7 @@ class PrefillServer:
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
             ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
             ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
-        ])
+        ], statuses=("/v1/prefill", self.statuses))
 
     def close(self) -> None:
         """Stop the workers, answer waiting asks, free and deregister the cache, close the engines."""
