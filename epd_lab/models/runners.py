@@ -3,7 +3,8 @@
 `VisionEncoder.encode` followed by `PrefillRunner.prefill` computes exactly what one ordinary forward with
 `pixel_values` computes, operation for operation, so the logits are bit-identical (DESIGN.md §4): the same
 `get_image_features` call, the same `masked_scatter` into the text embeddings, the same 3-D mrope positions
-from `get_rope_index`, and `logits_to_keep=1`.
+from `get_rope_index`, and `logits_to_keep=1`. The vision tower runs image by image in both (`models.vision`),
+so how the images are split over encoders cannot change a bit.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Every role (encoder, prefill, decode) calls `configure_torch()` and then `load_model()`, so every process
 holds identical weights and runs identical kernels; that is what makes the EPD split bit-identical to one
-monolithic forward (DESIGN.md §4).
+monolithic forward (DESIGN.md §4). Both loaders return the model with its vision tower made image-invariant
+(`models.vision.make_image_invariant`): without it, CPUs whose GEMMs pick kernels by row count break that.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.utils import logging as hf_logging
+
+from epd_lab.models.vision import make_image_invariant
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "data" / "models" / "tiny-qwen2-vl"
 
@@ -98,7 +101,7 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(tiny_config(seed))
     _disable_eos(model)
-    return model.to(dtype).eval()
+    return make_image_invariant(model.to(dtype).eval())
 
 
 def load_model(path: str | os.PathLike[str] | None = None,
@@ -115,7 +118,7 @@ def load_model(path: str | os.PathLike[str] | None = None,
         model = Qwen2VLForConditionalGeneration.from_pretrained(
             str(path), dtype=dtype, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION,
         )
-    return model.eval()
+    return make_image_invariant(model.eval())
 
 
 def ensure_tiny_model(directory: str | os.PathLike[str] = DEFAULT_MODEL_DIR, seed: int = 0) -> Path:
