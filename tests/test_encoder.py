@@ -1,11 +1,16 @@
 """The encode server in real processes on loopback, one per backend, driven as a prefill node would be:
 httpx for /encode and /send, a ZMQ PULL for the notifications, and a real `TransferEngine` owning the
 buffer the encoder writes into. Media loading, the settings and the cache are also tested in-process.
+
+The "seed's bodies" tests post exactly what a receiver written from seed 000's code posts (SGLang's
+`MMReceiverHTTP.encode()` and its /send loop, and /scheduler_receive_url), and check that `EmbeddingReceiver`
+builds those same bodies.
 """
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import http.server
 import io
 import json
@@ -18,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -27,7 +33,8 @@ from PIL import Image
 from epd_lab import models
 from epd_lab.epd import media
 from epd_lab.epd.encoder import EmbeddingCache, EncoderSettings
-from epd_lab.epd.messages import MAX_JSON_BYTES, EmbeddingData, EmbeddingNotify, decode_zmq
+from epd_lab.epd.messages import MAX_JSON_BYTES, EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
+from epd_lab.epd.receiver import PartPlan, encode_request, send_request
 from epd_lab.transfer import TransferEngine
 
 TIMEOUT = 1.5  # the servers' --timeout: the wait for a receive URL that never comes
@@ -117,9 +124,9 @@ def vision() -> Iterator[models.VisionEncoder]:
         torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def pull() -> Iterator[tuple[zmq.Socket, int]]:
-    """A ZMQ PULL on an OS-chosen port: the receiver's embedding_port."""
+@contextlib.contextmanager
+def pull_socket() -> Iterator[tuple[zmq.Socket, int]]:
+    """A ZMQ PULL on an OS-chosen port: a receiver's embedding_port."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
@@ -129,6 +136,12 @@ def pull() -> Iterator[tuple[zmq.Socket, int]]:
     finally:
         sock.close()
         ctx.term()
+
+
+@pytest.fixture
+def pull() -> Iterator[tuple[zmq.Socket, int]]:
+    with pull_socket() as out:
+        yield out
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +162,14 @@ def local_embedding(vision: models.VisionEncoder, raws: list[bytes]) -> torch.Te
 
 def encode_body(req_id: str, items: list[str], **extra: object) -> dict:
     return {"mm_items": items, "num_parts": 1, "part_idx": 0, "req_id": req_id, **extra}
+
+
+def seed_encode_body(rid: str, part_idx: int, num_parts: int, items: list[str], embedding_port: int | None,
+                     encoder_idx: int = 0) -> dict:
+    """The /encode body exactly as seed 000's `MMReceiverHTTP.encode()` builds it."""
+    return {"encoder_idx": encoder_idx, "mm_items": items, "num_parts": num_parts, "part_idx": part_idx,
+            "req_id": f"{rid}_local_part_{part_idx}", "modality": "IMAGE", "prefill_host": "127.0.0.1",
+            "embedding_port": embedding_port}
 
 
 IMG_A = png_bytes((224, 224), 1)
@@ -189,7 +210,7 @@ def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pul
     print(f"/encode {t_encode * 1e3:.1f} ms, /send {t_send * 1e3:.1f} ms")
 
     assert type(msg) is EmbeddingNotify and msg.error is None
-    assert (msg.req_id, msg.part_idx, msg.modality) == ("moon_local_part_0", 0, "image")
+    assert (msg.req_id, msg.part_idx, msg.modality) == ("moon_local_part_0", 0, "IMAGE")
     assert (msg.shape, msg.dtype, msg.grid_thw) == ([88, 256], "float32", meta["grid_thw"])
     assert [s.stage for s in msg.spans] == ["load", "vit", "transfer", "notify"]
     assert {s.node for s in msg.spans} == {f"encoder:{server.port}"}
@@ -256,6 +277,14 @@ def test_mooncake_send_errors(servers, receiver):
     assert post(part_idx=1).status_code == 400
     assert post(session_id="no-port").status_code == 400
     assert post(embedding_port=None).status_code == 400
+    # the rest of the /encode answer (the seed posts it back) must match what was encoded
+    for field, value in (("embedding_len", 1), ("embedding_dim", 255), ("dtype", "bfloat16"),
+                         ("grid_thw", [[1, 2, 2]])):
+        resp = post(**{field: value})
+        assert resp.status_code == 400 and f"{field} {value!r} does not match" in resp.json()["detail"], resp.text
+    for field, value in (("prefill_host", "127.0.0.1;10.0.0.1"), ("prefill_host", "*"), ("embedding_port", 0),
+                         ("embedding_port", 65536), ("buffer_address", -1), ("rkey", -1)):
+        assert post(**{field: value}).status_code == 400, (field, value)
     assert client.post("/send", json={**send, "extra": 1}).status_code == 400
     # still held after the refusals above; a second /encode of the same req_id is a conflict
     assert client.post("/encode", json=encode_body("errs", [data_uri(IMG_A)])).status_code == 409
@@ -290,13 +319,20 @@ def test_encode_request_errors(servers, tmp_path):
         resp = client.post("/encode", content=body)
         assert resp.status_code == 400 and words in resp.json()["detail"], (body, resp.text)
     for items, modality, words in (
-        ([data_uri(IMG_A)], "video", "unknown modality"),
+        ([data_uri(IMG_A)], "VIDEO", "modality VIDEO is not served"),
+        ([data_uri(IMG_A)], "audio", "modality AUDIO is not served"),
+        ([data_uri(IMG_A)], "bogus", "unknown modality"),
         ([data_uri(IMG_A), "data:image/png;base64,!!!"], "image", "mm_items[1]"),
         ([str(tmp_path / "not.png")], "image", "not an image"),
         ([str(tmp_path / "missing.png")], "image", "cannot read"),
     ):
         resp = client.post("/encode", json=encode_body("e", items, modality=modality))
         assert resp.status_code == 400 and words in resp.json()["detail"], resp.text
+    for extra, words in (({"encoder_idx": -1}, "encoder_idx"), ({"encoder_idx": "0"}, "encoder_idx"),
+                         ({"prefill_host": "eth0;10.0.0.1"}, "not a host name"), ({"prefill_host": ""}, "not a host"),
+                         ({"embedding_port": 0}, "embedding_port"), ({"num_parts": 0}, "num_parts")):
+        resp = client.post("/encode", json={**encode_body("e", [data_uri(IMG_A)]), **extra})
+        assert resp.status_code == 400 and words in resp.json()["detail"], (extra, resp.text)
     resp = client.post("/encode", content=b" " * (MAX_JSON_BYTES + 1))
     assert resp.status_code == 413
     # routes of other backends
@@ -347,8 +383,120 @@ def test_zmq_to_scheduler_waits_for_the_receive_url(servers, vision, pull):
     # no URL ever: an error after the timeout
     resp = server.client.post("/encode", json=encode_body("sch_none", [data_uri(IMG_A)]))
     assert resp.status_code == 504 and "/scheduler_receive_url" in resp.json()["detail"]
-    resp = server.client.post("/scheduler_receive_url", json={"req_id": "x", "receive_url": "127.0.0.1"})
-    assert resp.status_code == 400
+    for url in ("127.0.0.1", "127.0.0.1:0", "127.0.0.1:65536", "*:5555", "eth0;127.0.0.1:5555", "ipc:///tmp/x",
+                "udp://127.0.0.1:5555", "tcp://127.0.0.1:5555/x", "[fe80::1%eth0]:5555", " 127.0.0.1:5555"):
+        resp = server.client.post("/scheduler_receive_url", json={"req_id": "x", "receive_url": url})
+        assert resp.status_code == 400 and "receive_url" in resp.json()["detail"], (url, resp.text)
+
+
+# ---- the seed's bodies ----
+def test_seed_mooncake_bodies_land_the_embedding(servers, vision, receiver, pull):
+    """Seed 000's mooncake flow, body for body: /encode per part, then each part's /encode answer, updated with
+    session_id and buffer_address = base + offset, posted back to /send; the bytes land part after part."""
+    server, (sock, port) = servers["mooncake"], pull
+    raws = [[IMG_A], [IMG_B, IMG_A]]
+    # a receiver whose encoder list names this server twice: the parts' encoder_idx are 0 and 1
+    bodies = [seed_encode_body("seed_moon", i, len(raws), [data_uri(r) for r in part], port, encoder_idx=i)
+              for i, part in enumerate(raws)]
+    replies = [server.client.post("/encode", json=body) for body in bodies]
+    assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    assert server.client.get("/health").json()["encoder_idx"] == 1  # the latest /encode's
+    answers = sorted((r.json() for r in replies), key=lambda a: a["part_idx"])  # the seed sorts by part_idx
+    assert [a["req_id"] for a in answers] == ["seed_moon_local_part_0", "seed_moon_local_part_1"]
+    sizes = [a["embedding_size"] for a in answers]
+
+    buf = torch.zeros(sum(sizes), dtype=torch.uint8)
+    base, _, _ = receiver.register_buffer(buf)
+    try:
+        offset = 0
+        for answer in answers:  # the seed's /send loop
+            answer.update({"session_id": receiver.session_id, "buffer_address": offset + base})
+            resp = server.client.post("/send", json=answer)
+            assert resp.status_code == 200, resp.text
+            offset += answer["embedding_size"]
+        msgs = sorted((recv(sock) for _ in answers), key=lambda m: m.part_idx)
+    finally:
+        receiver.deregister_buffer(buf)
+
+    offset = 0
+    for part, answer, msg in zip(raws, answers, msgs, strict=True):
+        assert type(msg) is EmbeddingNotify and msg.error is None
+        assert (msg.req_id, msg.modality, msg.grid_thw) == (answer["req_id"], "IMAGE", answer["grid_thw"])
+        assert msg.shape == [answer["embedding_len"], answer["embedding_dim"]]
+        landed = buf[offset:offset + answer["embedding_size"]].view(torch.float32).reshape(msg.shape)
+        assert torch.equal(landed, local_embedding(vision, part))
+        offset += answer["embedding_size"]
+
+
+def test_modality_is_matched_by_name_in_any_case(servers, pull):
+    server, (sock, port) = servers["zmq_to_tokenizer"], pull
+    for i, modality in enumerate(("IMAGE", "image", "Image")):
+        resp = server.client.post("/encode", json={**seed_encode_body("seed_case", i, 3, [data_uri(IMG_B)], port),
+                                                   "modality": modality})
+        assert resp.status_code == 200, resp.text
+        assert recv(sock).modality == "IMAGE"
+
+
+def test_seed_zmq_to_tokenizer_body(servers, vision, pull):
+    server, (sock, port) = servers["zmq_to_tokenizer"], pull
+    resp = server.client.post("/encode", json=seed_encode_body("seed_tok", 0, 1, [data_uri(IMG_B)], port))
+    assert resp.status_code == 200, resp.text
+    msg = recv(sock)
+    assert type(msg) is EmbeddingData and (msg.req_id, msg.error) == ("seed_tok_local_part_0", None)
+    got = torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape)
+    assert torch.equal(got, local_embedding(vision, [IMG_B]))
+
+
+def test_seed_zmq_to_scheduler_bodies_reach_every_receiver(servers, vision, pull):
+    """The seed's {req_id, receive_url="host:port", receive_count}: two scheduler ranks each post their URL
+    (no scheme, as the seed; "tcp://" accepted too) and both get the bytes once both are known."""
+    server, (sock, port) = servers["zmq_to_scheduler"], pull
+    expected = local_embedding(vision, [IMG_A])
+    req_id = "seed_sch_local_part_0"
+
+    def post_url(url: str, count: int, rid: str = req_id) -> httpx.Response:
+        return server.client.post("/scheduler_receive_url", json={"req_id": rid, "receive_url": url,
+                                                                  "receive_count": count})
+
+    with pull_socket() as (sock2, port2):
+        resp = post_url(f"127.0.0.1:{port}", 2)
+        assert resp.status_code == 200 and resp.json()["receive_url"] == f"tcp://127.0.0.1:{port}"
+        assert post_url(f"127.0.0.1:{port}", 2).status_code == 200  # the same URL again: still one receiver
+        resp = post_url(f"127.0.0.1:{port2}", 3)
+        assert resp.status_code == 400 and "receive_count 3 differs" in resp.json()["detail"]
+        assert post_url(f"tcp://127.0.0.1:{port2}", 2).status_code == 200
+        resp = post_url("127.0.0.1:1", 2)
+        assert resp.status_code == 400 and "already has its 2" in resp.json()["detail"]
+        resp = server.client.post("/encode", json=seed_encode_body("seed_sch", 0, 1, [data_uri(IMG_A)], None))
+        assert resp.status_code == 200, resp.text
+        for s in (sock, sock2):
+            msg = recv(s)
+            assert type(msg) is EmbeddingData and (msg.req_id, msg.error) == (req_id, None)
+            assert [sp.stage for sp in msg.spans] == ["load", "vit", "transfer"]  # its own send only
+            assert torch.equal(torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape),
+                               expected)
+
+        # one of two receivers never posts: the one that did hears why, within the timeout
+        assert post_url(f"127.0.0.1:{port2}", 2, "seed_sch_local_part_1").status_code == 200
+        resp = server.client.post("/encode", json=seed_encode_body("seed_sch", 1, 2, [data_uri(IMG_A)], None))
+        assert resp.status_code == 504 and "/scheduler_receive_url" in resp.json()["detail"]
+        msg = recv(sock2)
+        assert msg.req_id == "seed_sch_local_part_1" and "/scheduler_receive_url" in msg.error
+    assert post_url(f"127.0.0.1:{port}", 0).status_code == 400
+
+
+def test_receiver_builds_the_seed_bodies():
+    """`EmbeddingReceiver` posts what seed 000's receiver posts: the /encode body field for field, and the
+    /encode answer updated with session_id and buffer_address (plus where to notify and the rkey)."""
+    plan = PartPlan(part_idx=1, encoder=2, modality="image", items=["a.png", "b.png"])
+    body = msgspec.json.decode(msgspec.json.encode(encode_request("r", 3, plan, "127.0.0.1", 5555)))
+    assert body == seed_encode_body("r", 1, 3, ["a.png", "b.png"], 5555, encoder_idx=2)
+    answer = EncodeResponse("r_local_part_1", 1, 1024, 1, 256, "float32", [[1, 2, 2]])
+    body = msgspec.to_builtins(send_request(answer, "127.0.0.1:7000", 4096, "127.0.0.1", 5555, 7))
+    assert body == {**msgspec.to_builtins(answer), "session_id": "127.0.0.1:7000", "buffer_address": 4096,
+                    "prefill_host": "127.0.0.1", "embedding_port": 5555, "rkey": 7}
+    with pytest.raises(ValueError, match="unknown modality"):
+        encode_request("r", 3, PartPlan(0, 0, "pictures", ["a.png"]), "127.0.0.1", 5555)
 
 
 def test_health_and_metrics(servers, pull):

@@ -319,9 +319,9 @@ def test_pool_gives_the_same_logits_and_slices_return(launcher, work, backend, d
         addresses: list[list[int]] = []
         send = rx._send
 
-        def spy(rid, plan, address, size, rkey):  # records where each part is written, then sends as usual
+        def spy(rid, plan, address, answer, rkey):  # records where each part is written, then sends as usual
             addresses[-1].append(address)
-            return send(rid, plan, address, size, rkey)
+            return send(rid, plan, address, answer, rkey)
 
         rx._send = spy
         for i, sizes in enumerate([SIZES, SIZES[1:3]]):
@@ -378,12 +378,12 @@ def test_encoder_killed_between_encode_and_send(launcher, own_cluster, work, bac
     with _two_encoder_receiver(victim, launcher.shared(backend, "float32").encoder_urls[0], backend) as rx:
         send = rx._send
 
-        def send_after_killing(rid, plan, address, size, rkey):
+        def send_after_killing(rid, plan, address, answer, rkey):
             if rx._url(plan) == victim.encoder_urls[0]:
                 assert proc.poll() is None, "the victim died before /send"
                 os.kill(pid, signal.SIGKILL)
                 proc.wait(10)
-            return send(rid, plan, address, size, rkey)
+            return send(rid, plan, address, answer, rkey)
 
         rx._send = send_after_killing
         err = _fails_within_timeout(rx, work, "killed-before-send", match="/send to")
@@ -403,10 +403,10 @@ def test_encoder_frozen_before_it_notifies(launcher, own_cluster, work, backend)
     with _two_encoder_receiver(victim, launcher.shared(backend, "float32").encoder_urls[0], backend) as rx:
         send = rx._send
 
-        def send_frozen(rid, plan, address, size, rkey):
+        def send_frozen(rid, plan, address, answer, rkey):
             if rx._url(plan) == victim.encoder_urls[0]:
                 freeze(pid)
-            return send(rid, plan, address, size, rkey)
+            return send(rid, plan, address, answer, rkey)
 
         rx._send = send_frozen
         try:
@@ -441,11 +441,11 @@ def test_late_write_of_a_resumed_encoder_does_not_corrupt_a_later_request(launch
         send, wait = rx._send, rx._wait
         a_ranges: list[tuple[int, int]] = []
 
-        def send_frozen(rid, plan, address, size, rkey):  # A's part on the victim: freeze it first
+        def send_frozen(rid, plan, address, answer, rkey):  # A's part on the victim: freeze it first
             if rx._url(plan) == victim.encoder_urls[0]:
-                a_ranges.append((address, size))
+                a_ranges.append((address, answer.embedding_size))
                 freeze(pid)
-            return send(rid, plan, address, size, rkey)
+            return send(rid, plan, address, answer, rkey)
 
         def wait_then_resume(rid, plans, futures, deadline):  # B's bytes are in; let the victim go
             out = wait(rid, plans, futures, deadline)

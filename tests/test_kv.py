@@ -9,6 +9,7 @@ computed here (configure_torch(1) on both sides makes it bit-identical), then de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import select
@@ -80,6 +81,27 @@ def seed_group_concurrent_contiguous(src_indices: np.ndarray, dst_indices: np.nd
     src_groups = np.split(src_indices, brk)
     dst_groups = np.split(dst_indices, brk)
     return src_groups, dst_groups
+
+
+@dataclasses.dataclass
+class SeedAgentMetadata:
+    """Seed 003's `MooncakeAgentMetadata`, field for field: what a consumer written from the seed sends."""
+
+    remote_hostname: str
+    remote_port: int
+    request_ids: list[str]
+    kv_caches_base_addr: list[int]
+    block_ids: list[list[int]]
+
+
+def ask(producer_url: str, payload: bytes) -> TransDone | TransError:
+    """One side-channel exchange over a REQ socket, as a consumer makes it."""
+    with zmq.Context.instance().socket(zmq.REQ) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(producer_url)
+        sock.send(payload)
+        assert sock.poll(3000), "no reply from the producer"
+        return decode_reply(sock.recv())
 
 
 # ---- unit tests ----
@@ -202,6 +224,12 @@ def test_messages_round_trip_and_validate():
             decode_metadata(msgspec.msgpack.encode({**good, "type": "metadata", field: value}))
     with pytest.raises(msgspec.DecodeError):
         decode_reply(encode(meta))  # a metadata is not a reply
+    # the seed's message: its five fields, no type tag; what it lacks takes the seed's behaviour
+    seed = decode_metadata(msgspec.msgpack.encode(SeedAgentMetadata("127.0.0.1", 4000, ["r1"], [1, 2], [[3, 4]])))
+    assert (seed.session_id, seed.rkeys, seed.block_len) == ("127.0.0.1:4000", [], None)
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        decode_metadata(msgspec.msgpack.encode({**msgspec.to_builtins(SeedAgentMetadata("h", 1, ["r"], [], [[]])),
+                                                "engine_id": "x"}))
 
 
 def test_refused_write_is_trans_error_and_frees_prefill_blocks():
@@ -215,18 +243,35 @@ def test_refused_write_is_trans_error_and_frees_prefill_blocks():
             producer.ready("r", blocks.allocate(2))
             meta = KVConsumer(d_engine, d_cache).metadata("r", [4, 5])
             meta.rkeys = meta.rkeys[1:] + meta.rkeys[:1]  # each run names another region's key
-            with zmq.Context.instance().socket(zmq.REQ) as sock:
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(producer.url)
-                sock.send(encode(meta))
-                assert sock.poll(3000)
-                reply = decode_reply(sock.recv())
+            reply = ask(producer.url, encode(meta))
             assert isinstance(reply, TransError) and reply.error.startswith("RemoteAccessError")
             deadline = time.monotonic() + 3
             while blocks.num_free_blocks != 8:
                 assert time.monotonic() < deadline, "prefill never freed the failed request's blocks"
                 time.sleep(0.01)
             assert producer.stats()["requests_failed"] == 1
+
+
+def test_seed_metadata_is_served():
+    """A consumer written from seed 003 sends only the seed's five fields: the producer writes the blocks
+    (checked against the registered bounds, as the seed's engine does) and answers TRANS_DONE."""
+    with (TransferEngine(timeout=2.0) as p_engine, TransferEngine(timeout=2.0) as d_engine,
+          PagedKVCache(2, 2, 64, num_blocks=8, engine=p_engine) as p_cache,
+          PagedKVCache(2, 2, 64, num_blocks=8, engine=d_engine) as d_cache):
+        gen = torch.Generator().manual_seed(0)
+        for i in range(2):
+            for region in p_cache.layer(i):
+                region.copy_(torch.randn(region.shape, generator=gen))
+        blocks = BlockManager(8)
+        src, dst = blocks.allocate(3), [5, 2, 3]
+        host, port = d_engine.session_id.rsplit(":", 1)
+        seed = SeedAgentMetadata(host, int(port), ["r"], d_cache.base_addrs, [dst])
+        with KVProducer(p_engine, p_cache, free_blocks=blocks.free, timeout=1.0) as producer:
+            producer.ready("r", src)
+            assert ask(producer.url, msgspec.msgpack.encode(seed)) == TransDone(["r"])
+        for i in range(2):
+            for p_region, d_region in zip(p_cache.layer(i), d_cache.layer(i), strict=True):
+                assert torch.equal(d_region[dst], p_region[src])
 
 
 # ---- the producer process ----

@@ -3,16 +3,21 @@
 Routes:
 
 - ``POST /encode`` (`EncodeRequest` → `EncodeResponse`): load the images and answer their sizes, computed
-  from the image sizes alone. Per backend:
+  from the image sizes alone. The modality is matched by its `Modality` name in any case; this encoder
+  serves ``IMAGE`` only. Per backend:
   ``mooncake``: answer at once; the ViT runs in a background worker and the embedding is held under
   ``req_id`` until ``/send`` comes (or its TTL passes).
   ``zmq_to_tokenizer``: run the ViT, PUSH an `EmbeddingData` (bytes inside) to
   ``tcp://prefill_host:embedding_port``, then answer.
-  ``zmq_to_scheduler``: the same, to the URL given by ``/scheduler_receive_url`` for that ``req_id``.
+  ``zmq_to_scheduler``: the same, to each of the ``receive_count`` URLs given by ``/scheduler_receive_url``
+  for that ``req_id`` (sent once all are known).
 - ``POST /send`` (mooncake; `SendRequest` → `SendResponse`): one-sided write of the held embedding to
-  ``buffer_address`` in engine ``session_id``, then PUSH a metadata-only `EmbeddingNotify`. Once a /send is
+  ``buffer_address`` in engine ``session_id``, then PUSH a metadata-only `EmbeddingNotify`. The body may be
+  the `/encode` answer itself plus ``session_id`` and ``buffer_address`` (the seed's). Once a /send is
   accepted, the receiver always gets a notify, with ``error`` set when the write could not be done.
 - ``POST /scheduler_receive_url`` (zmq_to_scheduler; `SchedulerReceiveUrl`), ``GET /health``, ``GET /metrics``.
+
+ZMQ messages only go to hosts `check_host` accepts (an IP address or a DNS name) and ports 1..65535.
 
 Spans (`epd_lab.trace`): ``vit``, ``transfer`` (the one-sided write, or the ZMQ send of the bytes) and
 ``notify`` travel in the message's ``spans``. The message cannot carry the duration of its own sending, so
@@ -52,15 +57,17 @@ from epd_lab.epd.messages import (
     BACKENDS,
     DTYPES,
     MAX_JSON_BYTES,
-    MODALITIES,
     EmbeddingData,
     EmbeddingNotify,
     EncodeRequest,
     EncodeResponse,
+    Modality,
     SchedulerReceiveUrl,
     SendRequest,
     SendResponse,
     encode_zmq,
+    receive_url_endpoint,
+    zmq_url,
 )
 from epd_lab.epd.push import PushSockets
 from epd_lab.serving import add_status_routes, run_server, server_arguments, settings_from_args
@@ -76,6 +83,7 @@ from epd_lab.transfer import (
 from epd_lab.transfer.engine import ENGINES
 
 TRANSPORTS = ENGINES
+SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes
 ROUTES = ("/encode", "/send", "/scheduler_receive_url", "/health", "/metrics")
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -117,26 +125,25 @@ class EncoderSettings:
 
 @dataclasses.dataclass(slots=True)
 class _Held:
-    """A mooncake part between /encode and /send: its metadata and the ViT's future."""
+    """A mooncake part between /encode and /send: what /encode answered, where to notify, the ViT's future."""
 
-    req_id: str
-    part_idx: int
-    modality: str
-    grid_thw: list[list[int]]
-    shape: list[int]
-    nbytes: int
+    answer: EncodeResponse
+    modality: Modality
+    prefill_host: str
     embedding_port: int | None
     future: concurrent.futures.Future  # -> (embedding tensor, vit span)
     created: float
 
 
 @dataclasses.dataclass(slots=True)
-class _ReceiveUrl:
-    """zmq_to_scheduler: where a req_id's embedding goes, possibly not known yet."""
+class _ReceiveUrls:
+    """zmq_to_scheduler: where a req_id's embedding goes; `event` is set once all `count` URLs are known."""
 
-    url: str | None
-    event: asyncio.Event
     created: float
+    urls: list[str] = dataclasses.field(default_factory=list)  # ZMQ URLs, in the order they came
+    count: int | None = None  # the seed's receive_count, set by the first URL
+    event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    awaited: bool = False  # an /encode waits on it and removes it; the TTL sweep leaves it alone
 
 
 class MMEncoder:
@@ -161,7 +168,8 @@ class MMEncoder:
         self.pushers = PushSockets(settings.timeout)
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-vit")
         self.held: dict[str, _Held] = {}
-        self.receive_urls: dict[str, _ReceiveUrl] = {}
+        self.receive_urls: dict[str, _ReceiveUrls] = {}
+        self.encoder_idx: int | None = None  # the latest /encode's encoder_idx: this server's place in its list
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.bytes_sent = 0
         self.embeddings_expired = 0
@@ -169,7 +177,9 @@ class MMEncoder:
     # ---- /encode ----
     async def encode(self, req: EncodeRequest) -> EncodeResponse:
         """Load the media, answer the sizes; run (mooncake: start) the ViT and send per backend."""
-        self._check_encode(req)
+        modality = self._check_encode(req)
+        if req.encoder_idx is not None:
+            self.encoder_idx = req.encoder_idx
         t0 = time.monotonic_ns()
         loaded = await asyncio.to_thread(self._load, req.mm_items)
         load_span = Span(req.req_id, req.part_idx, "load", self.recorder.node, t0, time.monotonic_ns(),
@@ -184,17 +194,20 @@ class MMEncoder:
             raise HTTPException(409, f"req_id {req.req_id!r} is already held here, waiting for /send")
         future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, images, keys, load_span)
         if self.settings.backend == "mooncake":
-            self.held[req.req_id] = _Held(req.req_id, req.part_idx, req.modality, grid_thw,
-                                          [n_tokens, self.embedding_dim], resp.embedding_size,
-                                          req.embedding_port, future, time.monotonic())
+            self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
+                                          time.monotonic())
             return resp
-        await self._encode_and_push(req, resp, future)
+        await self._encode_and_push(req, modality, resp, future)
         return resp
 
-    def _check_encode(self, req: EncodeRequest) -> None:
-        if req.modality not in MODALITIES:
-            raise HTTPException(400, f"unknown modality {req.modality!r}; this encoder serves "
-                                     f"{', '.join(MODALITIES)}")
+    def _check_encode(self, req: EncodeRequest) -> Modality:
+        """The request's modality, once the request is known to be servable (a 400 otherwise)."""
+        try:
+            modality = Modality.from_str(req.modality)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        if modality not in SERVED_MODALITIES:
+            raise HTTPException(400, f"modality {modality.name} is not served by this encoder")
         if not req.mm_items:
             raise HTTPException(400, "mm_items is empty")
         if not req.req_id:
@@ -203,6 +216,7 @@ class MMEncoder:
             raise HTTPException(400, f"part_idx {req.part_idx} is not in 0..num_parts-1 ({req.num_parts})")
         if self.settings.backend == "zmq_to_tokenizer" and req.embedding_port is None:
             raise HTTPException(400, "the zmq_to_tokenizer backend needs embedding_port")
+        return modality
 
     def _load(self, items: list[str]) -> list[tuple[str, Image.Image]]:
         """(content hash, image) per item; a bad item is a 400 naming it. An image whose embedding is
@@ -243,48 +257,59 @@ class MMEncoder:
         self.recorder.extend([load_span, span])
         return embedding, [load_span, span] if self.recorder.enabled else []
 
-    async def _encode_and_push(self, req: EncodeRequest, resp: EncodeResponse,
+    async def _encode_and_push(self, req: EncodeRequest, modality: Modality, resp: EncodeResponse,
                                future: concurrent.futures.Future) -> None:
-        """zmq backends: wait for the ViT, then PUSH the bytes (or the error) to the receiver."""
-        msg = EmbeddingData(req.req_id, req.part_idx, req.modality, [resp.embedding_len, resp.embedding_dim],
+        """zmq backends: wait for the ViT (zmq_to_scheduler: and for every receive URL), then PUSH the bytes
+        (or the error) to each receiver."""
+        msg = EmbeddingData(req.req_id, req.part_idx, modality.name, [resp.embedding_len, resp.embedding_dim],
                             self.settings.dtype, resp.grid_thw)
-        url: str | None = None
+        entry = None
+        if self.settings.backend == "zmq_to_scheduler":
+            entry = self._receive_entry(req.req_id)
+            entry.awaited = True
+            urls = entry.urls  # filled by /scheduler_receive_url meanwhile
+        else:
+            urls = [zmq_url(req.prefill_host, req.embedding_port)]
         try:
-            if self.settings.backend == "zmq_to_tokenizer":
-                url = f"tcp://{req.prefill_host}:{req.embedding_port}"
             embedding, spans = await self._bounded(asyncio.wrap_future(future), f"the ViT of {req.req_id!r}")
-            if url is None:
-                url = await self._wait_receive_url(req.req_id)
+            if entry is not None:
+                await self._bounded(entry.event.wait(), f"/scheduler_receive_url for {req.req_id!r}")
             msg.data = _raw_bytes(embedding)
             msg.spans = spans
         except HTTPException as exc:
-            if url is None:
+            if not urls:
                 raise
-            raise await self._send_error(url, msg, "transfer", exc) from None
-        await self._send_zmq(url, msg, "transfer")
-        self.bytes_sent += len(msg.data)
-
-    async def _wait_receive_url(self, req_id: str) -> str:
-        entry = self.receive_urls.setdefault(req_id, _ReceiveUrl(None, asyncio.Event(), time.monotonic()))
-        try:
-            await self._bounded(entry.event.wait(), f"/scheduler_receive_url for {req_id!r}")
+            raise await self._send_error(list(urls), msg, "transfer", exc) from None
         finally:
-            self.receive_urls.pop(req_id, None)
-        assert entry.url is not None  # the event is set only together with the URL
-        return entry.url
+            if entry is not None:
+                self.receive_urls.pop(req.req_id, None)
+        await self._send_zmq(urls, msg, "transfer")
+        self.bytes_sent += len(msg.data) * len(urls)
+
+    def _receive_entry(self, req_id: str) -> _ReceiveUrls:
+        return self.receive_urls.setdefault(req_id, _ReceiveUrls(time.monotonic()))
 
     # ---- /scheduler_receive_url ----
-    def set_receive_url(self, req: SchedulerReceiveUrl) -> None:
-        """zmq_to_scheduler: remember where `req.req_id`'s embedding goes (and wake its /encode)."""
+    def set_receive_url(self, req: SchedulerReceiveUrl) -> str:
+        """zmq_to_scheduler: add a place `req.req_id`'s embedding goes (and wake its /encode once all
+        `receive_count` are known); returns its ZMQ URL."""
         if self.settings.backend != "zmq_to_scheduler":
             raise HTTPException(400, f"/scheduler_receive_url is for the zmq_to_scheduler backend; "
                                      f"this encoder runs {self.settings.backend}")
-        host, sep, port = req.receive_url.removeprefix("tcp://").rpartition(":")
-        if not req.receive_url.startswith("tcp://") or not sep or not host or not port.isdigit():
-            raise HTTPException(400, f"receive_url {req.receive_url!r} is not 'tcp://host:port'")
-        entry = self.receive_urls.setdefault(req.req_id, _ReceiveUrl(None, asyncio.Event(), time.monotonic()))
-        entry.url = req.receive_url
-        entry.event.set()
+        url = receive_url_endpoint(req.receive_url)  # checked on decode already
+        entry = self._receive_entry(req.req_id)
+        if entry.count is None:
+            entry.count = req.receive_count
+        elif req.receive_count != entry.count:
+            raise HTTPException(400, f"receive_count {req.receive_count} differs from the {entry.count} that "
+                                     f"came before for {req.req_id!r}")
+        if url not in entry.urls:
+            if len(entry.urls) == entry.count:
+                raise HTTPException(400, f"{req.req_id!r} already has its {entry.count} receive URL(s)")
+            entry.urls.append(url)
+        if len(entry.urls) == entry.count:
+            entry.event.set()
+        return url
 
     # ---- /send ----
     async def send(self, req: SendRequest) -> SendResponse:
@@ -295,11 +320,11 @@ class MMEncoder:
         if held is None:
             raise HTTPException(404, f"req_id {req.req_id!r} is not held here: never encoded, already sent, "
                                      f"or released after embedding_ttl={self.settings.embedding_ttl} s")
-        if req.part_idx != held.part_idx:
-            raise HTTPException(400, f"part_idx {req.part_idx} does not match the encoded part {held.part_idx}")
-        if req.embedding_size != held.nbytes:
-            raise HTTPException(400, f"embedding_size {req.embedding_size} does not match the part's "
-                                     f"{held.nbytes} bytes")
+        answer = held.answer
+        for name in EncodeResponse.__struct_fields__:  # the seed's body repeats the /encode answer
+            sent, encoded = getattr(req, name), getattr(answer, name)
+            if sent is not None and sent != encoded:
+                raise HTTPException(400, f"{name} {sent!r} does not match the encoded part's {encoded!r}")
         port = req.embedding_port if req.embedding_port is not None else held.embedding_port
         if port is None:
             raise HTTPException(400, "no embedding_port to notify (neither in /send nor in /encode)")
@@ -309,19 +334,19 @@ class MMEncoder:
             raise HTTPException(400, str(exc)) from None
         # accepted: from here the part is released whatever happens, and the receiver always hears back
         del self.held[req.req_id]
-        url = f"tcp://{req.prefill_host}:{port}"
-        notify = EmbeddingNotify(held.req_id, held.part_idx, held.modality, held.shape, self.settings.dtype,
-                                 held.grid_thw)
+        urls = [zmq_url(req.prefill_host or held.prefill_host, port)]
+        notify = EmbeddingNotify(answer.req_id, answer.part_idx, held.modality.name,
+                                 [answer.embedding_len, answer.embedding_dim], answer.dtype, answer.grid_thw)
         try:
             embedding, spans = await self._bounded(asyncio.wrap_future(held.future),
                                                       f"the ViT of {req.req_id!r}")
             notify.spans = spans
             path = await asyncio.to_thread(self._write, req, embedding, notify.spans)
         except HTTPException as exc:
-            raise await self._send_error(url, notify, "notify", exc) from None
-        self.bytes_sent += held.nbytes
-        await self._send_zmq(url, notify, "notify")
-        return SendResponse(req.req_id, req.part_idx, held.nbytes, path)
+            raise await self._send_error(urls, notify, "notify", exc) from None
+        self.bytes_sent += answer.embedding_size
+        await self._send_zmq(urls, notify, "notify")
+        return SendResponse(req.req_id, req.part_idx, answer.embedding_size, path)
 
     def _write(self, req: SendRequest, embedding: torch.Tensor, spans: list[Span]) -> str:
         """One-sided write of `embedding` (registered for the write only); returns the path taken."""
@@ -349,14 +374,16 @@ class MMEncoder:
         return path
 
     # ---- ZMQ ----
-    async def _send_zmq(self, url: str, msg: EmbeddingNotify, stage: str) -> None:
-        await asyncio.to_thread(self._push, url, msg, stage)
+    async def _send_zmq(self, urls: list[str], msg: EmbeddingNotify, stage: str) -> None:
+        for url in urls:
+            await asyncio.to_thread(self._push, url, msg, stage)
 
-    async def _send_error(self, url: str, msg: EmbeddingNotify, stage: str, exc: HTTPException) -> HTTPException:
-        """Tell the receiver why its part will not come (so it fails fast); the error to answer with."""
+    async def _send_error(self, urls: list[str], msg: EmbeddingNotify, stage: str,
+                          exc: HTTPException) -> HTTPException:
+        """Tell the receivers why their part will not come (so they fail fast); the error to answer with."""
         msg.error = exc.detail
         try:
-            await self._send_zmq(url, msg, stage)
+            await self._send_zmq(urls, msg, stage)
         except HTTPException as push_exc:
             return HTTPException(exc.status_code, f"{exc.detail}; telling the receiver failed too: {push_exc.detail}")
         return exc
@@ -365,8 +392,9 @@ class MMEncoder:
         """Send `msg` to `url`, its last span being this send's start (the receiver closes it)."""
         t0 = time.monotonic_ns()
         nbytes = len(msg.data) if isinstance(msg, EmbeddingData) else 0
-        if self.recorder.enabled:
-            msg.spans = [*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)]
+        if self.recorder.enabled:  # a copy per receiver: each gets only its own send's span (data not copied)
+            msg = msgspec.structs.replace(
+                msg, spans=[*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)])
         try:
             self.pushers.push(url, encode_zmq(msg))
         except zmq.ZMQError as exc:
@@ -392,7 +420,7 @@ class MMEncoder:
         for req_id in [r for r, h in self.held.items() if h.created < cutoff]:
             self.held.pop(req_id).future.cancel()  # drops the embedding (or a ViT not yet started)
             self.embeddings_expired += 1
-        for req_id in [r for r, u in self.receive_urls.items() if u.created < cutoff and u.url is not None]:
+        for req_id in [r for r, u in self.receive_urls.items() if u.created < cutoff and not u.awaited]:
             del self.receive_urls[req_id]
 
     async def sweep_forever(self) -> None:
@@ -405,7 +433,7 @@ class MMEncoder:
         return {"status": "ok", "backend": self.settings.backend, "model": self.settings.model_name,
                 "dtype": self.settings.dtype, "node": self.recorder.node,
                 "session_id": self.engine.session_id if self.engine is not None else None,
-                "embeddings_held": len(self.held)}
+                "embeddings_held": len(self.held), "encoder_idx": self.encoder_idx}
 
     def metrics(self) -> str:
         """Prometheus text exposition of the counters."""
@@ -504,8 +532,8 @@ def create_app(settings: EncoderSettings) -> FastAPI:
     @app.post("/scheduler_receive_url")
     async def scheduler_receive_url(request: Request) -> JSONResponse:
         req = await _decode(request, SchedulerReceiveUrl)
-        app.state.encoder.set_receive_url(req)
-        return JSONResponse({"req_id": req.req_id, "receive_url": req.receive_url})
+        url = app.state.encoder.set_receive_url(req)
+        return JSONResponse({"req_id": req.req_id, "receive_url": url, "receive_count": req.receive_count})
 
     add_status_routes(app, lambda: app.state.encoder)
 

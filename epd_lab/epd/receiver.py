@@ -5,13 +5,15 @@ request:
 
 1. `assign_items_by_modality`: shuffled encoders, per modality an even split, part ids running
    across modalities (``{rid}_local_part_{idx}``).
-2. POST /encode to every encoder at once.
+2. POST /encode to every encoder at once, with the seed's body (`encode_request`: ``encoder_idx``,
+   the modality by its enum name, ``prefill_host``, ``embedding_port``).
 3. ``mooncake``: one contiguous buffer for the whole request (the sum of the parts' sizes, parts in
-   `part_idx` order), registered with the engine, then POST /send to each encoder with
-   ``buffer_address = base + offset``. Each encoder writes its part straight into the buffer and
+   `part_idx` order), registered with the engine, then POST /send to each encoder: its own /encode
+   answer updated with ``session_id`` and ``buffer_address = base + offset`` (`send_request`, the
+   seed's body). Each encoder writes its part straight into the buffer and
    pushes a metadata-only notification over ZMQ. ``zmq_to_tokenizer`` / ``zmq_to_scheduler``: the
    bytes come inside the ZMQ message (``zmq_to_scheduler`` first tells each encoder where to send
-   through /scheduler_receive_url).
+   through /scheduler_receive_url, ``{req_id, receive_url="host:port", receive_count=1}``).
 4. Wait for every part (bounded by the timeout), deregister, slice each part by shape and dtype,
    concatenate per modality.
 
@@ -40,10 +42,12 @@ from epd_lab.epd.messages import (
     EmbeddingNotify,
     EncodeRequest,
     EncodeResponse,
+    Modality,
     SchedulerReceiveUrl,
     SendRequest,
     decode_zmq,
     part_req_id,
+    zmq_url,
 )
 from epd_lab.trace import Recorder
 from epd_lab.transfer import TransferEngine, as_array, open_engine
@@ -55,12 +59,28 @@ class EPDError(RuntimeError):
 
 @dataclass(frozen=True)
 class PartPlan:
-    """One part of a request: which encoder encodes which items."""
+    """One part of a request: which encoder (its index in the receiver's encoder URLs) encodes which items."""
 
     part_idx: int
     encoder: int
     modality: str
     items: list[str]
+
+
+def encode_request(rid: str, num_parts: int, plan: PartPlan, prefill_host: str,
+                   embedding_port: int) -> EncodeRequest:
+    """The /encode body of one part, as the seed's `MMReceiverHTTP.encode()` builds it; `ValueError` for a
+    modality that is not a `Modality` name."""
+    return EncodeRequest(plan.items, num_parts, plan.part_idx, part_req_id(rid, plan.part_idx),
+                         Modality.from_str(plan.modality).name, prefill_host, embedding_port, plan.encoder)
+
+
+def send_request(answer: EncodeResponse, session_id: str, buffer_address: int, prefill_host: str,
+                 embedding_port: int, rkey: int) -> SendRequest:
+    """The /send body of one part: its /encode `answer` updated with where to write (the seed's body), plus
+    where to notify (as SGLang's /send reads it) and the registration's key (epd_lab's)."""
+    return SendRequest(**msgspec.structs.asdict(answer), session_id=session_id, buffer_address=buffer_address,
+                       prefill_host=prefill_host, embedding_port=embedding_port, rkey=rkey)
 
 
 def assign_items_by_modality(items_by_modality: dict[str, list[str]], encoder_num: int,
@@ -221,7 +241,10 @@ class EmbeddingReceiver:
 
     def receive_by_modality(self, items_by_modality: dict[str, list[str]],
                             rid: str | None = None) -> ReceivedEmbeddings:
-        """As `receive`, for several modalities at once (parts numbered across them)."""
+        """As `receive`, for several modalities at once (parts numbered across them). A modality is a
+        `Modality` name in any case (``"image"``); `ValueError` for another."""
+        for modality in items_by_modality:  # refused before any encoder hears of the request
+            Modality.from_str(modality)
         rid = rid or uuid.uuid4().hex
         deadline = time.monotonic() + self.config.timeout
         plans = assign_items_by_modality(items_by_modality, len(self.config.encoder_urls), self._rng)
@@ -261,8 +284,8 @@ class EmbeddingReceiver:
             with self.recorder.span("register", rid, nbytes=total):
                 rkey = self.engine.register(base, total)
             try:
-                self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx], sizes[p.part_idx],
-                                                           rkey))
+                self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx],
+                                                           responses[p.part_idx], rkey))
                 messages = self._wait(rid, plans, futures, deadline)
             finally:
                 self.engine.deregister(base)  # no write can land once this returns
@@ -325,20 +348,23 @@ class EmbeddingReceiver:
         return r.content
 
     def _encode(self, rid: str, num_parts: int, plan: PartPlan) -> EncodeResponse:
-        req = EncodeRequest(plan.items, num_parts, plan.part_idx, part_req_id(rid, plan.part_idx), plan.modality,
-                            self.config.host, self.embedding_port)
+        req = encode_request(rid, num_parts, plan, self.config.host, self.embedding_port)
         with self.recorder.span("http_encode", rid, plan.part_idx):
             raw = self._post(plan, "/encode", req)
-        return msgspec.json.decode(raw, type=EncodeResponse)
+        answer = msgspec.json.decode(raw, type=EncodeResponse)
+        if (answer.req_id, answer.part_idx) != (req.req_id, req.part_idx):  # /send posts this answer back
+            raise EPDError(f"{req.req_id}: encoder {self._url(plan)} answered for {answer.req_id} "
+                           f"part {answer.part_idx}")
+        return answer
 
-    def _send(self, rid: str, plan: PartPlan, address: int, size: int, rkey: int) -> None:
-        req = SendRequest(part_req_id(rid, plan.part_idx), plan.part_idx, self.engine.session_id, address, size,
-                          self.config.host, self.embedding_port, rkey)
-        with self.recorder.span("http_send", rid, plan.part_idx, nbytes=size):
+    def _send(self, rid: str, plan: PartPlan, address: int, answer: EncodeResponse, rkey: int) -> None:
+        req = send_request(answer, self.engine.session_id, address, self.config.host, self.embedding_port, rkey)
+        with self.recorder.span("http_send", rid, plan.part_idx, nbytes=answer.embedding_size):
             self._post(plan, "/send", req)
 
     def _scheduler_receive_url(self, rid: str, plan: PartPlan) -> None:
-        url = f"tcp://{self.config.host}:{self.embedding_port}"  # this process is the scheduler here
+        # the seed's "host:port", no scheme; this process is the scheduler here, its only rank: receive_count 1
+        url = zmq_url(self.config.host, self.embedding_port).removeprefix("tcp://")
         self._post(plan, "/scheduler_receive_url", SchedulerReceiveUrl(part_req_id(rid, plan.part_idx), url))
 
     # ---- lifetime ----

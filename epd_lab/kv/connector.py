@@ -221,7 +221,8 @@ class KVProducer:
             self._free(entry.block_ids)
 
     def _copies(self, meta: MooncakeAgentMetadata, entries: list[_Ready]) -> BlockCopies:
-        if meta.block_len != self.cache.block_len or len(meta.kv_caches_base_addr) != len(self.cache.base_addrs):
+        if (meta.block_len not in (None, self.cache.block_len)  # None: the seed's, which never says
+                or len(meta.kv_caches_base_addr) != len(self.cache.base_addrs)):
             raise ValueError(f"decode's cache ({len(meta.kv_caches_base_addr)} regions, block_len {meta.block_len}) "
                              f"does not match prefill's ({len(self.cache.base_addrs)}, {self.cache.block_len})")
         out = BlockCopies([], [], [], [])
@@ -230,7 +231,7 @@ class KVProducer:
                 raise ValueError(f"request {rid!r}: decode sent {len(dst_ids)} blocks, "
                                  f"prefill has {len(entry.block_ids)}")
             part = block_copies(self.cache.base_addrs, meta.kv_caches_base_addr, entry.block_ids, dst_ids,
-                                self.cache.block_len, meta.rkeys)
+                                self.cache.block_len, meta.rkeys or None)
             for mine, theirs in zip(out, part):
                 mine.extend(theirs)
         return out

@@ -1,7 +1,8 @@
 """Wire messages of the P→D side channel: msgpack structs with a type tag and one codec (no pickle).
 
-The consumer (decode) sends `MooncakeAgentMetadata`, the seed's struct plus what our engine needs
-(`session_id`, a key per destination region, `block_len`); the producer (prefill) answers `TransDone`
+The consumer (decode) sends `MooncakeAgentMetadata`: the seed's five fields under the seed's names, plus three
+optional ones our engine uses (`session_id`, a key per destination region, `block_len`). The seed's exact
+message (the five fields, without our type tag) is accepted too. The producer (prefill) answers `TransDone`
 (the seed's ``TRANS_DONE``) or `TransError` (``TRANS_ERROR``). Everything is validated on decode.
 """
 from __future__ import annotations
@@ -21,6 +22,12 @@ class MooncakeAgentMetadata(msgspec.Struct, tag="metadata", forbid_unknown_field
 
     `kv_caches_base_addr` and `rkeys` list the destination regions in `PagedKVCache.base_addrs` order
     (``[K0, V0, K1, V1, ...]``); `block_ids[i]` are the destination blocks of `request_ids[i]`.
+
+    The first five fields are the seed's. What the seed's message lacks takes the seed's behaviour:
+    `session_id` becomes ``remote_hostname:remote_port`` (how the seed's producer names the decode's engine),
+    no `rkeys` means writes checked against the registered bounds only (the seed's engine has no keys), and no
+    `block_len` means the producer's own is used unchecked (the seed's producer assumes both sides agree).
+    `KVConsumer` always sends all three.
     """
 
     remote_hostname: str  # the decode engine's host
@@ -28,9 +35,9 @@ class MooncakeAgentMetadata(msgspec.Struct, tag="metadata", forbid_unknown_field
     request_ids: list[str]
     kv_caches_base_addr: list[NonNegative]
     block_ids: list[list[NonNegative]]
-    session_id: str  # "remote_hostname:remote_port", what batch_transfer_sync_write takes
-    rkeys: list[NonNegative]
-    block_len: Annotated[int, msgspec.Meta(gt=0)]  # bytes per block per region: both sides must agree
+    session_id: str = ""  # "remote_hostname:remote_port", what batch_transfer_sync_write takes
+    rkeys: list[NonNegative] = []  # empty: no keys
+    block_len: Annotated[int, msgspec.Meta(gt=0)] | None = None  # bytes per block per region
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into a ValidationError of the decode.
@@ -38,8 +45,10 @@ class MooncakeAgentMetadata(msgspec.Struct, tag="metadata", forbid_unknown_field
             raise ValueError("no request_ids")
         if len(self.block_ids) != len(self.request_ids):
             raise ValueError(f"{len(self.block_ids)} block lists for {len(self.request_ids)} requests")
-        if len(self.rkeys) != len(self.kv_caches_base_addr):
+        if self.rkeys and len(self.rkeys) != len(self.kv_caches_base_addr):
             raise ValueError(f"{len(self.rkeys)} rkeys for {len(self.kv_caches_base_addr)} regions")
+        if not self.session_id:
+            self.session_id = f"{self.remote_hostname}:{self.remote_port}"  # as the seed's producer derives it
         host, port = parse_session_id(self.session_id)
         if (host, port) != (self.remote_hostname.strip("[]"), self.remote_port):
             raise ValueError(f"session_id {self.session_id!r} is not {self.remote_hostname}:{self.remote_port}")
