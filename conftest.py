@@ -1,4 +1,5 @@
-"""Every test run, the notebooks' too (nbval), keeps Jupyter's and IPython's dirs out of the user's home."""
+"""Every test run, the notebooks' too (nbval), keeps Jupyter's and IPython's dirs and the shm copy's cache out of
+the user's home."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ def pytest_configure(config) -> None:
     root = tempfile.mkdtemp(prefix="epd-lab-jupyter-")
     for var, sub in JUPYTER_DIRS.items():
         os.environ.setdefault(var, os.path.join(root, sub))
+    # The shm copy's calibration cache (transfer.shm_copy) goes here too, shared by the run's processes.
+    os.environ.setdefault("XDG_CACHE_HOME", os.path.join(root, "cache"))
 
 
 def pytest_collection_modifyitems(items) -> None:

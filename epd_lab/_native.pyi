@@ -1,5 +1,19 @@
 """Type stub of epd_lab._native (native/_native.pyx over native/epd_core.c)."""
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+from typing_extensions import Buffer
+
+COPIES: tuple[str, str]
+
+def copy_bytes(dst: Buffer, src: Buffer, copy: str) -> None:
+    """Copy `src` into `dst` (same length, no overlap) with ``"memcpy"`` or ``"stream"``; the stores are
+    complete on return."""
+
+def set_copy_policy(large_copy: str, large_min: int) -> None:
+    """Blocks of at least `large_min` bytes in large shm writes use `large_copy`; smaller ones stream."""
+
+def copy_policy() -> dict[str, Any]:
+    """``large_copy``, ``large_min``, ``stream_min``, ``stream_batch_min``, ``stream_isa``, ``copy_version``."""
 
 class Owner:
     """Memory owner: the registration table, managed buffers and the TCP server placing incoming writes."""

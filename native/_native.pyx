@@ -45,6 +45,46 @@ cdef int check(int rc, const char *err, int err_no) except -1:
 
 cdef class Owner
 
+COPIES = ("memcpy", "stream")  # index = EPD_COPY_MEMCPY, EPD_COPY_STREAM
+
+
+cdef int _copy_kind(str copy) except -1:
+    if copy not in COPIES:
+        raise ValueError(f"unknown copy {copy!r}; choose one of {', '.join(COPIES)}")
+    return EPD_COPY_STREAM if copy == "stream" else EPD_COPY_MEMCPY
+
+
+def copy_bytes(unsigned char[::1] dst not None, const unsigned char[::1] src not None, str copy) -> None:
+    """Copy `src` into `dst` (same length, no overlap) with one of the shm path's copies, ``"memcpy"``
+    or ``"stream"``; the stores are complete on return. For calibration, benchmarks and tests."""
+    cdef int kind = _copy_kind(copy)
+    cdef Py_ssize_t n = src.shape[0]
+    if dst.shape[0] != n:
+        raise ValueError(f"dst has {dst.shape[0]} bytes, src {n}: they must be equal")
+    if n == 0:
+        return
+    with nogil:
+        epd_copy(kind, &dst[0], &src[0], n)
+
+
+def set_copy_policy(str large_copy, uint64_t large_min) -> None:
+    """Writes into a peer's managed buffer copy each block of at least `large_min` bytes with
+    `large_copy` (``"memcpy"`` or ``"stream"``); smaller blocks of large writes stream (epd_core.h).
+    For the whole process; `epd_lab.transfer.shm_copy` sets it from a measurement."""
+    epd_copy_policy_set(_copy_kind(large_copy), large_min)
+
+
+def copy_policy() -> dict:
+    """The copy policy in force: ``large_copy``, ``large_min``, the fixed bounds below which writes
+    and blocks always use memcpy (``stream_min``, ``stream_batch_min``), ``stream_isa`` (the
+    instructions of the streaming copy here; empty where it is plain memcpy) and ``copy_version``."""
+    cdef int large
+    cdef uint64_t large_min
+    epd_copy_policy_get(&large, &large_min)
+    return dict(large_copy=COPIES[large], large_min=large_min, stream_min=EPD_STREAM_MIN,
+                stream_batch_min=EPD_STREAM_BATCH_MIN, stream_isa=epd_copy_stream_isa().decode(),
+                copy_version=EPD_COPY_VERSION)
+
 
 cdef class _Vectors:
     """Three C arrays of uint64 (sources, destinations, lengths) built from Python sequences."""

@@ -106,6 +106,24 @@ int epd_conn_hello(epd_conn *c, epd_hello *h, char *err);
 int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t len, uint8_t **resp, uint32_t *resp_len,
                      char *err);
 
+/* ---- the copy into a peer's managed buffer (shm) ----
+ * Two copies: glibc's memcpy and a streaming-store (non-temporal) copy. A write whose blocks total at
+ * least EPD_STREAM_BATCH_MIN bytes copies each block of at least EPD_STREAM_MIN bytes with streaming
+ * stores, except blocks of at least `large_min` bytes, which take `large_copy`. Everything else uses
+ * memcpy, which leaves the bytes in the cache for the receiver. The policy is per process; the default
+ * streams every such block, and epd_lab.transfer.shm_copy sets it from a measurement. */
+enum { EPD_COPY_MEMCPY = 0, EPD_COPY_STREAM = 1 };
+#define EPD_STREAM_MIN (4u << 10)
+#define EPD_STREAM_BATCH_MIN (4u << 20)
+#define EPD_COPY_VERSION 2 /* bump when a copy changes: calibrations cached for the old one are redone */
+
+void epd_copy_policy_set(int large_copy, uint64_t large_min);
+void epd_copy_policy_get(int *large_copy, uint64_t *large_min);
+/* The instructions the streaming copy uses on this CPU: "avx2", "sse2", or "" (none: it is memcpy). */
+const char *epd_copy_stream_isa(void);
+/* One copy of `len` bytes (no overlap) by `kind`; its stores are complete (fenced) on return. */
+void epd_copy(int kind, void *dst, const void *src, uint64_t len);
+
 /* ---- writer: same-host peer ---- */
 typedef struct epd_shm_peer epd_shm_peer;
 int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char *err);

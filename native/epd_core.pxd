@@ -13,6 +13,11 @@ cdef extern from "epd_core.h" nogil:
         EPD_EPROTO
         EPD_ESYS
         EPD_EBUSY
+        EPD_COPY_MEMCPY
+        EPD_COPY_STREAM
+        EPD_STREAM_MIN
+        EPD_STREAM_BATCH_MIN
+        EPD_COPY_VERSION
 
     ctypedef struct epd_hello:
         int32_t pid
@@ -67,6 +72,11 @@ cdef extern from "epd_core.h" nogil:
     int epd_conn_hello(epd_conn *c, epd_hello *h, char *err)
     int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t length, uint8_t **resp, uint32_t *resp_len,
                          char *err)
+
+    void epd_copy_policy_set(int large_copy, uint64_t large_min)
+    void epd_copy_policy_get(int *large_copy, uint64_t *large_min)
+    const char *epd_copy_stream_isa()
+    void epd_copy(int kind, void *dst, const void *src, uint64_t length)
 
     int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char *err)
     void epd_shm_detach(epd_shm_peer *p)

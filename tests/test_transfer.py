@@ -156,30 +156,6 @@ def test_auto_uses_tcp_when_shm_attach_fails(peer, monkeypatch):
             e.path_to(peer.session_id)
 
 
-@pytest.mark.parametrize("protocol", ["shm", "tcp"])
-def test_large_unaligned_batch(peer, protocol):
-    """Batches of 4 MiB and more take the streaming-store copy on shm: odd sizes and unaligned
-    addresses must land exactly, and the bytes around each block stay untouched."""
-    rng = np.random.default_rng(11)
-    src = rng.integers(0, 256, 12 * MiB, dtype=np.uint8)
-    dst = peer.alloc(16 * MiB, managed=True)
-    sizes = [1, 15, 63, 64, 65, 4095, 65537, 1 * MiB + 7, 3 * MiB + 33, 5 * MiB - 1]
-    srcs, dsts, s_off, d_off = [], [], 3, 5
-    for n in sizes:
-        srcs.append(src.ctypes.data + s_off)
-        dsts.append(dst + d_off)
-        s_off += n + 1
-        d_off += n + 9  # leave gaps
-    with TransferEngine(protocol=protocol) as e:
-        e.register_buffer(src)
-        e.batch_transfer_sync_write(peer.session_id, srcs, dsts, sizes)
-    got = peer.read(dst, d_off)
-    want = bytearray(d_off)
-    for s, d, n in zip(srcs, dsts, sizes, strict=True):
-        want[d - dst:d - dst + n] = src[s - src.ctypes.data:s - src.ctypes.data + n].tobytes()
-    assert got == bytes(want)
-
-
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "external"])
 def test_a_write_naming_an_old_registration_is_refused(peer, writer, managed):
     """Keys play the rkey's role: after deregister + register at the same address, a write that names

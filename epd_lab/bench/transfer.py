@@ -8,6 +8,10 @@ for 4 KiB the median round trip in µs. Successive repeats move through a buffer
 so that no repeat finds its source or destination still in the CPU cache (16 MiB + 16 MiB would fit in
 this machine's 32 MiB L3 and beat the memory-bound limit).
 
+The JSON records the machine (CPU vendor, model and the flags that matter to copies, the C library and
+its memcpy's non-temporal threshold) and ``copy_policy``: which copy the shm path used for large writes
+and how that was chosen (`epd_lab.transfer.shm_copy`; ``EPD_SHM_COPY=memcpy|stream`` forces one).
+
 Paths: ``shm`` (into the peer's managed buffer), ``shm_registered`` (into memory the peer registered
 from elsewhere, via process_vm_writev), ``tcp``, ``verbs`` (where an RDMA device exists),
 ``mooncake`` (the real Mooncake engine on tcp, where installed); baselines ``memcpy`` (single-thread
@@ -31,11 +35,9 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
 import numpy as np
-import zmq
 
 from epd_lab.bench import write_json
-from epd_lab.bench.receivers import HEADER
-from epd_lab.transfer import TransferEngine
+from epd_lab.transfer import TransferEngine, shm_copy
 from epd_lab.transfer.peer import PeerProcess
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -189,6 +191,8 @@ class _Bench:
         return self._engine_path("mooncake", dst_managed=False, peer_protocol="mooncake")
 
     def _setup_socket(self):
+        from epd_lab.bench.receivers import HEADER  # imports pyzmq, which the engine's paths do without
+
         info = self.stack.enter_context(_child("socket", self.max))
         sock = self.stack.enter_context(socket.create_connection(("127.0.0.1", info["port"])))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -204,6 +208,8 @@ class _Bench:
         return write, None
 
     def _zmq(self, kind: str):
+        import zmq  # only the zmq baselines need pyzmq
+
         info = self.stack.enter_context(_child(kind, self.max))
         ctx = zmq.Context()
         self.stack.callback(ctx.term)
@@ -238,15 +244,19 @@ class _Bench:
         return write, None
 
 
+# the flags copies depend on, and whether the CPU is virtual
+COPY_FLAGS = ("sse2", "avx", "avx2", "avx512f", "avx512bw", "erms", "fsrm", "hypervisor")
+
+
 def machine_info() -> dict:
     """What the numbers were measured on."""
-    model = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    cpu = shm_copy.cpu_info()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"host": platform.node(), "cpu": model, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
-            "kernel": platform.release(), "python": platform.python_version(), "numpy": np.__version__}
+    return {"host": platform.node(), "cpu": cpu["model"], "vendor": cpu["vendor"],
+            "cpu_flags": [f for f in COPY_FLAGS if f in cpu["flags"]], "cores": os.cpu_count(),
+            "memory_gib": round(mem / 2**30, 1), "kernel": platform.release(), "libc": shm_copy.libc_version(),
+            "memcpy_nt_threshold": shm_copy.memcpy_nt_threshold(), "python": platform.python_version(),
+            "numpy": np.__version__}
 
 
 def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s: float = 0.5,
@@ -276,7 +286,7 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
                 rows.append(_row(path, total, SCATTER_BLOCKS, _measure(scat, budget_s)))
                 log(_fmt(rows[-1]))
     result = {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "rows": [asdict(r) for r in rows], "skipped": bench.skipped}
+              "copy_policy": shm_copy.current(), "rows": [asdict(r) for r in rows], "skipped": bench.skipped}
     result["ratios"] = ratios(result["rows"])
     return result
 

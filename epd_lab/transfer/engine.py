@@ -8,9 +8,11 @@ The API follows Mooncake's Python binding as the seeds use it (`session_id`, `re
 Every engine is also a memory owner: it listens on `session_id` and places incoming writes into its
 registered memory after checking them against its registration table. Paths to a peer:
 
-- ``shm``: same host. Writes into the peer's managed buffers are one memcpy into a shared mapping;
-  writes into memory the peer registered from elsewhere go through ``process_vm_writev``. Both check
-  the registration table the peer publishes (and pin the region so a deregister waits for them).
+- ``shm``: same host. Writes into the peer's managed buffers are one copy into a shared mapping
+  (memcpy, or streaming stores for large writes, as `epd_lab.transfer.shm_copy` chose for this
+  machine); writes into memory the peer registered from elsewhere go through ``process_vm_writev``.
+  Both check the registration table the peer publishes (and pin the region so a deregister waits
+  for them).
 - ``tcp``: any host. Header + bytes; the peer's server thread receives straight into the destination.
 - ``verbs``: RDMA WRITE over an RC QP (see `epd_lab.transfer.verbs`); needs an RDMA device.
 """
@@ -25,6 +27,7 @@ from enum import Enum
 from typing import Any, NamedTuple, Sequence
 
 from epd_lab import _native
+from epd_lab.transfer import shm_copy
 from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
@@ -294,6 +297,7 @@ class TransferEngine:
             self._choose_path(peer, conn)
         except BaseException:
             conn.close()
+            peer.close()
             raise
         peer.give_back(conn)
         with self._lock:
@@ -312,12 +316,14 @@ class TransferEngine:
         pid, table_fd, nonce = conn.hello()
         try:
             peer.shm = _native.ShmPeer(pid, table_fd, nonce, self._owner.timeout_ms)
-            peer.path = "shm"
         except PeerUnreachable as exc:
             if self.protocol == "shm":
                 raise TransportUnavailable(
                     f"protocol='shm' needs the peer {peer.session_id} on this host: {exc}; "
                     f"use protocol='tcp' (any host) or 'auto'") from exc
+            return
+        peer.path = "shm"
+        shm_copy.ensure()  # the process's first shm peer settles which copy large writes use
 
     def _drop_peer(self, session_id: str) -> None:
         with self._lock:
