@@ -417,6 +417,29 @@ def test_unknown_request_is_trans_error_not_done(producer, decode):
     assert time.monotonic() - start < decode.consumer.timeout  # the producer's bound answered, not ours
 
 
+def test_consumer_reuses_its_socket_and_replaces_one_whose_ask_timed_out(producer, decode):
+    def ask(consumer: KVConsumer, rid: str, ready: bool = True) -> None:
+        n = len(producer.call("prefill", request_id=rid, text=TEXT, image_sizes=[])["block_ids"]) if ready else 2
+        ids = decode.blocks.allocate(n)
+        try:
+            consumer.receive_kv(producer.url, rid, ids)
+        finally:
+            decode.blocks.free(ids)
+
+    with KVConsumer(decode.engine, decode.cache, timeout=3.0) as consumer:
+        for i in range(3):
+            ask(consumer, f"reuse-{i}")
+        assert consumer.sockets_created == 1  # one connection for three round trips
+        consumer.timeout = 0.3  # the producer holds an unknown request's ask for its own 1 s
+        with pytest.raises(KVTransferError, match="no answer from the producer"):
+            ask(consumer, "never-readied-slowly", ready=False)
+        consumer.timeout = 3.0
+        ask(consumer, "after-the-timeout")  # the stuck socket was dropped: a new one, and a right answer
+        assert consumer.sockets_created == 2
+    with pytest.raises(KVTransferError, match="closed"):
+        consumer.receive_kv(producer.url, "late", [0])
+
+
 def test_block_count_mismatch_is_trans_error_and_frees_prefill_blocks(producer, decode):
     sent = producer.call("prefill", request_id="short", text=TEXT, image_sizes=[])
     ids = decode.blocks.allocate(len(sent["block_ids"]) - 1)

@@ -421,10 +421,15 @@ def test_backend_errors(rig: Rig) -> None:
     assert info.value.status_code == 502
     with pytest.raises(openai.BadRequestError, match="picky failed on purpose"):
         rig.client(rig.proxy([picky.url], [d.url])[0]).completions.create(model=MODEL_ID, prompt="x")
-    client = rig.client(rig.proxy([rig.prefill().url], [rig.decode("dfail", status=500).url])[0])
-    with pytest.raises(openai.InternalServerError, match="dfail failed on purpose") as info:
-        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], stream=True)
-    assert info.value.status_code == 502  # before the stream began: a status, not an event
+    p = rig.prefill()
+    client = rig.client(rig.proxy([p.url], [rig.decode("dfail", status=500).url])[0])
+    stream = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], stream=True)
+    # the stream began with prefill's token, so decode's failure is an event in it, with the 502's code
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    with pytest.raises(openai.APIError, match="dfail failed on purpose") as info:
+        list(stream)
+    assert info.value.code == "backend_error"
 
 
 @pytest.mark.parametrize("behaviour, error", [({"truncate_after": 3}, "ended its stream before its done line"),

@@ -299,11 +299,19 @@ class KVProducer:
 class KVConsumer:
     """The decode side: asks a producer to write a request's KV into this role's blocks.
 
+    REQ sockets are kept per producer and reused: a connect costs a TCP handshake and ZMQ's greeting on every
+    request otherwise. A socket goes back to the pool only after a whole round trip; one whose ask timed out or
+    failed is closed (a REQ waiting for a lost reply cannot send again). At most `MAX_PRODUCERS` producers keep
+    sockets, the least recently used first out, and at most `MAX_IDLE` idle sockets each.
+
     Args:
         engine: the transfer engine the cache is registered with (the writes' destination).
         cache: the decode's registered `PagedKVCache`.
         timeout: seconds `receive_kv` waits for the producer's answer.
     """
+
+    MAX_PRODUCERS = 64
+    MAX_IDLE = 8
 
     def __init__(self, engine: Any, cache: PagedKVCache, *, timeout: float = 5.0) -> None:
         if timeout <= 0:
@@ -311,6 +319,59 @@ class KVConsumer:
         if not cache.keys:
             raise ValueError("the cache is not registered with a transfer engine")
         self.engine, self.cache, self.timeout = engine, cache, timeout
+        self._idle: dict[str, list[zmq.Socket]] = {}  # producer URL -> idle sockets, least recently used first
+        self._lock = threading.Lock()
+        self._closed = False
+        self.sockets_created = 0
+
+    def _socket(self, producer_url: str) -> zmq.Socket:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("the KV consumer is closed")
+            idle = self._idle.pop(producer_url, [])
+            sock = idle.pop() if idle else None
+            if idle:
+                self._idle[producer_url] = idle  # re-inserted: now the most recently used
+            if sock is not None:
+                return sock
+            self.sockets_created += 1
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(producer_url)
+        except zmq.ZMQError:
+            sock.close()
+            raise
+        return sock
+
+    def _release(self, producer_url: str, sock: zmq.Socket) -> None:
+        """Back to the pool after a whole round trip (or closed, past the bounds or once closed)."""
+        evicted: list[zmq.Socket] = []
+        with self._lock:
+            idle = self._idle.pop(producer_url, [])
+            if not self._closed and len(idle) < self.MAX_IDLE:
+                idle.append(sock)
+                sock = None
+            self._idle[producer_url] = idle
+            while len(self._idle) > self.MAX_PRODUCERS:
+                evicted += self._idle.pop(next(iter(self._idle)))
+        for s in evicted + ([sock] if sock is not None else []):
+            s.close()
+
+    def close(self) -> None:
+        """Close the pooled sockets; a later `receive_kv` raises `KVTransferError`."""
+        with self._lock:
+            self._closed = True
+            socks = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for sock in socks:
+            sock.close()
+
+    def __enter__(self) -> "KVConsumer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def metadata(self, request_id: str, block_ids: Sequence[int]) -> MooncakeAgentMetadata:
         """The agent metadata that asks for `request_id`'s KV in `block_ids`."""
@@ -324,15 +385,17 @@ class KVConsumer:
         """Have the producer at `producer_url` write `request_id`'s KV into `block_ids`; returns on
         ``TRANS_DONE``. Raises `KVTransferError` otherwise; the blocks stay the caller's to free."""
         payload = encode(self.metadata(request_id, block_ids))
-        # A socket per call: a REQ that timed out is stuck waiting for its reply and cannot send again.
-        with zmq.Context.instance().socket(zmq.REQ) as sock:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(producer_url)
+        sock = self._socket(producer_url)
+        try:
             sock.send(payload)
             if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
                 raise KVTransferError(f"request {request_id!r}: no answer from the producer at {producer_url} "
                                       f"within {self.timeout} s (dead or stuck)")
             frame = sock.recv(copy=False)
+        except BaseException:
+            sock.close()  # its reply may still come: this socket cannot be used again
+            raise
+        self._release(producer_url, sock)
         try:
             reply = decode_reply(frame.buffer)
         except msgspec.DecodeError as exc:

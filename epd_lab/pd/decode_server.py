@@ -337,6 +337,7 @@ class DecodeServer:
             timers = list(self._timers)
         self._thread.join()
         self.io.shutdown(wait=True, cancel_futures=True)
+        self.consumer.close()
         for timer in timers:
             timer.cancel()
         self.cache.close()

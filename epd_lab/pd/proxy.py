@@ -496,15 +496,15 @@ class Proxy:
             if await request.is_disconnected():
                 raise ProxyError(499, "the client closed the request before decode began", "client_disconnect",
                                  "client_disconnect")
+            if job.stream:  # the stream starts with prefill's token and asks decode for the rest meanwhile
+                stream = _TokenStream(self, job, prefill_backend, prefill)
+                return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
+                                                headers={"Cache-Control": "no-cache"})
             backend, response = await self._post(self.decodes, "/v1/decode", self._decode_body(job, prefill),
-                                                 stream=job.stream)
+                                                 stream=False)
         except BaseException:  # cancellation included: no decode will ask for the KV, so free it now
             await asyncio.shield(self._abort(prefill_backend, job.rid))
             raise
-        if job.stream:
-            stream = _TokenStream(self, job, backend, response)
-            return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
-                                            headers={"Cache-Control": "no-cache"})
         backend.inflight -= 1
         decoded = _decode_json(backend, response.content, DecodeResponse)
         self.recorder.extend(decoded.spans)
@@ -588,15 +588,23 @@ class Proxy:
 
 
 class _TokenStream:
-    """A decode server's NDJSON token stream turned into the client's SSE events."""
+    """The client's SSE events: prefill's first token at once, then the decode server's NDJSON stream.
 
-    def __init__(self, proxy: Proxy, job: _Job, backend: Backend, response: httpx.Response) -> None:
+    The first token leaves as soon as prefill has answered it; decode is asked for the rest meanwhile, and its
+    own token 0 (the same token, checked) is not sent again. From then on a decode failure is an error event
+    in the stream, not an HTTP status. If decode never took the request, prefill is told to drop the KV.
+    """
+
+    def __init__(self, proxy: Proxy, job: _Job, prefill_backend: Backend, prefill: PrefillResponse) -> None:
         self.proxy = proxy
         self.job = job
-        self.backend = backend
-        self.response = response
+        self.prefill_backend = prefill_backend
+        self.prefill = prefill
+        self.backend: Backend | None = None  # the decode server, once it took the request
+        self.response: httpx.Response | None = None
         self.outcome = "client_disconnect"  # unless the stream ends otherwise
-        self.tokens = 0
+        self.tokens = 0  # sent to the client, prefill's first token included
+        self.received = 0  # tokens from decode, whose 0 is prefill's
         self.t_first = 0
         self.t_last = 0
         self.closed = False
@@ -622,11 +630,18 @@ class _TokenStream:
 
     async def events(self) -> AsyncIterator[bytes]:
         """The SSE events: a role chunk (chat), text deltas, the finish chunk, usage if asked, ``[DONE]``."""
-        job, backend = self.job, self.backend
+        job = self.job
         detok = Detokenizer()
         try:
-            if job.kind == "chat":
-                yield self._event("", role=True)
+            text = detok.feed(self.prefill.first_token)  # "" while a multi-byte character is partial
+            self.t_first = self.t_last = time.monotonic_ns()
+            self.proxy.record(Span(job.rid, -1, "ttft", self.proxy.recorder.node, job.t0, self.t_first))
+            self.tokens = 1
+            # one write for the role chunk and the first token
+            yield (self._event("", role=True) if job.kind == "chat" else b"") + (self._event(text) if text else b"")
+            self.backend, self.response = await self.proxy._post(
+                self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill), stream=True)
+            backend = self.backend
             finish_reason = None
             try:
                 async for line in self.response.aiter_lines():
@@ -634,17 +649,20 @@ class _TokenStream:
                         continue
                     msg = _decode_json(backend, line.encode(), DecodeLine)
                     if msg.token is not None:
-                        if msg.index is not None and msg.index != self.tokens:
+                        due, self.received = self.received, self.received + 1
+                        if msg.index is not None and msg.index != due:
                             raise ProxyError(502, f"decode {backend.url} sent token {msg.index} where "
-                                             f"{self.tokens} was due", "backend_error", "backend_error")
+                                             f"{due} was due", "backend_error", "backend_error")
+                        if due == 0:  # prefill's token, already sent: decode must agree, and it is not resent
+                            if msg.token != self.prefill.first_token:
+                                raise ProxyError(502, f"decode {backend.url} began with token {msg.token}, "
+                                                 f"prefill answered {self.prefill.first_token}", "backend_error",
+                                                 "backend_error")
+                            continue
                         self.t_last = time.monotonic_ns()
-                        if self.tokens == 0:
-                            self.t_first = self.t_last
-                            self.proxy.record(Span(job.rid, -1, "ttft", self.proxy.recorder.node, job.t0,
-                                                   self.t_first))
                         self.tokens += 1
                         text = detok.feed(msg.token)
-                        if text:  # nothing while a multi-byte character is partial
+                        if text:
                             yield self._event(text)
                     elif msg.done:
                         finish_reason = msg.finish_reason or "length"
@@ -672,14 +690,19 @@ class _TokenStream:
             yield b"data: [DONE]\n\n"
 
     async def close(self) -> None:
-        """Close the upstream stream (the decode server stops), count the backend down, record the spans."""
+        """Close the upstream stream (the decode server stops), count the backend down, record the spans; if
+        no decode took the request, have the prefill drop its KV."""
         if self.closed:
             return
         self.closed = True
         try:
-            await self.response.aclose()
+            if self.response is None:
+                await asyncio.shield(self.proxy._abort(self.prefill_backend, self.job.rid))
+            else:
+                await self.response.aclose()
         finally:
-            self.backend.inflight -= 1
+            if self.backend is not None:
+                self.backend.inflight -= 1
             proxy, job, node = self.proxy, self.job, self.proxy.recorder.node
             if self.tokens >= 2:
                 tpot = (self.t_last - self.t_first) // (self.tokens - 1)
