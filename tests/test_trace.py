@@ -52,7 +52,23 @@ def test_a_request_is_its_id_and_its_parts_not_a_prefix():
         rec.add(Span(rid, -1, "vit", "n", 0, 1))
     assert [s.req_id for s in rec.spans("req1")] == ["req1", "req1_local_part_0", "req1_local_part_1"]
     assert [s.req_id for s in rec.spans("chatcmpl-req10")] == ["req10", "req10_local_part_0"]
+    assert [s.req_id for s in rec.spans("req1_local_part_1")] == ["req1_local_part_1"]  # a part alone
     assert len(rec.spans()) == 5
+
+
+def test_recorder_index_follows_evictions():
+    """One request's spans are looked up, not scanned for; evicting the oldest spans keeps the index right."""
+    rec = Recorder("n", capacity=4)
+    for i, rid in enumerate(["a", "a_local_part_0", "b", "a", "b_local_part_1", "c"]):
+        rec.add(Span(rid, -1, "vit", "n", i, i + 1))
+    assert [s.t_start_ns for s in rec.spans("a")] == [3]  # its first two were evicted
+    assert [s.req_id for s in rec.spans("b")] == ["b", "b_local_part_1"]
+    assert rec.spans("gone") == [] and rec.dropped == 2
+    for i in range(4):
+        rec.add(Span("z", -1, "vit", "n", 10 + i, 11 + i))
+    assert rec.spans("a") == rec.spans("b") == [] and len(rec.spans("z")) == 4
+    rec.clear()
+    assert rec.spans() == rec.spans("z") == []
 
 
 def test_recorder_switched_off_records_nothing(monkeypatch):

@@ -19,8 +19,8 @@ from typing import Iterable, Iterator
 
 import msgspec
 
-STAGES = ("http_encode", "load", "vit", "buffer_alloc", "register", "http_send", "transfer", "notify", "reassemble",
-          "prefill")
+STAGES = ("http_encode", "load", "decode", "vit", "buffer_alloc", "register", "http_send", "transfer", "notify",
+          "reassemble", "prefill")
 # The P→D stages and the proxy's per-request spans, in the order a request meets them.
 PD_STAGES = ("kv_write", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
 
@@ -60,30 +60,52 @@ def of_request(spans: Iterable[Span], request_id: str | None) -> list[Span]:
     return [s for s in spans if s.req_id == rid or s.req_id.startswith(rid + "_local_part_")]
 
 
+def _owner(req_id: str) -> str:
+    """The request a span's `req_id` belongs to: ``{rid}_local_part_{idx}`` belongs to ``rid``."""
+    rid, sep, idx = req_id.rpartition("_local_part_")
+    return rid if sep and idx.isdigit() else req_id
+
+
 class Recorder:
     """A bounded in-memory buffer of spans (the oldest are dropped first; `dropped` counts them).
 
-    With ``enabled=False`` (default: `tracing_enabled()`) it records nothing.
+    Spans are indexed by request too, so that one request's spans cost a lookup, not a scan of the whole
+    buffer: servers collect them on every request's critical path. With ``enabled=False`` (default:
+    `tracing_enabled()`) it records nothing.
     """
 
     def __init__(self, node: str | None = None, capacity: int = 100_000, enabled: bool | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.node = node or f"pid{os.getpid()}"
         self.enabled = tracing_enabled() if enabled is None else enabled
         self.dropped = 0
-        self._spans: collections.deque[Span] = collections.deque(maxlen=capacity)
+        self.capacity = capacity
+        self._spans: collections.deque[Span] = collections.deque()
+        self._by_request: dict[str, collections.deque[Span]] = {}  # each in the order of `_spans`
         self._lock = threading.Lock()
+
+    def _append(self, span: Span) -> None:
+        if len(self._spans) == self.capacity:
+            old = self._spans.popleft()
+            owned = self._by_request[_owner(old.req_id)]
+            owned.popleft()  # the oldest span overall is the oldest of its request
+            if not owned:
+                del self._by_request[_owner(old.req_id)]
+            self.dropped += 1
+        self._spans.append(span)
+        self._by_request.setdefault(_owner(span.req_id), collections.deque()).append(span)
 
     def add(self, span: Span) -> None:
         if self.enabled:
             with self._lock:
-                self.dropped += len(self._spans) == self._spans.maxlen
-                self._spans.append(span)
+                self._append(span)
 
     def extend(self, spans: list[Span]) -> None:
         if self.enabled:
             with self._lock:
-                self.dropped += max(0, len(self._spans) + len(spans) - self._spans.maxlen)
-                self._spans.extend(spans)
+                for span in spans:
+                    self._append(span)
 
     @contextlib.contextmanager
     def span(self, stage: str, req_id: str, part: int = -1, nbytes: int = 0) -> Iterator[None]:
@@ -100,13 +122,17 @@ class Recorder:
     def spans(self, request_id: str | None = None, since_ns: int = 0) -> list[Span]:
         """A copy of the spans, optionally of one request (`of_request`) and only those that ended
         after `since_ns`."""
+        rid = bare_request_id(request_id) if request_id else None
         with self._lock:
-            spans = [s for s in self._spans if s.t_end_ns >= since_ns]
-        return of_request(spans, request_id)
+            pool = self._spans if rid is None else self._by_request.get(_owner(rid), ())
+            # a part's own id (``{rid}_local_part_{idx}``) selects that part alone, as `of_request` does
+            return [s for s in pool if s.t_end_ns >= since_ns and (rid is None or rid == _owner(rid)
+                                                                    or s.req_id == rid)]
 
     def clear(self) -> None:
         with self._lock:
             self._spans.clear()
+            self._by_request.clear()
 
 
 DATA_STAGES = ("vit", "transfer", "prefill")
