@@ -54,7 +54,12 @@ from epd_lab.transfer import TransferEngine, as_array, open_engine
 
 
 class EPDError(RuntimeError):
-    """A request could not be served: which part, which encoder and why."""
+    """A request could not be served: which part, which encoder and why. `status` is the encoder's HTTP status
+    where an encoder answered one (a 4xx is the request's fault), else None."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -344,7 +349,7 @@ class EmbeddingReceiver:
         except httpx.HTTPError as exc:
             raise EPDError(f"{route} to {url} failed: {type(exc).__name__}: {exc}") from exc
         if r.status_code != 200:
-            raise EPDError(f"{route} to {url} answered {r.status_code}: {r.text[:300]}")
+            raise EPDError(f"{route} to {url} answered {r.status_code}: {r.text[:300]}", r.status_code)
         return r.content
 
     def _encode(self, rid: str, num_parts: int, plan: PartPlan) -> EncodeResponse:

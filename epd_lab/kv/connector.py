@@ -45,8 +45,16 @@ class KVTransferError(RuntimeError):
     """The KV of a request did not arrive: ``TRANS_ERROR``, a timeout, or a dead producer."""
 
 
+class KVTransferTimeout(KVTransferError):
+    """No answer from the producer in time: it may still write into the blocks (quarantine them)."""
+
+
 class RequestAborted(ValueError):
     """`KVProducer.ready` for a request that was aborted first."""
+
+
+class AlreadyReady(ValueError):
+    """`KVProducer.ready` for a request whose KV is already waiting for decode."""
 
 
 @dataclass(slots=True)
@@ -109,13 +117,13 @@ class KVProducer:
     def ready(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Mark `request_id`'s prefill KV as written into `block_ids`: it may now be sent.
 
-        Raises `ValueError` when the producer is closed, the request is already ready, or it was aborted
-        (`RequestAborted`); the blocks then stay the caller's to free."""
+        Raises `ValueError` when the producer is closed, `AlreadyReady` when the request is already ready, or
+        `RequestAborted` when it was aborted first; the blocks then stay the caller's to free."""
         with self._lock:
             if self._closed:
                 raise ValueError("the producer is closed")
             if request_id in self._ready:
-                raise ValueError(f"request {request_id!r} is already ready")
+                raise AlreadyReady(f"request {request_id!r} is already ready")
             if request_id in self._aborted:
                 raise RequestAborted(f"request {request_id!r} was aborted")
             self._ready[request_id] = _Ready(list(block_ids), time.monotonic() + self.free_timeout)
@@ -389,7 +397,7 @@ class KVConsumer:
         try:
             sock.send(payload)
             if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
-                raise KVTransferError(f"request {request_id!r}: no answer from the producer at {producer_url} "
+                raise KVTransferTimeout(f"request {request_id!r}: no answer from the producer at {producer_url} "
                                       f"within {self.timeout} s (dead or stuck)")
             frame = sock.recv(copy=False)
         except BaseException:

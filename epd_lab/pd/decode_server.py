@@ -50,6 +50,7 @@ from transformers import DynamicCache
 from epd_lab import models
 from epd_lab.epd.messages import DTYPES
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
+from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.pd.messages import (
     DecodeRequest,
     DecodeResponse,
@@ -164,7 +165,7 @@ class DecodeServer:
             try:
                 self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids)
             except KVTransferError as exc:
-                quarantine = "no answer from the producer" in str(exc)  # it may still write into them
+                quarantine = isinstance(exc, KVTransferTimeout)  # the producer may still write into them
                 self._count("kv_timeouts" if quarantine else "kv_errors")
                 raise HTTPError(504 if quarantine else 502, str(exc)) from None
             except zmq.ZMQError as exc:

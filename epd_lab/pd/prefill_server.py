@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import re
 import sys
 import threading
 import time
@@ -43,7 +42,7 @@ from epd_lab.epd.messages import BACKENDS, DTYPES
 from epd_lab.epd.prefill import EPDPrefill
 from epd_lab.epd.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
-from epd_lab.kv.connector import RequestAborted
+from epd_lab.kv.connector import AlreadyReady, RequestAborted
 from epd_lab.pd.messages import (
     MAX_BODY_BYTES,
     AbortRequest,
@@ -156,8 +155,8 @@ class PrefillServer:
                 result = self.epd.prefill(req.prompt, req.images, rid).prefill
             except EPDError as exc:
                 # an encoder that refused the input (an image that does not decode, ...) is the client's error
-                m = re.search(r"answered (400|409|413)\b", str(exc))
-                raise HTTPError(int(m.group(1)) if m else 502, f"E→P failed: {exc}") from None
+                status = exc.status if exc.status in (400, 409, 413) else 502
+                raise HTTPError(status, f"E→P failed: {exc}") from None
             except ValueError as exc:  # the prompt and the embeddings disagree
                 raise HTTPError(400, f"prefill failed: {exc}") from None
         else:
@@ -191,11 +190,9 @@ class PrefillServer:
             self.blocks.free(ids)
             self.counters["aborted_while_prefilling"] += 1
             raise HTTPError(409, f"request_id {rid!r} was aborted while it was being prefilled") from None
-        except ValueError as exc:
+        except AlreadyReady:
             self.blocks.free(ids)
-            if "already ready" in str(exc):
-                raise HTTPError(409, f"request_id {rid!r}: its KV is still waiting for decode") from None
-            raise
+            raise HTTPError(409, f"request_id {rid!r}: its KV is still waiting for decode") from None
         except BaseException:
             self.blocks.free(ids)
             raise
