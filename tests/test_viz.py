@@ -3,6 +3,8 @@
 - Waterfall: one bar per span of a real E→P request (two encode servers, the receiver and prefill in this
   process) at its start and duration, in start order, coloured by stage; labels and geometry on hand-made
   spans; small multiples from a real `Recorder`.
+- Critical path: its own row on top (the path's spans in stage colours, the gaps hatched grey) over the spans,
+  those off the path faded; the real request's path tiles its spans' envelope and runs through ViT and prefill.
 - Bandwidth: one line per contiguous path of ``data/bench/transfer.json`` plus the memcpy limit.
 - Sweep: heatmap cells and line points are the aggregates of the table's rows.
 - Export: a PNG through kaleido and Debian's Chromium (magic bytes and IHDR size), and an HTML report that
@@ -24,10 +26,10 @@ from epd_lab.epd.messages import part_req_id
 from epd_lab.epd.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
-from epd_lab.trace import Recorder, Span, spans_frame
-from epd_lab.viz import (STAGE_ORDER, bandwidth_curves, chromium_path, html_report, load_bench, request_spans,
-                         save_png, save_pngs, stage_color, stage_distributions, sweep_heatmap, sweep_lines,
-                         waterfall, waterfalls)
+from epd_lab.trace import Recorder, Span, critical_path, spans_frame
+from epd_lab.viz import (STAGE_ORDER, bandwidth_curves, chromium_path, critical_path_waterfall, html_report,
+                         load_bench, request_spans, save_png, save_pngs, stage_color, stage_distributions,
+                         sweep_heatmap, sweep_lines, waterfall, waterfalls)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -105,6 +107,63 @@ def test_waterfall_labels_and_geometry():
     assert list(_bars(fig)[1].customdata[:, 3]) == [4096, 4096]  # bytes, for the hover
     with pytest.raises(ValueError, match="'nope'.*r0"):
         waterfall(frame, "nope")
+
+
+def _path_bars(fig, row):
+    """The bars of the critical-path row as (trace name, start ms, duration ms), in time order."""
+    return sorted((t.name, b, x) for t in _bars(fig) for y, b, x in zip(t.y, t.base, t.x) if y == row)
+
+
+def test_critical_path_waterfall_draws_the_path_and_its_gaps():
+    ms = 1_000_000
+    spans = [Span("r", -1, "ttft", "proxy:1", 0, 100 * ms), Span("r", -1, "e2e", "proxy:1", 0, 130 * ms),
+             Span("r", 0, "http_encode", "prefill", 5 * ms, 30 * ms),
+             Span("r_local_part_0", 0, "load", "encoder:2", 10 * ms, 15 * ms),
+             Span("r_local_part_0", 0, "vit", "encoder:2", 16 * ms, 60 * ms),
+             Span("r", -1, "register", "prefill", 31 * ms, 32 * ms),  # while the ViT ran: off the path
+             Span("r", -1, "prefill", "prefill", 62 * ms, 95 * ms),
+             Span("r", 1, "decode_step", "decode:3", 110 * ms, 120 * ms)]
+    frame = spans_frame(spans)
+    fig = critical_path_waterfall(frame, "r")
+    row = "critical path · ttft"
+    assert list(fig.layout.yaxis.categoryarray) == [row, *request_spans(frame, "r")["label"]]
+    assert _path_bars(fig, row) == [("gap", 0, 10), ("gap", 15, 1), ("gap", 60, 2), ("gap", 95, 5),
+                                    ("load", 10, 5), ("prefill", 62, 33), ("vit", 16, 44)]
+    gap = next(t for t in _bars(fig) if t.name == "gap")
+    assert gap.marker.pattern.shape == "/" and gap.marker.color == "#E5E5E5"
+    assert list(gap.customdata[:, 3]) == ["start→load", "load→vit", "vit→prefill", "prefill→end"]  # for the hover
+    assert all(t.marker.color == stage_color(t.name) for t in _bars(fig) if t.name != "gap")
+    # below the path row, the spans on it at full colour, the others (containers included) faded
+    opacity = {y: o for t in _bars(fig) if row not in t.y for y, o in zip(t.y, t.marker.opacity)}
+    assert {y for y, o in opacity.items() if o == 1.0} == {"load · part 0 · encoder:2", "vit · part 0 · encoder:2",
+                                                           "prefill · prefill"}
+    assert set(opacity.values()) == {1.0, 0.3} and len(opacity) == len(spans)
+    shown = [t.name for t in _bars(fig) if t.showlegend is not False]
+    assert sorted(shown) == sorted(set(shown)) and {"gap", "vit", "ttft"} <= set(shown)  # each stage once
+    assert fig.layout.title.text == ("request r: ttft 100.0 ms, critical path of 3 spans, 18.0 ms (18%) "
+                                     "covered by no span")
+    with pytest.raises(ValueError, match="no 'ttft' span"):
+        critical_path_waterfall(spans_frame(spans[2:]), "r")
+    assert critical_path_waterfall(spans_frame(spans[2:]), "r", until=None).data[0].y[0] == "critical path · all spans"
+
+
+def test_critical_path_of_a_real_request(epd_frame):
+    # no proxy here, so no ttft: the window is the envelope of the request's spans
+    path = critical_path(epd_frame, "viz0", until=None)
+    envelope = epd_frame.t_end_ns.max() - epd_frame.t_start_ns.min()
+    assert (path.t_end_ns - path.t_start_ns).sum() == envelope and path.attrs["anchor"]["t_end_ns"] == \
+        epd_frame.t_end_ns.max()
+    assert (path.t_start_ns.iloc[1:].to_numpy() == path.t_end_ns.iloc[:-1].to_numpy()).all()
+    on_path = path[path.kind == "span"]
+    assert {"vit", "prefill"} <= set(on_path.stage) and on_path.stage.iloc[-1] == "prefill"
+    assert "http_encode" not in set(on_path.stage)  # it holds its encoder's load: a container
+    for r in on_path.itertuples():  # each piece of the path lies within its span
+        span = epd_frame.loc[r.span]
+        assert (span.stage, span.node) == (r.stage, r.node)
+        assert span.t_start_ns <= r.t_start_ns < r.t_end_ns <= span.t_end_ns
+    fig = critical_path_waterfall(epd_frame, until=None)
+    assert fig.layout.yaxis.categoryarray[0] == "critical path · all spans"
+    assert sum(len(t.x) for t in _bars(fig)) == len(epd_frame) + len(path)
 
 
 def test_waterfalls_small_multiples_from_a_recorder():

@@ -1,6 +1,7 @@
 """Plotly figures of epd_lab's measurements, and their export (DESIGN.md §5).
 
-- `timeline`: per-request waterfalls and per-stage distributions of the spans table (`epd_lab.trace.spans_frame`).
+- `timeline`: per-request waterfalls (optionally with the request's critical path and its gaps on top) and
+  per-stage distributions of the spans table (`epd_lab.trace.spans_frame`).
 - `bandwidth`: GB/s against message size from `epd-lab bench transfer`'s JSON.
 - `sweep`: a sweep's results table as a heatmap or lines.
 - `report`: PNG through kaleido (local Chromium) and a self-contained offline HTML report.
@@ -11,9 +12,10 @@ from epd_lab.viz.bandwidth import bandwidth_curves, load_bench
 from epd_lab.viz.layout import block_runs, block_runs_frame, block_tables, buffer_layout, part_ranges
 from epd_lab.viz.report import chromium_path, html_report, save_png, save_pngs
 from epd_lab.viz.sweep import sweep_heatmap, sweep_lines
-from epd_lab.viz.timeline import STAGE_ORDER, request_spans, stage_color, stage_distributions, waterfall, waterfalls
+from epd_lab.viz.timeline import (STAGE_ORDER, critical_path_waterfall, request_spans, stage_color, stage_distributions,
+                                  waterfall, waterfalls)
 
 __all__ = ["STAGE_ORDER", "bandwidth_curves", "block_runs", "block_runs_frame", "block_tables", "buffer_layout",
-           "part_ranges", "chromium_path", "html_report", "load_bench", "request_spans",
+           "part_ranges", "chromium_path", "critical_path_waterfall", "html_report", "load_bench", "request_spans",
            "save_png", "save_pngs", "stage_color", "stage_distributions", "sweep_heatmap", "sweep_lines",
            "waterfall", "waterfalls"]

@@ -2,6 +2,7 @@
 
 Every function takes the table of `epd_lab.trace.spans_frame`: one row per span with ``request``, ``part``,
 ``stage``, ``node``, ``start_ms``/``end_ms`` (from the request's first span), ``duration_ms`` and ``nbytes``.
+`critical_path_waterfall` adds the request's critical path (`epd_lab.trace.critical_path`) as a row on top.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from epd_lab.trace import PD_STAGES, STAGES
+from epd_lab.trace import GAP, PD_STAGES, STAGES, critical_path
 
 # Data work (vit, transfer, prefill, kv_transfer, decode) in strong colours, control-plane stages in light ones.
 _COLORS = {
@@ -24,6 +25,9 @@ _COLORS = {
     "e2e": "#444444",
 }
 STAGE_ORDER: tuple[str, ...] = (*STAGES, *PD_STAGES)
+# Time no span covers: light grey, hatched, so it reads as "nothing recorded" next to the stage colours.
+_GAP_STYLE = dict(color="#E5E5E5", line=dict(color="#969696", width=0.5), pattern=dict(shape="/", fgcolor="#969696"))
+_OFF_PATH_OPACITY = 0.3
 
 
 def stage_color(stage: str) -> str:
@@ -64,13 +68,17 @@ def request_spans(frame: pd.DataFrame, request: str | None = None) -> pd.DataFra
 
 
 def _add_bars(fig: go.Figure, sub: pd.DataFrame, legend: set[str], row: int | None = None,
-              col: int | None = None) -> None:
-    """One bar trace per stage of `sub` (a `request_spans` table); a stage enters the legend once."""
+              col: int | None = None, on_path: set | None = None, above: Sequence[str] = ()) -> None:
+    """One bar trace per stage of `sub` (a `request_spans` table); a stage enters the legend once.
+
+    With `on_path` (index labels of `sub`), the other spans are faded; `above` are rows drawn above the spans'.
+    """
     for stage in stage_order(sub["stage"]):
         rows = sub[sub["stage"] == stage]
+        opacity = None if on_path is None else [1.0 if i in on_path else _OFF_PATH_OPACITY for i in rows.index]
         fig.add_trace(go.Bar(
             orientation="h", y=rows["label"], base=rows["start_ms"], x=rows["duration_ms"], name=stage,
-            legendgroup=stage, showlegend=stage not in legend, marker_color=stage_color(stage),
+            legendgroup=stage, showlegend=stage not in legend, marker_color=stage_color(stage), marker_opacity=opacity,
             text=[f"{d:.2f}" for d in rows["duration_ms"]], textposition="outside", cliponaxis=False,
             textfont_size=9,  # the duration beside each bar: sub-ms stages are too thin to see
             customdata=rows[["start_ms", "end_ms", "duration_ms", "nbytes"]].to_numpy(),
@@ -78,7 +86,7 @@ def _add_bars(fig: go.Figure, sub: pd.DataFrame, legend: set[str], row: int | No
                           "duration %{customdata[2]:.3f} ms<br>%{customdata[3]:,} bytes<extra></extra>",
         ), row=row, col=col)
         legend.add(stage)
-    fig.update_yaxes(categoryorder="array", categoryarray=list(sub["label"]), autorange="reversed",
+    fig.update_yaxes(categoryorder="array", categoryarray=[*above, *sub["label"]], autorange="reversed",
                      row=row, col=col)
 
 
@@ -92,6 +100,50 @@ def waterfall(frame: pd.DataFrame, request: str | None = None, title: str | None
         title=title or f"request {name}: {sub['end_ms'].max():.1f} ms, {len(sub)} spans",
         xaxis_title="ms from the request's first span", barmode="overlay", legend_title="stage",
         height=160 + 22 * len(sub), margin=dict(l=10, r=10, t=60, b=50),
+    )
+    return fig
+
+
+def critical_path_waterfall(frame: pd.DataFrame, request: str | None = None, until: str | None = "ttft",
+                            title: str | None = None) -> go.Figure:
+    """`waterfall` with the request's critical path (`epd_lab.trace.critical_path`, same `until`) as its top row.
+
+    The path row shows each leaf span's part on the path in its stage's colour and the time no span covers as
+    hatched grey ``gap`` bars; below it, every span as in `waterfall`, those off the path faded.
+    """
+    sub = request_spans(frame, request)
+    name = sub["request"].iloc[0]
+    path = critical_path(frame, name, until)
+    anchor = path.attrs["anchor"]
+    row = f"critical path · {until or 'all spans'}"
+    fig = go.Figure()
+    legend: set[str] = set()
+    spans = path[path["kind"] != GAP]
+    for stage in stage_order(spans["stage"]):
+        rows = spans[spans["stage"] == stage]
+        fig.add_trace(go.Bar(
+            orientation="h", y=[row] * len(rows), base=rows["start_ms"], x=rows["dur_ms"], name=stage,
+            legendgroup=stage, marker=dict(color=stage_color(stage), line=dict(color="white", width=0.5)),
+            customdata=rows[["start_ms", "end_ms", "dur_ms", "node", "part"]].to_numpy(),
+            hovertemplate=f"{stage} on the path<br>%{{customdata[3]}}, part %{{customdata[4]}}<br>"
+                          "%{customdata[0]:.3f} → %{customdata[1]:.3f} ms<br>%{customdata[2]:.3f} ms<extra></extra>",
+        ))
+        legend.add(stage)
+    gaps = path[path["kind"] == GAP]
+    if len(gaps):
+        fig.add_trace(go.Bar(
+            orientation="h", y=[row] * len(gaps), base=gaps["start_ms"], x=gaps["dur_ms"], name=GAP,
+            marker=_GAP_STYLE, customdata=gaps[["start_ms", "end_ms", "dur_ms", "between"]].to_numpy(),
+            hovertemplate="gap %{customdata[3]}<br>%{customdata[0]:.3f} → %{customdata[1]:.3f} ms<br>"
+                          "%{customdata[2]:.3f} ms covered by no span<extra></extra>",
+        ))
+    _add_bars(fig, sub, legend, on_path=set(spans["span"]), above=[row])
+    gap_ms = gaps["dur_ms"].sum()
+    fig.update_layout(
+        title=title or (f"request {name}: {until or 'all spans'} {anchor['ms']:.1f} ms, critical path of "
+                        f"{len(spans)} spans, {gap_ms:.1f} ms ({100 * gap_ms / anchor['ms']:.0f}%) covered by no span"),
+        xaxis_title="ms from the request's first span", barmode="overlay", legend_title="stage",
+        height=160 + 22 * (len(sub) + 1), margin=dict(l=10, r=10, t=60, b=50),
     )
     return fig
 
