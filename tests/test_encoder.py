@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -180,10 +181,11 @@ IMG_B = png_bytes((168, 112), 2)
 def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pull, tmp_path):
     server, (sock, port) = servers["mooncake"], pull
     sent = server.metric("epd_encoder_bytes_sent_total")
+    img_a, img_b = png_bytes((224, 224), 21), png_bytes((168, 112), 22)  # not in the cache: decoded
     path = tmp_path / "b.png"
-    path.write_bytes(IMG_B)
+    path.write_bytes(img_b)
     t0 = time.perf_counter()
-    resp = server.client.post("/encode", json=encode_body("moon_local_part_0", [data_uri(IMG_A), str(path)]))
+    resp = server.client.post("/encode", json=encode_body("moon_local_part_0", [data_uri(img_a), str(path)]))
     t_encode = time.perf_counter() - t0
     assert resp.status_code == 200, resp.text
     meta = resp.json()
@@ -212,13 +214,15 @@ def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pul
     assert type(msg) is EmbeddingNotify and msg.error is None
     assert (msg.req_id, msg.part_idx, msg.modality) == ("moon_local_part_0", 0, "IMAGE")
     assert (msg.shape, msg.dtype, msg.grid_thw) == ([88, 256], "float32", meta["grid_thw"])
-    assert [s.stage for s in msg.spans] == ["load", "vit", "transfer", "notify"]
+    assert [s.stage for s in msg.spans] == ["load", "decode", "vit", "transfer", "notify"]
     assert {s.node for s in msg.spans} == {f"encoder:{server.port}"}
-    assert msg.spans[1].nbytes == meta["embedding_size"]
-    assert msg.spans[0].t_end_ns <= msg.spans[1].t_start_ns <= msg.spans[2].t_start_ns
+    load, decode, vit = msg.spans[:3]
+    assert load.nbytes == len(img_a) + len(img_b)  # the media's bytes; decode's are the pixels'
+    assert decode.nbytes == (224 * 224 + 168 * 112) * 3 and vit.nbytes == meta["embedding_size"]
+    assert load.t_end_ns <= decode.t_start_ns <= decode.t_end_ns <= vit.t_start_ns <= msg.spans[3].t_start_ns
     assert not buf[:offset].any()
     landed = buf[offset:].view(torch.float32).reshape(msg.shape)
-    assert torch.equal(landed, local_embedding(vision, [IMG_A, IMG_B]))
+    assert torch.equal(landed, local_embedding(vision, [img_a, img_b]))
     assert server.metric("epd_encoder_bytes_sent_total") == sent + meta["embedding_size"]
 
     # released after sending: a second /send is refused
@@ -325,6 +329,7 @@ def test_encode_request_errors(servers, tmp_path):
         ([data_uri(IMG_A), "data:image/png;base64,!!!"], "image", "mm_items[1]"),
         ([str(tmp_path / "not.png")], "image", "not an image"),
         ([str(tmp_path / "missing.png")], "image", "cannot read"),
+        ([data_uri(bomb_png((10_000, 10_000)))], "image", "exceeds limit"),  # refused at the header
     ):
         resp = client.post("/encode", json=encode_body("e", items, modality=modality))
         assert resp.status_code == 400 and words in resp.json()["detail"], resp.text
@@ -341,19 +346,144 @@ def test_encode_request_errors(servers, tmp_path):
         "req_id": "e", "part_idx": 0, "session_id": "h:1", "buffer_address": 1, "embedding_size": 1}).status_code == 400
 
 
+# ---- /encode reads the header, the worker decodes ----
+def truncated_png(size: tuple[int, int], seed: int) -> bytes:
+    """A PNG whose header (its size included) is sound and whose pixel data stops half way."""
+    raw = png_bytes(size, seed)
+    return raw[:len(raw) // 2]
+
+
+def bomb_png(size: tuple[int, int]) -> bytes:
+    """A PNG header claiming `size` (a decompression bomb's), followed by nothing worth decoding."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+    ihdr = size[0].to_bytes(4, "big") + size[1].to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def send_body(meta: dict, receiver: TransferEngine, address: int, port: int) -> dict:
+    """The seed's /send body: the /encode answer plus where to write, and where to notify."""
+    return {**meta, "session_id": receiver.session_id, "buffer_address": address, "embedding_port": port}
+
+
+def test_encode_answers_from_the_header_before_the_image_is_decoded(servers, receiver, pull, tmp_path):
+    """The worker is kept busy by a first part's ViT; a second part's /encode, a large image, is answered
+    meanwhile: its answer comes before its `decode` span even starts (/encode read the header only).
+    672² (576 tokens): a ViT long enough to outlast an /encode, short enough for the servers' timeout."""
+    server, (sock, port) = servers["mooncake"], pull
+    answers = {}
+    for req_id, seed in (("hdr_busy", 31), ("hdr", 32)):
+        path = tmp_path / f"{req_id}.png"
+        path.write_bytes(png_bytes((672, 672), seed))
+        resp = server.client.post("/encode", json=encode_body(req_id, [str(path)]))
+        answered = time.monotonic_ns()  # CLOCK_MONOTONIC, which the encoder's spans share
+        assert resp.status_code == 200, resp.text
+        answers[req_id] = resp.json(), answered
+    spans = {}
+    for req_id, (meta, _) in answers.items():
+        buf = torch.zeros(meta["embedding_size"], dtype=torch.uint8)
+        base, _, _ = receiver.register_buffer(buf)
+        try:
+            resp = server.client.post("/send", json=send_body(meta, receiver, base, port))
+            assert resp.status_code == 200, resp.text
+            msg = recv(sock)
+        finally:
+            receiver.deregister_buffer(buf)
+        assert msg.error is None and msg.req_id == req_id
+        spans[req_id] = {s.stage: s for s in msg.spans}
+    meta, answered = answers["hdr"]
+    assert meta["grid_thw"] == [[1, 48, 48]] and meta["embedding_len"] == 576
+    load, decode, vit = (spans["hdr"][stage] for stage in ("load", "decode", "vit"))
+    assert load.t_end_ns < answered < decode.t_start_ns < decode.t_end_ns <= vit.t_start_ns
+    assert decode.nbytes == 672 * 672 * 3
+    assert spans["hdr_busy"]["vit"].t_end_ns <= decode.t_start_ns  # one worker: it was busy until then
+
+
+def test_mooncake_truncated_image_is_a_400_at_send_and_an_error_notify(servers, receiver, pull):
+    """A truncated PNG with a sound header: /encode answers its size; the worker finds the data truncated, so
+    /send answers 400 naming the item and the receiver is notified of the same error, long before the
+    timeout; nothing is written and the part is released."""
+    server, (sock, port) = servers["mooncake"], pull
+    items = [data_uri(IMG_B), data_uri(truncated_png((224, 224), 41))]
+    resp = server.client.post("/encode", json=encode_body("trunc", items))
+    assert resp.status_code == 200, resp.text
+    meta = resp.json()
+    assert meta["grid_thw"] == [[1, 8, 12], [1, 16, 16]]
+    buf = torch.zeros(meta["embedding_size"], dtype=torch.uint8)
+    base, _, _ = receiver.register_buffer(buf)
+    try:
+        t0 = time.monotonic()
+        resp = server.client.post("/send", json=send_body(meta, receiver, base, port))
+        msg = recv(sock)
+        elapsed = time.monotonic() - t0
+    finally:
+        receiver.deregister_buffer(buf)
+    detail = resp.json()["detail"]
+    assert resp.status_code == 400 and detail.startswith("mm_items[1]: data:image/png;base64,"), resp.text
+    assert "does not decode as an image: image file is truncated" in detail
+    assert type(msg) is EmbeddingNotify and (msg.req_id, msg.error) == ("trunc", detail)
+    assert elapsed < TIMEOUT  # the error, not the timeout (504)
+    assert not buf.any()
+    assert server.client.post("/send", json=send_body(meta, receiver, base, port)).status_code == 404
+
+
+@pytest.mark.parametrize("backend", ["zmq_to_tokenizer", "zmq_to_scheduler"])
+def test_zmq_truncated_image_is_a_400_and_an_error_message(servers, pull, backend):
+    """The zmq backends answer /encode after the ViT: a truncated image is a 400 naming the item, and the
+    message pushed to the receiver carries the same error (and no bytes), long before the timeout."""
+    server, (sock, port) = servers[backend], pull
+    req_id = f"trunc_{backend}"
+    if backend == "zmq_to_scheduler":
+        url = {"req_id": req_id, "receive_url": f"127.0.0.1:{port}", "receive_count": 1}
+        assert server.client.post("/scheduler_receive_url", json=url).status_code == 200
+    items = [data_uri(IMG_B), data_uri(truncated_png((224, 224), 42))]
+    t0 = time.monotonic()
+    resp = server.client.post("/encode", json=encode_body(req_id, items, embedding_port=port))
+    msg = recv(sock)
+    elapsed = time.monotonic() - t0
+    detail = resp.json()["detail"]
+    assert resp.status_code == 400 and detail.startswith("mm_items[1]: ") and "image file is truncated" in detail
+    assert type(msg) is EmbeddingData and (msg.req_id, msg.error, msg.data) == (req_id, detail, b"")
+    assert elapsed < TIMEOUT
+
+
+def test_mooncake_cached_image_is_never_decoded(servers, receiver, pull):
+    """The same bytes twice: the second part's embedding comes from the cache, and no `decode` span says it
+    was decoded; the bytes are the same."""
+    server, (sock, port) = servers["mooncake"], pull
+    item = data_uri(png_bytes((224, 224), 43))
+    hits = server.metric("epd_encoder_cache_hits_total")
+    landed = []
+    for req_id, stages in (("cached_0", ["load", "decode", "vit"]), ("cached_1", ["load", "vit"])):
+        meta = server.client.post("/encode", json=encode_body(req_id, [item])).json()
+        buf = torch.zeros(meta["embedding_size"], dtype=torch.uint8)
+        base, _, _ = receiver.register_buffer(buf)
+        try:
+            assert server.client.post("/send", json=send_body(meta, receiver, base, port)).status_code == 200
+            msg = recv(sock)
+        finally:
+            receiver.deregister_buffer(buf)
+        assert msg.error is None and [s.stage for s in msg.spans] == [*stages, "transfer", "notify"]
+        landed.append(buf)
+    assert torch.equal(*landed)
+    assert server.metric("epd_encoder_cache_hits_total") == hits + 1
+
+
 # ---- zmq backends ----
 def test_zmq_to_tokenizer_pushes_the_bytes_and_caches(servers, vision, pull):
+    """The second request is a cache hit (same bytes, another request): it is never decoded."""
     server, (sock, port) = servers["zmq_to_tokenizer"], pull
     hits = server.metric("epd_encoder_cache_hits_total")
-    expected = local_embedding(vision, [IMG_B])
-    for req_id in ("tok_0", "tok_1"):  # the second is a cache hit (same bytes, another request)
-        resp = server.client.post("/encode", json=encode_body(req_id, [data_uri(IMG_B)], embedding_port=port))
+    img = png_bytes((168, 112), 23)  # not in the cache yet
+    expected = local_embedding(vision, [img])
+    for req_id, stages in (("tok_0", ["load", "decode", "vit", "transfer"]), ("tok_1", ["load", "vit", "transfer"])):
+        resp = server.client.post("/encode", json=encode_body(req_id, [data_uri(img)], embedding_port=port))
         assert resp.status_code == 200, resp.text
         msg = recv(sock)
         assert type(msg) is EmbeddingData and msg.error is None and msg.req_id == req_id
         assert (msg.shape, msg.grid_thw) == ([24, 256], [[1, 8, 12]])
-        assert [s.stage for s in msg.spans] == ["load", "vit", "transfer"]
-        assert msg.spans[1].nbytes == len(msg.data) == resp.json()["embedding_size"]
+        assert [s.stage for s in msg.spans] == stages
+        assert msg.spans[-2].nbytes == len(msg.data) == resp.json()["embedding_size"]
         got = torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape)
         assert torch.equal(got, expected)
     assert server.metric("epd_encoder_cache_hits_total") == hits + 1
@@ -472,7 +602,8 @@ def test_seed_zmq_to_scheduler_bodies_reach_every_receiver(servers, vision, pull
         for s in (sock, sock2):
             msg = recv(s)
             assert type(msg) is EmbeddingData and (msg.req_id, msg.error) == (req_id, None)
-            assert [sp.stage for sp in msg.spans] == ["load", "vit", "transfer"]  # its own send only
+            # its own send only (decode or not: IMG_A may be in the cache already)
+            assert [sp.stage for sp in msg.spans if sp.stage != "decode"] == ["load", "vit", "transfer"]
             assert torch.equal(torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape),
                                expected)
 
@@ -582,3 +713,20 @@ def test_media_sources(http_media, tmp_path):
             media.fetch_media(item, 2.0, 4096)
     with pytest.raises(media.MediaError, match="not an image"):
         media.load_image(data_uri(b"GIF89a broken"), 2.0, 4096)
+
+
+def test_header_opens_without_decoding():
+    """`open_image` reads the header only: the size of a truncated PNG is known, its pixels fail in
+    `load_rgb`; decompression bombs are refused at the header."""
+    bad = truncated_png((300, 200), 44)
+    img = media.open_image(bad, "t.png")
+    assert img.size == (300, 200)
+    with pytest.raises(media.MediaError, match="t.png does not decode as an image: image file is truncated"):
+        media.load_rgb(img, "t.png")
+    with pytest.raises(media.MediaError, match="does not decode"):
+        media.decode_image(bad)
+    good = media.decode_image(IMG_B)
+    assert (good.mode, good.size) == ("RGB", (168, 112))
+    for side in (10_000, 20_000):  # PIL warns past its pixel limit and raises past twice it: both refused
+        with pytest.raises(media.MediaError, match="exceeds limit"):
+            media.open_image(bomb_png((side, side)))

@@ -516,8 +516,11 @@ def test_bad_media_is_a_4xx_error(launcher, work, backend, tmp_path):
                          (missing, "No such file")]:
             items = work.images(f"bad-media-{backend}-{bad.name}", SIZES[:3])
             items.insert(1, str(bad))  # part 0 holds items 0 and 1 (4 items on 3 encoders)
+            # /encode reads headers only: mooncake answers it at once, and the truncated data is found when
+            # the worker decodes, so /send answers the 400 (the zmq backends answer /encode after the ViT)
+            route = "/send" if backend == "mooncake" and bad is truncated else "/encode"
             t0 = time.monotonic()
-            with pytest.raises(EPDError, match="/encode to .* answered 400") as info:
+            with pytest.raises(EPDError, match=f"{route} to .* answered 400") as info:
                 rx.receive(items)
             assert time.monotonic() - t0 < FAIL_TIMEOUT + SLACK
             msg = str(info.value)

@@ -20,6 +20,7 @@ import statistics
 import threading
 import time
 import uuid
+from typing import NamedTuple
 
 import httpx
 import numpy as np
@@ -38,6 +39,7 @@ from epd_lab.models import (
     load_model,
     preprocess,
 )
+from epd_lab.trace import summarize_critical_paths
 
 TEXT = "what is in this picture?"
 CONCURRENCY = (1, 4, 16)
@@ -77,20 +79,30 @@ def monolithic(requests: int, max_tokens: int) -> dict:
             "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1))}
 
 
-def _chat(client, raw: bytes, max_tokens: int) -> tuple[float, float]:
+class _Chat(NamedTuple):
+    """One streamed request as the client saw it (ms)."""
+
+    ttft: float
+    tpot: float  # after the first content chunk, per further token
+    second: float  # from the first content chunk to the second
+    response_id: str
+
+
+def _chat(client, raw: bytes, max_tokens: int) -> _Chat:
     content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(raw).decode()}},
                {"type": "text", "text": TEXT}]
     t0 = time.perf_counter()
-    first, n = None, 0
+    times, rid = [], ""
     for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=[{"role": "user", "content": content}],
                                                 max_tokens=max_tokens, temperature=0, stream=True):
+        rid = chunk.id
         if chunk.choices and chunk.choices[0].delta.content:
-            first = first if first is not None else time.perf_counter()
-            n += 1
+            times.append(time.perf_counter())
     end = time.perf_counter()
-    if first is None:
-        raise RuntimeError("the proxy streamed no content")
-    return (first - t0) * 1e3, (end - first) * 1e3 / max(1, max_tokens - 1)
+    if len(times) < 2:
+        raise RuntimeError("the proxy streamed fewer than two content chunks")
+    return _Chat((times[0] - t0) * 1e3, (end - times[0]) * 1e3 / max(1, max_tokens - 1),
+                 (times[1] - times[0]) * 1e3, rid)
 
 
 def epd(backend: str, requests: int, max_tokens: int, log=print) -> list[dict]:
@@ -103,7 +115,7 @@ def epd(backend: str, requests: int, max_tokens: int, log=print) -> list[dict]:
         _chat(client, _image(0), max_tokens)  # warm-up: connections, mappings, caches
         for conc in CONCURRENCY:
             n = max(requests, conc)
-            results: list[tuple[float, float]] = []
+            results: list[_Chat] = []
             lock = threading.Lock()
             seeds = iter(range(n))
 
@@ -124,10 +136,29 @@ def epd(backend: str, requests: int, max_tokens: int, log=print) -> list[dict]:
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
-            rows.append({"path": f"epd/{backend}", "concurrency": conc, "ttft_ms": _summary([r[0] for r in results]),
-                         "tpot_ms": _summary([r[1] for r in results]), "requests_per_s": len(results) / wall})
+            rows.append({"path": f"epd/{backend}", "concurrency": conc,
+                         "ttft_ms": _summary([r.ttft for r in results]), "tpot_ms": _summary([r.tpot for r in results]),
+                         "second_token_ms": _summary([r.second for r in results]),
+                         "requests_per_s": len(results) / wall})
             log(_fmt(rows[-1]))
+            if conc == 1:
+                rows[-1]["critical_path"] = path = _critical_path(cluster, [r.response_id for r in results])
+                log(_fmt_path(path))
     return rows
+
+
+def _critical_path(cluster: Cluster, response_ids: list[str]) -> list[dict]:
+    """Per stage, the ms on the TTFT's critical path over `response_ids` (`trace.summarize_critical_paths`)."""
+    frame = cluster.spans()
+    table = summarize_critical_paths(frame, response_ids)
+    return [{"stage": stage, **{k: float(v) for k, v in row.items()}} for stage, row in table.iterrows()]
+
+
+def _fmt_path(path: list[dict]) -> str:
+    lines = ["    TTFT critical path at concurrency 1 (median ms [range], % of TTFT):"]
+    lines += [f"      {p['stage']:14s} {p['median_ms']:7.2f} [{p['min_ms']:6.2f} .. {p['max_ms']:6.2f}]  "
+              f"{p['median_pct']:5.1f}%" for p in path]
+    return "\n".join(lines)
 
 
 def kv_transfer(requests: int) -> dict:
@@ -169,6 +200,13 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print) ->
     overhead = {r["path"]: r["ttft_ms"]["p50"] - mono for r in rows[1:] if r["concurrency"] == 1}
     for path, ms in overhead.items():
         log(f"  TTFT overhead over monolithic at concurrency 1, {path}: {ms:.2f} ms (target <= 3 ms)")
+    step = rows[0]["tpot_ms"]["p50"]
+    for r in rows[1:]:
+        if r["concurrency"] == 1:
+            gap = next(p for p in r["critical_path"] if p["stage"] == "gap")
+            log(f"  {r['path']}: time covered by no span {gap['median_pct']:.1f}% of TTFT (median; "
+                f"{gap['min_pct']:.1f}..{gap['max_pct']:.1f}%; target <= 10%); second token "
+                f"{r['second_token_ms']['p50']:.2f} ms after the first, monolithic decode step {step:.2f} ms")
     return {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "max_tokens": max_tokens, "rows": rows, "kv_transfer": kv, "ttft_overhead_ms": overhead}
 

@@ -20,12 +20,8 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def contains(self, key: str) -> bool:
-        """Whether `key` is cached now (no hit or miss is counted)."""
-        with self._lock:
-            return key in self._entries
-
     def get(self, key: str) -> torch.Tensor | None:
+        """The cached embedding of `key` (a hit, now the most recently used), or None (a miss)."""
         with self._lock:
             tensor = self._entries.get(key)
             if tensor is None:

@@ -1,8 +1,11 @@
 """Media items of an /encode request: file paths, ``data:`` URIs and http(s) URLs, fetched with bounded
-time and size, then decoded into RGB images.
+time and size, then decoded into RGB images in two steps: `open_image` parses the header only (the size is
+then known, which is all /encode answers), `load_rgb` decodes the pixels (the encoder's worker, just before
+the ViT). `decode_image` does both.
 
 An item that cannot be fetched or decoded raises `MediaError` (a `ValueError`), whose message names the
-item, so the encoder can answer 400 with it.
+item, so the encoder can answer 400 with it. Pixel data that is corrupt or truncated behind a sound header
+is only found by `load_rgb`.
 """
 from __future__ import annotations
 
@@ -96,20 +99,37 @@ def fetch_media(item: str, timeout: float, max_bytes: int) -> bytes:
     return _from_file(item, max_bytes)
 
 
-def decode_image(raw: bytes, name: str = "image") -> Image.Image:
-    """Decode image bytes (any format PIL reads) into a fully loaded RGB image."""
+def open_image(raw: bytes, name: str = "image") -> Image.Image:
+    """Open image bytes (any format PIL reads) lazily: PIL parses the header, so the size is known, and
+    decodes no pixel. Decompression bombs (past PIL's `Image.MAX_IMAGE_PIXELS`) are refused here."""
     try:
         with warnings.catch_warnings():
             # PIL warns below its bomb limit and raises above it: a warning is an error here
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(raw))
-            img.load()
+            return Image.open(io.BytesIO(raw))
     except Image.UnidentifiedImageError:
         raise MediaError(f"{_short(name)} is not an image in a format PIL reads ({len(raw)} bytes)") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning,
             Image.DecompressionBombError) as exc:
         raise MediaError(f"{_short(name)} does not decode as an image: {exc}") from None
-    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def load_rgb(img: Image.Image, name: str = "image") -> Image.Image:
+    """Decode an image from `open_image` into a fully loaded RGB image of the size its header gave."""
+    size = img.size
+    try:
+        img.load()
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt pixel data, an unconvertible mode
+        raise MediaError(f"{_short(name)} does not decode as an image: {exc}") from None
+    if rgb.size != size:  # the answered sizes came from the header: the embedding must match them
+        raise MediaError(f"{_short(name)} decodes to {rgb.size}, not the {size} its header gives")
+    return rgb
+
+
+def decode_image(raw: bytes, name: str = "image") -> Image.Image:
+    """Decode image bytes (any format PIL reads) into a fully loaded RGB image."""
+    return load_rgb(open_image(raw, name), name)
 
 
 MAX_MEDIA_BYTES = 32 << 20  # per media item, after base64 decoding or download
