@@ -2,6 +2,11 @@
 
 Each role (encoder, prefill, decode, proxy) is a plain process; `epd_lab.launch` reads the one JSON line
 ``{"url", "pid"}`` it prints once serving to learn the port the OS chose.
+
+The HTTP stack is uvloop + httptools where installed (the fastest in `epd-lab bench http`), else asyncio +
+h11; ``EPD_HTTP_LOOP`` / ``EPD_HTTP_PARSER`` force one. Idle connections stay open `KEEPALIVE_S`, well past
+the `CLIENT_KEEPALIVE_S` our clients keep them, so that the client always retires a connection first and
+never sends a request into one the server is closing.
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import socket
@@ -16,10 +22,83 @@ from typing import Any, AsyncIterator, Callable, Mapping, TypeVar
 
 import msgspec
 
-__all__ = ["add_status_routes", "add_trace_routes", "bind_tcp", "metrics_text", "run_server", "serve_and_announce",
+__all__ = ["CLIENT_KEEPALIVE_S", "KEEPALIVE_S", "LOOPS", "PARSERS", "add_status_routes", "add_trace_routes",
+           "bind_tcp", "http_info", "http_stack", "metrics_text", "run_server", "serve_and_announce",
            "server_arguments", "server_lifespan", "settings_from_args", "url_of"]
 
 SettingsT = TypeVar("SettingsT")
+
+LOOPS = ("uvloop", "asyncio")  # preferred first
+PARSERS = ("httptools", "h11")
+# uvicorn's default (5 s) equals httpx's default keepalive_expiry, and the server's timer starts when it hands
+# the response over, the client's once it has read it: the server closes first. httpx then reconnects if it
+# saw the FIN, fails a request sent while the FIN is in flight ("Server disconnected without sending a
+# response"), and a client that keeps connections longer (http.client) writes into a closed socket.
+KEEPALIVE_S = 75
+CLIENT_KEEPALIVE_S = 60.0  # what our clients should keep idle connections (httpx.Limits(keepalive_expiry=...))
+
+
+@dataclasses.dataclass
+class _Served:
+    """What this process serves with, and the connections it accepted (for `http_info`)."""
+
+    parser: str | None = None
+    accepted: int = 0
+    open: int = 0
+
+
+_served = _Served()
+
+
+def http_stack(loop: str = "auto", parser: str = "auto") -> tuple[str, str]:
+    """The (event loop, HTTP parser) to serve with. ``auto`` takes ``EPD_HTTP_LOOP`` / ``EPD_HTTP_PARSER``
+    when set, else uvloop / httptools when importable, else asyncio / h11; a named one must be importable."""
+    loop = os.environ.get("EPD_HTTP_LOOP", "auto") if loop == "auto" else loop
+    parser = os.environ.get("EPD_HTTP_PARSER", "auto") if parser == "auto" else parser
+    if loop not in ("auto", *LOOPS) or parser not in ("auto", *PARSERS):
+        raise ValueError(f"unknown HTTP stack {loop}/{parser}: loops {LOOPS}, parsers {PARSERS}")
+    return _importable(loop, LOOPS), _importable(parser, PARSERS)
+
+
+def _importable(name: str, choices: tuple[str, str]) -> str:
+    """`name`, or for ``auto`` the first of `choices` that imports (the last, stdlib-backed one always does)."""
+    for choice in (choices if name == "auto" else (name,)):
+        try:
+            importlib.import_module(choice)
+            return choice
+        except ImportError:
+            if name != "auto":
+                raise
+    return choices[-1]
+
+
+def _counted(protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP `protocol` (one instance per TCP connection) counting the connections it serves."""
+
+    class Counted(protocol):  # type: ignore[valid-type,misc]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            _served.accepted += 1
+            _served.open += 1
+            super().connection_made(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            _served.open -= 1
+            super().connection_lost(exc)
+
+    Counted.__name__ = Counted.__qualname__ = protocol.__name__
+    return Counted
+
+
+def http_info() -> dict[str, Any]:
+    """This server's HTTP stack, as its ``/health`` shows it: the event loop (asked of the running loop),
+    the parser and keep-alive it serves with, and the TCP connections it accepted and holds open (far
+    fewer accepted than requests served: clients keep them alive)."""
+    try:
+        loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    except RuntimeError:
+        loop = None
+    return {"loop": loop, "parser": _served.parser, "keepalive_s": KEEPALIVE_S,
+            "connections_accepted": _served.accepted, "connections_open": _served.open}
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -37,12 +116,19 @@ def url_of(host: str, sock: socket.socket) -> str:
     return f"http://{host}:{sock.getsockname()[1]}"
 
 
-def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: float) -> int:
+def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: float, loop: str = "auto",
+                       parser: str = "auto") -> int:
     """Serve `app` on `sock` until SIGINT/SIGTERM, printing ``{"url", "pid"}`` once serving; 1 when start-up
-    (the lifespan: model load, engine) failed."""
+    (the lifespan: model load, engine) failed. `loop` and `parser` as `http_stack` takes them."""
     import uvicorn
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
 
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=int(graceful_s) + 1)
+    loop, _served.parser = http_stack(loop, parser)
+    protocol = _counted(import_from_string(HTTP_PROTOCOLS[_served.parser]))
+    # access_log off: at log_level "warning" its lines are dropped anyway, after their fields were built
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
+                            timeout_keep_alive=KEEPALIVE_S, timeout_graceful_shutdown=int(graceful_s) + 1)
     server = uvicorn.Server(config)
 
     async def run() -> bool:
@@ -54,6 +140,10 @@ def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: floa
         await task
         return server.started
 
+    if loop == "uvloop":
+        import uvloop
+
+        return 0 if uvloop.run(run()) else 1
     return 0 if asyncio.run(run()) else 1
 
 
@@ -116,16 +206,16 @@ def run_server(settings: Any, create_app: Callable[[Any], Any]) -> int:
 
 
 def add_status_routes(app: Any, state: Callable[[], Any]) -> None:
-    """``GET /health`` (JSON of ``state().health()``), ``GET /metrics`` (``state().metrics()``, Prometheus
-    text) and the trace routes of ``state().recorder`` on a role's app; `state` returns the role's object
-    once the lifespan has built it."""
+    """``GET /health`` (JSON of ``state().health()``, with ``http``: `http_info`), ``GET /metrics``
+    (``state().metrics()``, Prometheus text) and the trace routes of ``state().recorder`` on a role's app;
+    `state` returns the role's object once the lifespan has built it."""
     from fastapi.responses import PlainTextResponse, Response
 
     add_trace_routes(app, lambda: state().recorder)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(msgspec.json.encode(state().health()), media_type="application/json")
+        return Response(msgspec.json.encode({**state().health(), "http": http_info()}), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import httpx
 import numpy as np
+import pandas as pd
 from PIL import Image
 
 from epd_lab.bench import write_json
@@ -39,7 +40,7 @@ from epd_lab.models import (
     load_model,
     preprocess,
 )
-from epd_lab.trace import summarize_critical_paths
+from epd_lab.trace import critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"
 CONCURRENCY = (1, 4, 16)
@@ -142,22 +143,35 @@ def epd(backend: str, requests: int, max_tokens: int, log=print) -> list[dict]:
                          "requests_per_s": len(results) / wall})
             log(_fmt(rows[-1]))
             if conc == 1:
-                rows[-1]["critical_path"] = path = _critical_path(cluster, [r.response_id for r in results])
-                log(_fmt_path(path))
+                frame, ids = cluster.spans(), [r.response_id for r in results]
+                rows[-1]["critical_path"] = path = _critical_path(frame, ids)
+                rows[-1]["gaps"] = gaps = _gaps(frame, ids)
+                log(_fmt_path(path, gaps))
     return rows
 
 
-def _critical_path(cluster: Cluster, response_ids: list[str]) -> list[dict]:
+def _critical_path(frame: pd.DataFrame, response_ids: list[str]) -> list[dict]:
     """Per stage, the ms on the TTFT's critical path over `response_ids` (`trace.summarize_critical_paths`)."""
-    frame = cluster.spans()
     table = summarize_critical_paths(frame, response_ids)
     return [{"stage": stage, **{k: float(v) for k, v in row.items()}} for stage, row in table.iterrows()]
 
 
-def _fmt_path(path: list[dict]) -> str:
+def _gaps(frame: pd.DataFrame, response_ids: list[str]) -> list[dict]:
+    """The gaps of the TTFT's critical path by where they lie (``between``): median ms over the requests
+    (0 where a request has no such gap), largest first."""
+    per_request = [critical_path(frame, rid).query("kind == 'gap'").groupby("between")["dur_ms"].sum()
+                   for rid in response_ids]
+    table = pd.DataFrame(per_request).fillna(0.0)
+    return [{"between": b, "median_ms": float(table[b].median()), "max_ms": float(table[b].max())}
+            for b in table.median().sort_values(ascending=False).index]
+
+
+def _fmt_path(path: list[dict], gaps: list[dict]) -> str:
     lines = ["    TTFT critical path at concurrency 1 (median ms [range], % of TTFT):"]
     lines += [f"      {p['stage']:14s} {p['median_ms']:7.2f} [{p['min_ms']:6.2f} .. {p['max_ms']:6.2f}]  "
               f"{p['median_pct']:5.1f}%" for p in path]
+    lines += ["    its gaps, where they lie (median ms, max):"]
+    lines += [f"      {g['between']:28s} {g['median_ms']:6.2f}  {g['max_ms']:6.2f}" for g in gaps if g["max_ms"] > 0.05]
     return "\n".join(lines)
 
 

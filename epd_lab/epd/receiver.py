@@ -31,7 +31,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-import httpx
 import msgspec
 import torch
 import zmq
@@ -49,6 +48,7 @@ from epd_lab.epd.messages import (
     part_req_id,
     zmq_url,
 )
+from epd_lab.http_client import HTTPError, KeepAliveClient
 from epd_lab.trace import Recorder
 from epd_lab.transfer import TransferEngine, as_array, open_engine
 
@@ -202,7 +202,7 @@ class EmbeddingReceiver:
         self.engine = open_engine(config.transport, config.host, config.timeout)
         self._rng = random.Random(config.seed)
         self._pool = _Pool(self.engine, config.pool_bytes) if config.pool_bytes else None
-        self._http = httpx.Client(timeout=config.timeout, limits=httpx.Limits(max_keepalive_connections=64))
+        self._http = KeepAliveClient(config.timeout)
         self._io = ThreadPoolExecutor(max_workers=32, thread_name_prefix="epd-receiver")
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
@@ -345,12 +345,12 @@ class EmbeddingReceiver:
     def _post(self, plan: PartPlan, route: str, body: msgspec.Struct) -> bytes:
         url = self._url(plan) + route
         try:
-            r = self._http.post(url, content=msgspec.json.encode(body), headers={"content-type": "application/json"})
-        except httpx.HTTPError as exc:
-            raise EPDError(f"{route} to {url} failed: {type(exc).__name__}: {exc}") from exc
-        if r.status_code != 200:
-            raise EPDError(f"{route} to {url} answered {r.status_code}: {r.text[:300]}", r.status_code)
-        return r.content
+            status, content = self._http.post(url, msgspec.json.encode(body))
+        except HTTPError as exc:
+            raise EPDError(f"{route} to {url} failed: {exc}") from exc
+        if status != 200:
+            raise EPDError(f"{route} to {url} answered {status}: {content[:300].decode(errors='replace')}", status)
+        return content
 
     def _encode(self, rid: str, num_parts: int, plan: PartPlan) -> EncodeResponse:
         req = encode_request(rid, num_parts, plan, self.config.host, self.embedding_port)

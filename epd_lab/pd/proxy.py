@@ -67,7 +67,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
-from epd_lab.serving import add_trace_routes, run_server, server_arguments, settings_from_args
+from epd_lab.serving import (CLIENT_KEEPALIVE_S, add_trace_routes, http_info, run_server, server_arguments,
+                             settings_from_args)
 from epd_lab.trace import Recorder, Span
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
@@ -372,7 +373,8 @@ class Proxy:
         self.prefills = Pool("prefill", settings.prefills, settings.policy, settings.retry_after)
         self.decodes = Pool("decode", settings.decodes, settings.policy, settings.retry_after)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                            keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.recorder = Recorder(node=f"proxy:{settings.port}")
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
@@ -549,7 +551,7 @@ class Proxy:
                                          "health": answer})  # the backend's own /health, as it answered
         ok = all(any(e["healthy"] for e in report[role]) for role in ("prefill", "decode"))
         report |= {"status": "ok" if ok else "unavailable", "model": self.settings.model,
-                   "policy": self.settings.policy}
+                   "policy": self.settings.policy, "http": http_info()}
         return (200 if ok else 503), report
 
     def metrics(self) -> str:
