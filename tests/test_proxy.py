@@ -336,7 +336,7 @@ def test_chat_streaming(basic: tuple) -> None:
     assert d.requests[0]["stream"] is True and len({c.id for c in chunks}) == 1
     proxy = app.state.proxy
     wait_for(lambda: proxy.decodes.backends[0].inflight == 0)
-    assert sorted(s.stage for s in proxy.recorder.spans()) == ["e2e", "tpot", "ttft"]
+    assert sorted(s.stage for s in proxy.recorder.spans()) == ["e2e", "proxy_parse", "tpot", "ttft"]
     assert proxy.prefills.backends[0].inflight == 0 and proxy.streams_aborted == {}
 
 
@@ -498,7 +498,7 @@ def test_client_disconnect_closes_upstream(rig: Rig) -> None:
     proxy = app.state.proxy
     wait_for(lambda: proxy.decodes.backends[0].inflight == 0 and proxy.streams_aborted)
     assert proxy.streams_aborted == {"client_disconnect": 1}
-    assert {s.stage for s in proxy.recorder.spans()} == {"ttft", "tpot", "e2e"}
+    assert {s.stage for s in proxy.recorder.spans()} == {"proxy_parse", "ttft", "tpot", "e2e"}
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

@@ -256,8 +256,9 @@ class _Job:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.rid
 
 
-def _parse_request(body: Any, kind: str) -> tuple[_Job, str, list[str]]:
-    """Validate a client request → (job, prompt text, media items); `ProxyError` 400 on anything unusable."""
+def _parse_request(body: Any, kind: str, t0: int) -> tuple[_Job, str, list[str]]:
+    """Validate a client request that arrived at `t0` (monotonic ns) → (job, prompt text, media items);
+    `ProxyError` 400 on anything unusable."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for name, neutral in UNSUPPORTED.items():
@@ -279,7 +280,7 @@ def _parse_request(body: Any, kind: str) -> tuple[_Job, str, list[str]]:
     if not 0 <= temperature <= 2:
         raise bad_request(f"temperature must be in [0, 2], got {temperature}")
     stream = bool(sampling.stream)
-    job = _Job(rid=uuid.uuid4().hex, kind=kind, t0=time.monotonic_ns(), created=int(time.time()),
+    job = _Job(rid=uuid.uuid4().hex, kind=kind, t0=t0, created=int(time.time()),
                max_tokens=max_tokens, temperature=temperature, seed=sampling.seed, stream=stream,
                include_usage=stream and sampling.stream_options is not None and sampling.stream_options.include_usage)
     return job, prompt, images
@@ -494,7 +495,9 @@ class Proxy:
     # ---- requests ----
     async def complete(self, request: Request, kind: str) -> Response:
         """Serve one /v1/chat/completions (`kind` "chat") or /v1/completions ("text") request."""
-        job, prompt, images = _parse_request(await _read_json(request), kind)
+        t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
+        job, prompt, images = _parse_request(await _read_json(request), kind, t0)
+        self.record(Span(job.rid, -1, "proxy_parse", self.recorder.node, t0, time.monotonic_ns()))
         prefill_backend, prefill = await self._prefill(job, prompt, images)
         try:
             if await request.is_disconnected():
