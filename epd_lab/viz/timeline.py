@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from epd_lab.trace import GAP, PD_STAGES, STAGES, critical_path
+from epd_lab.trace import GAP, PD_STAGES, STAGES, bare_request_id, critical_path
 
 # Data work (vit, transfer, prefill, kv_transfer, decode) in strong colours, control-plane stages in light ones.
 _COLORS = {
@@ -49,12 +49,13 @@ def span_label(stage: str, part: int, node: str) -> str:
 
 
 def request_spans(frame: pd.DataFrame, request: str | None = None) -> pd.DataFrame:
-    """One request's rows ordered by start (then end); `None` picks the request that started first."""
+    """One request's rows ordered by start (then end); `None` picks the request that started first. A response's
+    id (``chatcmpl-…``) names its request."""
     if frame.empty:
         raise ValueError("no spans")
     if request is None:
         request = frame.loc[frame["t_start_ns"].idxmin(), "request"]
-    sub = frame[frame["request"] == request]
+    sub = frame[frame["request"] == bare_request_id(request)]
     if sub.empty:
         raise ValueError(f"no spans of request {request!r}; requests: {sorted(frame['request'].unique())}")
     sub = sub.sort_values(["start_ms", "end_ms"], kind="stable").copy()
