@@ -9,6 +9,7 @@ computed here (configure_torch(1) on both sides makes it bit-identical), then de
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -41,7 +42,7 @@ from epd_lab.kv import (
     blocks_needed,
     group_concurrent_contiguous,
 )
-from epd_lab.kv.messages import decode_metadata, decode_reply, encode
+from epd_lab.kv.messages import KVAux, decode_metadata, decode_reply, encode
 from epd_lab.models import (
     PrefillResult,
     PrefillRunner,
@@ -335,8 +336,14 @@ def producer_main(argv: list[str]) -> None:
                     *_, result = prefill_request(model, msg["text"], msg["image_sizes"])
                     ids = blocks.allocate(blocks_needed(result.prompt_len, cache.block_size))
                     cache.write_from(result.past_key_values, ids, result.prompt_len)
-                    producer.ready(msg["request_id"], ids)
+                    aux = KVAux(int(result.logits.argmax(-1)), result.rope_delta)
+                    producer.ready(msg["request_id"], ids, aux)
                     reply = {"block_ids": ids, "prompt_len": result.prompt_len, "rope_delta": result.rope_delta}
+                elif msg["cmd"] == "announce":
+                    producer.announce(msg["request_id"], msg["prompt_len"], msg["num_blocks"])
+                    reply = {}
+                elif msg["cmd"] == "abort":
+                    reply = {"freed": producer.abort(msg["request_id"])}
                 else:
                     reply = {**producer.stats(), "free_blocks": blocks.num_free_blocks}
                 print(json.dumps(reply), flush=True)
@@ -438,6 +445,47 @@ def test_consumer_reuses_its_socket_and_replaces_one_whose_ask_timed_out(produce
         assert consumer.sockets_created == 2
     with pytest.raises(KVTransferError, match="closed"):
         consumer.receive_kv(producer.url, "late", [0])
+
+
+def test_pipelined_handshake_plan_then_kv_with_the_first_token(model, producer, decode):
+    """Decode asks before prefill has anything: its query waits for prefill's announcement (prompt length and
+    blocks, known before the forward), its metadata waits for the KV, and TRANS_DONE brings the first token."""
+    rid, image_sizes = "piped", [(224, 224)]
+    input_ids, _, _, result = prefill_request(model, TEXT, image_sizes)
+    n = blocks_needed(result.prompt_len, decode.cache.block_size)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        planned = pool.submit(decode.consumer.query, producer.url, rid)
+        time.sleep(0.2)
+        assert not planned.done()  # nothing announced yet
+        producer.call("announce", request_id=rid, prompt_len=result.prompt_len, num_blocks=n)
+        plan = planned.result(5)
+        assert (plan.request_id, plan.prompt_len, plan.num_blocks) == (rid, result.prompt_len, n)
+        ids = decode.blocks.allocate(plan.num_blocks)
+        try:
+            done = pool.submit(decode.consumer.receive_kv, producer.url, rid, ids)
+            time.sleep(0.2)
+            assert not done.done()  # the KV does not exist yet: the ask is held
+            producer.call("prefill", request_id=rid, text=TEXT, image_sizes=image_sizes)
+            assert done.result(5).aux == [KVAux(int(result.logits.argmax(-1)), result.rope_delta)]
+            received = decode.cache.read_to_dynamic_cache(ids, plan.prompt_len, model.config)
+        finally:
+            decode.blocks.free(ids)
+    for (k, v), layer in zip(result.kv_tensors(), received.layers, strict=True):
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+    producer.wait_for(lambda s: s["free_blocks"] == NUM_BLOCKS)
+
+
+def test_a_waiting_query_is_answered_at_once_when_prefill_aborts_or_never_announces(producer, decode):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        planned = pool.submit(decode.consumer.query, producer.url, "dropped")
+        time.sleep(0.2)
+        start = time.monotonic()
+        producer.call("abort", request_id="dropped")
+        with pytest.raises(KVTransferError, match=r"TRANS_ERROR .*aborted"):
+            planned.result(5)
+        assert time.monotonic() - start < 0.5  # the abort answered it, not a timeout
+    with pytest.raises(KVTransferError, match="not announced on the producer within 1.0 s"):
+        decode.consumer.query(producer.url, "never-announced")  # the producer's own bound (--timeout 1.0)
 
 
 def test_block_count_mismatch_is_trans_error_and_frees_prefill_blocks(producer, decode):

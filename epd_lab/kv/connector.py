@@ -33,7 +33,17 @@ from typing import Any
 import msgspec
 import zmq
 
-from epd_lab.kv.messages import MooncakeAgentMetadata, TransDone, TransError, decode_metadata, decode_reply, encode
+from epd_lab.kv.messages import (
+    KVAux,
+    KVPlan,
+    KVQuery,
+    MooncakeAgentMetadata,
+    TransDone,
+    TransError,
+    decode_ask,
+    decode_reply,
+    encode,
+)
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.kv.transfer import BlockCopies, block_copies
 from epd_lab.transfer.engine import parse_session_id
@@ -61,6 +71,14 @@ class AlreadyReady(ValueError):
 class _Ready:
     block_ids: list[int]
     expires: float  # monotonic time after which the blocks are freed unasked
+    aux: KVAux | None = None  # sent with TRANS_DONE (a pipelined decode learns the first token there)
+
+
+@dataclass(slots=True)
+class _Query:
+    envelope: list[bytes]
+    request_id: str
+    deadline: float  # monotonic time after which a request still not announced is an error
 
 
 @dataclass(slots=True)
@@ -92,8 +110,10 @@ class KVProducer:
         self.engine, self.cache, self.free_blocks = engine, cache, free_blocks
         self.timeout, self.free_timeout = timeout, free_timeout
         self._ready: dict[str, _Ready] = {}
+        self._plans: dict[str, tuple[KVPlan, float]] = {}  # announced: (plan, when it is forgotten unasked)
         self._aborted: dict[str, float] = {}  # request id → monotonic time its abort is forgotten
         self._asks: list[_Ask] = []  # touched by the serving thread only
+        self._queries: list[_Query] = []  # likewise
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(
             ("transfers_done", "transfers_failed", "requests_done", "requests_failed", "requests_expired",
@@ -114,8 +134,22 @@ class KVProducer:
         self._thread.start()
 
     # ---- the scheduler side ----
-    def ready(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Mark `request_id`'s prefill KV as written into `block_ids`: it may now be sent.
+    def announce(self, request_id: str, prompt_len: int, num_blocks: int) -> None:
+        """Tell a pipelined decode, before the forward, how long `request_id`'s prompt is and how many blocks
+        its KV takes: its `KVQuery` is answered now (or when it comes). Raises `ValueError` when the producer
+        is closed, `RequestAborted` when the request was aborted first."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("the producer is closed")
+            if request_id in self._aborted:
+                raise RequestAborted(f"request {request_id!r} was aborted")
+            plan = KVPlan(request_id, prompt_len, num_blocks)
+            self._plans[request_id] = (plan, time.monotonic() + self.free_timeout)
+        self._wake()
+
+    def ready(self, request_id: str, block_ids: Sequence[int], aux: KVAux | None = None) -> None:
+        """Mark `request_id`'s prefill KV as written into `block_ids`: it may now be sent (with `aux`, prefill's
+        first token and rope delta, in its ``TRANS_DONE``).
 
         Raises `ValueError` when the producer is closed, `AlreadyReady` when the request is already ready, or
         `RequestAborted` when it was aborted first; the blocks then stay the caller's to free."""
@@ -126,7 +160,7 @@ class KVProducer:
                 raise AlreadyReady(f"request {request_id!r} is already ready")
             if request_id in self._aborted:
                 raise RequestAborted(f"request {request_id!r} was aborted")
-            self._ready[request_id] = _Ready(list(block_ids), time.monotonic() + self.free_timeout)
+            self._ready[request_id] = _Ready(list(block_ids), time.monotonic() + self.free_timeout, aux)
         self._wake()
 
     def abort(self, request_id: str) -> int:
@@ -137,6 +171,7 @@ class KVProducer:
             if self._closed:
                 return 0
             entry = self._ready.pop(request_id, None)
+            self._plans.pop(request_id, None)
             self._aborted[request_id] = time.monotonic() + self.free_timeout
             if entry is not None:
                 self._counters["requests_aborted"] += 1
@@ -165,15 +200,20 @@ class KVProducer:
                 os.read(self._wake_r, 4096)
             while self._socket.poll(0, zmq.POLLIN):
                 self._on_frames(self._socket.recv_multipart(copy=False))
+            self._serve_queries()
             self._serve_asks()
             self._expire_ready()
         for ask in self._asks:  # answered, not left waiting for the consumer's timeout
             self._reply(ask.envelope, TransError(ask.metadata.request_ids, "the producer is shutting down"))
+        for query in self._queries:
+            self._reply(query.envelope, TransError([query.request_id], "the producer is shutting down"))
         self._asks.clear()
+        self._queries.clear()
 
     def _poll_ms(self) -> int:
         with self._lock:
-            deadlines = [a.deadline for a in self._asks] + [r.expires for r in self._ready.values()]
+            deadlines = ([a.deadline for a in self._asks] + [q.deadline for q in self._queries]
+                         + [r.expires for r in self._ready.values()] + [until for _, until in self._plans.values()])
         if not deadlines:
             return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
@@ -183,12 +223,34 @@ class KVProducer:
         # back with whatever envelope came, so even a frame without the delimiter is answered.
         envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
         try:
-            metadata = decode_metadata(payload)
+            ask = decode_ask(payload)
         except (msgspec.DecodeError, ValueError) as exc:
             self._count("malformed")
             self._reply(envelope, TransError([], f"malformed metadata: {exc}"))
             return
-        self._asks.append(_Ask(envelope, metadata, time.monotonic() + self.timeout))
+        deadline = time.monotonic() + self.timeout
+        if isinstance(ask, KVQuery):
+            self._queries.append(_Query(envelope, ask.request_id, deadline))
+        else:
+            self._asks.append(_Ask(envelope, ask, deadline))
+
+    def _serve_queries(self) -> None:
+        now, waiting = time.monotonic(), []
+        for query in self._queries:
+            rid = query.request_id
+            with self._lock:
+                aborted = rid in self._aborted
+                plan = self._plans.get(rid, (None, 0.0))[0]
+            if aborted:
+                self._reply(query.envelope, TransError([rid], f"request(s) {[rid]} aborted"))
+            elif plan is not None:
+                self._reply(query.envelope, plan)
+            elif now >= query.deadline:
+                self._reply(query.envelope, TransError([rid], f"request(s) {[rid]} not announced on the producer "
+                                                                f"within {self.timeout} s"))
+            else:
+                waiting.append(query)
+        self._queries = waiting
 
     def _serve_asks(self) -> None:
         now, waiting = time.monotonic(), []
@@ -199,6 +261,7 @@ class KVProducer:
                 if all(entries) and not aborted:
                     for rid in ask.metadata.request_ids:
                         del self._ready[rid]
+                        self._plans.pop(rid, None)
             if aborted:  # the other requests of the ask stay ready: they may be asked for again
                 self._count("transfers_failed")
                 self._reply(ask.envelope, TransError(ask.metadata.request_ids, f"request(s) {aborted} aborted"))
@@ -222,7 +285,8 @@ class KVProducer:
             reply: TransDone | TransError = TransError(meta.request_ids, f"{type(exc).__name__}: {exc}")
             self._count("transfers_failed", requests_failed=len(entries))
         else:
-            reply = TransDone(meta.request_ids)
+            auxes = [entry.aux for entry in entries]
+            reply = TransDone(meta.request_ids, auxes if all(a is not None for a in auxes) else [])
             self._count("transfers_done", requests_done=len(entries), bytes_sent=sum(copies.lengths))
         self._reply(ask.envelope, reply)
         for entry in entries:  # answered either way: decode will not ask again
@@ -249,6 +313,7 @@ class KVProducer:
         with self._lock:
             expired = [rid for rid, r in self._ready.items() if now >= r.expires]
             entries = [self._ready.pop(rid) for rid in expired]
+            self._plans = {rid: p for rid, p in self._plans.items() if now < p[1] and rid not in expired}
             self._aborted = {rid: until for rid, until in self._aborted.items() if now < until}
         for rid, entry in zip(expired, entries):
             log.warning("KV of request %r was never asked for within %s s; freeing its blocks", rid, self.free_timeout)
@@ -389,16 +454,32 @@ class KVConsumer:
             kv_caches_base_addr=self.cache.base_addrs, block_ids=[list(block_ids)],
             session_id=self.engine.session_id, rkeys=list(self.cache.keys), block_len=self.cache.block_len)
 
-    def receive_kv(self, producer_url: str, request_id: str, block_ids: Sequence[int]) -> None:
-        """Have the producer at `producer_url` write `request_id`'s KV into `block_ids`; returns on
-        ``TRANS_DONE``. Raises `KVTransferError` otherwise; the blocks stay the caller's to free."""
-        payload = encode(self.metadata(request_id, block_ids))
+    def query(self, producer_url: str, request_id: str) -> KVPlan:
+        """The pipelined handshake's first step: ask the producer how long `request_id`'s prompt is and how many
+        blocks its KV takes; returns when prefill has announced it. Raises `KVTransferError` otherwise."""
+        reply = self._round_trip(producer_url, request_id, encode(KVQuery(request_id)))
+        if not isinstance(reply, KVPlan) or reply.request_id != request_id:
+            raise KVTransferError(f"request {request_id!r}: {type(reply).__name__} from {producer_url} where its "
+                                  f"plan was due")
+        return reply
+
+    def receive_kv(self, producer_url: str, request_id: str, block_ids: Sequence[int]) -> TransDone:
+        """Have the producer at `producer_url` write `request_id`'s KV into `block_ids`; returns its
+        ``TRANS_DONE`` (with prefill's first token and rope delta when prefill gave them). Raises
+        `KVTransferError` otherwise; the blocks stay the caller's to free."""
+        reply = self._round_trip(producer_url, request_id, encode(self.metadata(request_id, block_ids)))
+        if not isinstance(reply, TransDone) or reply.request_ids != [request_id]:
+            what = f"TRANS_DONE for {reply.request_ids}" if isinstance(reply, TransDone) else type(reply).__name__
+            raise KVTransferError(f"request {request_id!r}: {what} instead")
+        return reply
+
+    def _round_trip(self, producer_url: str, request_id: str, payload: bytes) -> TransDone | KVPlan:
         sock = self._socket(producer_url)
         try:
             sock.send(payload)
             if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
                 raise KVTransferTimeout(f"request {request_id!r}: no answer from the producer at {producer_url} "
-                                      f"within {self.timeout} s (dead or stuck)")
+                                        f"within {self.timeout} s (dead or stuck)")
             frame = sock.recv(copy=False)
         except BaseException:
             sock.close()  # its reply may still come: this socket cannot be used again
@@ -410,5 +491,4 @@ class KVConsumer:
             raise KVTransferError(f"request {request_id!r}: unreadable reply from {producer_url}: {exc}") from None
         if isinstance(reply, TransError):
             raise KVTransferError(f"request {request_id!r}: TRANS_ERROR from {producer_url}: {reply.error}")
-        if reply.request_ids != [request_id]:
-            raise KVTransferError(f"request {request_id!r}: TRANS_DONE for {reply.request_ids} instead")
+        return reply

@@ -4,6 +4,12 @@ The consumer (decode) sends `MooncakeAgentMetadata`: the seed's five fields unde
 optional ones our engine uses (`session_id`, a key per destination region, `block_len`). The seed's exact
 message (the five fields, without our type tag) is accepted too. The producer (prefill) answers `TransDone`
 (the seed's ``TRANS_DONE``) or `TransError` (``TRANS_ERROR``). Everything is validated on decode.
+
+The pipelined handshake adds one exchange before it: decode sends `KVQuery` as soon as the proxy has told it
+which prefill serves the request, and the producer answers `KVPlan` (the prompt's length and blocks) as soon as
+prefill knows them, before its forward; decode then allocates and sends its metadata while prefill computes, and
+the producer writes the moment the KV exists. The `TransDone` of such an ask carries what decode could not know
+beforehand: prefill's first token and the rope delta (`KVAux`).
 """
 from __future__ import annotations
 
@@ -54,10 +60,33 @@ class MooncakeAgentMetadata(msgspec.Struct, tag="metadata", forbid_unknown_field
             raise ValueError(f"session_id {self.session_id!r} is not {self.remote_hostname}:{self.remote_port}")
 
 
+class KVQuery(msgspec.Struct, tag="query", forbid_unknown_fields=True):
+    """Decode → prefill, before the KV exists: how long will `request_id`'s prompt be?"""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class KVPlan(msgspec.Struct, tag="plan"):
+    """Prefill → decode: `request_id`'s prompt length and the blocks its KV takes (known before the forward)."""
+
+    request_id: str
+    prompt_len: Annotated[int, msgspec.Meta(ge=1)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class KVAux(msgspec.Struct, array_like=True):
+    """What decode needs besides the KV: prefill's first token and the mrope offset."""
+
+    first_token: NonNegative
+    rope_delta: int
+
+
 class TransDone(msgspec.Struct, tag="TRANS_DONE"):
-    """Prefill → decode: every block of these requests is in the decode's memory."""
+    """Prefill → decode: every block of these requests is in the decode's memory. `aux`, when given, is per
+    request in `request_ids` order."""
 
     request_ids: list[str]
+    aux: list[KVAux] = []
 
 
 class TransError(msgspec.Struct, tag="TRANS_ERROR"):
@@ -67,11 +96,13 @@ class TransError(msgspec.Struct, tag="TRANS_ERROR"):
     error: str
 
 
-Message = MooncakeAgentMetadata | TransDone | TransError
-Reply = TransDone | TransError
+Ask = MooncakeAgentMetadata | KVQuery
+Reply = TransDone | TransError | KVPlan
+Message = Ask | Reply
 
 _encoder = msgspec.msgpack.Encoder()
 _metadata_decoder = msgspec.msgpack.Decoder(MooncakeAgentMetadata)
+_ask_decoder = msgspec.msgpack.Decoder(Ask)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
@@ -81,13 +112,24 @@ def encode(msg: Message) -> bytes:
 
 
 def decode_metadata(frame: bytes | memoryview) -> MooncakeAgentMetadata:
-    """Validate and decode the consumer's request; raises `msgspec.DecodeError` (a `ValidationError`
+    """Validate and decode the consumer's metadata; raises `msgspec.DecodeError` (a `ValidationError`
     for well-formed msgpack that is not valid metadata) or `ValueError` on an oversized frame."""
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ValueError(f"metadata frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return _metadata_decoder.decode(frame)
 
 
-def decode_reply(frame: bytes | memoryview) -> TransDone | TransError:
+def decode_ask(frame: bytes | memoryview) -> MooncakeAgentMetadata | KVQuery:
+    """Validate and decode what a consumer sent: tagged metadata or query, else the seed's untagged metadata;
+    raises as `decode_metadata`."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"metadata frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return _ask_decoder.decode(frame)
+    except msgspec.ValidationError:
+        return _metadata_decoder.decode(frame)  # the seed's message has no tag; its error is the one to report
+
+
+def decode_reply(frame: bytes | memoryview) -> TransDone | TransError | KVPlan:
     """Validate and decode the producer's reply; raises `msgspec.DecodeError` on anything else."""
     return _reply_decoder.decode(frame)
