@@ -388,3 +388,43 @@ def test_logits_through_the_servers_are_bit_identical_to_generate(stack, model, 
     assert len(out["logits"]) == N_TOKENS - 1
     for step, row in enumerate(out["logits"]):
         assert torch.equal(torch.tensor(row, dtype=torch.float32), ref.logits[step + 1][0]), f"step {step}"
+
+
+def test_pipelined_decode_asks_while_prefill_runs(stack, model, images):
+    """Decode gets the request first, with only the producer's address (as the proxy sends it while prefill
+    runs): it learns the prompt's size from the producer's plan, its metadata waits for the KV, TRANS_DONE
+    brings prefill's first token, and the tokens are the monolithic model's. Its kv_query began before prefill
+    answered."""
+    kv = {"remote_url": stack.main.health()["kv_url"], "remote_request_id": "piped"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        decoded = pool.submit(stack.http.post, stack.decode.url + "/v1/decode", json=stack.decode_body("piped", kv))
+        time.sleep(0.3)
+        assert not decoded.done()  # waiting for prefill's plan
+        t_prefill = time.monotonic_ns()
+        r = stack.prefill(stack.main, "piped", "describe it", [str(images[0])])
+        assert r.status_code == 200, r.text
+        out = decoded.result(60)
+    assert out.status_code == 200, out.text
+    assert out.json()["tokens"] == reference(model, "describe it", images[:1])
+    assert out.json()["tokens"][0] == r.json()["first_token"]
+    query = next(s for s in out.json()["spans"] if s[2] == "kv_query")
+    assert query[4] < t_prefill  # asked before prefill even began
+
+
+def test_pipelined_decode_fails_at_once_when_its_prefill_fails(stack, images):
+    """The prefill refuses the request (an image that does not decode) after decode began waiting: the
+    producer tells decode at once, not at its timeout; nothing is held on either side."""
+    kv = {"remote_url": stack.main.health()["kv_url"], "remote_request_id": "piped-bad"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        decoded = pool.submit(stack.http.post, stack.decode.url + "/v1/decode",
+                              json=stack.decode_body("piped-bad", kv))
+        time.sleep(0.3)
+        r = stack.prefill(stack.main, "piped-bad", "a", [str(images[0]), "data:image/png;base64,bm90IGEgcG5n"])
+        assert r.status_code == 400
+        start = time.monotonic()
+        out = decoded.result(DECODE_TIMEOUT + SLACK)
+    assert out.status_code == 502 and "aborted" in out.json()["detail"], out.text
+    assert time.monotonic() - start < 1.0  # the producer answered the waiting query when prefill failed
+    r = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body(
+        "x", {"remote_url": kv["remote_url"], "remote_request_id": "r", "prompt_len": 3}))
+    assert r.status_code == 400 and "together, or none of them" in r.json()["detail"]

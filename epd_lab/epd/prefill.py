@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from PIL import Image
@@ -30,12 +30,17 @@ class EPDPrefill:
         self.receiver = receiver
         self.runner = PrefillRunner(model)
 
-    def prefill(self, text: str, mm_items: list[str], rid: str | None = None) -> EPDResult:
-        """Encode `mm_items` on the encoders and prefill the prompt (images first, then `text`)."""
+    def prefill(self, text: str, mm_items: list[str], rid: str | None = None,
+                before_forward: Callable[[torch.Tensor], None] | None = None) -> EPDResult:
+        """Encode `mm_items` on the encoders and prefill the prompt (images first, then `text`); `before_forward`
+        is called with the prompt's ids once they are known, before the LLM runs (the prefill server announces
+        the KV's size there)."""
         rid = rid or uuid.uuid4().hex
         got = self.receiver.receive(mm_items, rid)
         grids = got.grid_thw["image"]
         input_ids = build_input_ids(text, grids)
+        if before_forward is not None:
+            before_forward(input_ids)
         with self.receiver.recorder.span("prefill", rid):
             result = self.runner.prefill(input_ids, got.embeddings["image"], torch.tensor(grids))
         return EPDResult(rid, result, got, self.receiver.recorder.spans(rid))

@@ -137,12 +137,14 @@ class KVProducer:
     def announce(self, request_id: str, prompt_len: int, num_blocks: int) -> None:
         """Tell a pipelined decode, before the forward, how long `request_id`'s prompt is and how many blocks
         its KV takes: its `KVQuery` is answered now (or when it comes). Raises `ValueError` when the producer
-        is closed, `RequestAborted` when the request was aborted first."""
+        is closed, `AlreadyReady` when the request's KV already waits, `RequestAborted` when it was aborted."""
         with self._lock:
             if self._closed:
                 raise ValueError("the producer is closed")
             if request_id in self._aborted:
                 raise RequestAborted(f"request {request_id!r} was aborted")
+            if request_id in self._ready:
+                raise AlreadyReady(f"request {request_id!r} is already ready")
             plan = KVPlan(request_id, prompt_len, num_blocks)
             self._plans[request_id] = (plan, time.monotonic() + self.free_timeout)
         self._wake()

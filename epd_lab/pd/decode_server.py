@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -55,6 +55,7 @@ from epd_lab.pd.messages import (
     DecodeRequest,
     DecodeResponse,
     ErrorResponse,
+    KVTransferParams,
     StreamDone,
     StreamToken,
     encode,
@@ -66,7 +67,13 @@ from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
 
+T = TypeVar("T")
+
 _DONE = object()  # the queue's end marker
+
+
+class _TimedOut(HTTPError):
+    """The producer did not answer in time (504): blocks it was asked to write into are quarantined."""
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -147,40 +154,64 @@ class DecodeServer:
         self._thread.start()
 
     # ---- KV ----
-    def fetch_kv(self, req: DecodeRequest) -> tuple[DynamicCache, Span]:
-        """Receive the request's KV (in a worker thread) and gather it; raises `HTTPError`."""
+    def fetch_kv(self, req: DecodeRequest) -> tuple[DynamicCache, list[Span], KVTransferParams]:
+        """Receive the request's KV (in a worker thread) and gather it; raises `HTTPError`. Returns the cache,
+        the spans and the parameters complete (a pipelined request's learnt from the producer)."""
         p = req.kv_transfer_params
-        n = blocks_needed(p.prompt_len, self.cache.block_size)
-        if p.num_blocks != n:
-            raise HTTPError(400, f"kv_transfer_params: {p.prompt_len} tokens take {n} blocks of "
-                                 f"{self.cache.block_size}, not {p.num_blocks} (prefill's block size differs?)")
+        spans: list[Span] = []
+        prompt_len, num_blocks = p.prompt_len, p.num_blocks
+        if p.pipelined:  # the prompt's size comes from the producer, as soon as prefill knows it
+            t0 = time.monotonic_ns()
+            plan = self._kv_call(p, lambda: self.consumer.query(p.remote_url, p.remote_request_id))
+            spans.append(Span(req.request_id, -1, "kv_query", self.node, t0, time.monotonic_ns()))
+            prompt_len, num_blocks = plan.prompt_len, plan.num_blocks
+        n = blocks_needed(prompt_len, self.cache.block_size)
+        if num_blocks != n:
+            raise HTTPError(400, f"kv_transfer_params: {prompt_len} tokens take {n} blocks of "
+                                 f"{self.cache.block_size}, not {num_blocks} (prefill's block size differs?)")
         try:
             ids = self.blocks.allocate(n)
         except OutOfBlocks as exc:
             self._count("kv_pool_exhausted")
             raise HTTPError(503, f"KV pool exhausted: {exc}") from None
-        quarantine = False
         t0 = time.monotonic_ns()
+        quarantine = False
         try:
             try:
-                self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids)
-            except KVTransferError as exc:
-                quarantine = isinstance(exc, KVTransferTimeout)  # the producer may still write into them
-                self._count("kv_timeouts" if quarantine else "kv_errors")
-                raise HTTPError(504 if quarantine else 502, str(exc)) from None
-            except zmq.ZMQError as exc:
-                raise HTTPError(400, f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
+                done = self._kv_call(p, lambda: self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids))
+            except _TimedOut:
+                quarantine = True  # the producer may still write into them
+                raise
+            if p.pipelined:
+                if not done.aux:
+                    raise HTTPError(502, f"TRANS_DONE for {p.remote_request_id!r} came without the first token")
+                p = msgspec.structs.replace(p, prompt_len=prompt_len, num_blocks=num_blocks,
+                                            first_token=done.aux[0].first_token, rope_delta=done.aux[0].rope_delta)
             nbytes = n * self.cache.block_len * 2 * self.cache.num_layers
-            span = Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes)
-            self.recorder.add(span)
-            cache = self.cache.read_to_dynamic_cache(ids, p.prompt_len, self.model.config)
+            spans.append(Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes))
+            self.recorder.extend(spans)
+            cache = self.cache.read_to_dynamic_cache(ids, prompt_len, self.model.config)
             self._count(kv_bytes=nbytes)
-            return cache, span
+            return cache, spans, p
         finally:
             if quarantine and self.quarantine_s > 0:
                 self._quarantine(ids)
             else:
                 self.blocks.free(ids)
+
+    def _kv_call(self, p: KVTransferParams, call: Callable[[], T]) -> T:
+        """One side-channel exchange; its failures as `HTTPError`: TRANS_ERROR 502, no answer 504 (`_TimedOut`),
+        an unusable `remote_url` 400."""
+        try:
+            return call()
+        except KVTransferTimeout as exc:
+            self._count("kv_timeouts")
+            raise _TimedOut(504, str(exc)) from None
+        except KVTransferError as exc:
+            self._count("kv_errors")
+            raise HTTPError(502, str(exc)) from None
+        except zmq.ZMQError as exc:
+            raise HTTPError(400, f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
 
     def _quarantine(self, ids: list[int]) -> None:
         def release() -> None:
@@ -388,7 +419,8 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     async def _decode(server: DecodeServer, request: Request) -> Response:
         req: DecodeRequest = decode_body(await read_body(request), DecodeRequest)
         loop = asyncio.get_running_loop()
-        cache, kv_span = await loop.run_in_executor(server.io, server.fetch_kv, req)
+        cache, kv_spans, params = await loop.run_in_executor(server.io, server.fetch_kv, req)
+        req = msgspec.structs.replace(req, kv_transfer_params=params)  # a pipelined one's, completed
         queue: asyncio.Queue = asyncio.Queue()
 
         def emit(item: Any) -> None:
@@ -397,7 +429,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 pass
 
-        gen = server.admit(req, cache, [kv_span], emit)
+        gen = server.admit(req, cache, kv_spans, emit)
         del cache
         if req.stream:
             return _GenerationStream(gen, _stream(gen, queue), media_type="application/x-ndjson")

@@ -43,14 +43,30 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
-    """Prefill → (proxy) → decode: everything decode needs to fetch the KV and continue from it."""
+    """Prefill → (proxy) → decode: everything decode needs to fetch the KV and continue from it.
+
+    Pipelined (the proxy sends decode its request while prefill runs): only `remote_url` and
+    `remote_request_id`, the rest None; decode learns the prompt's size from the producer's `KVPlan` and the
+    first token and rope delta from its ``TRANS_DONE``. Otherwise all six are given, as prefill answered them.
+    """
 
     remote_url: NonEmpty  # the producer's ZMQ side channel, "tcp://host:port"
     remote_request_id: NonEmpty
-    prompt_len: Annotated[int, msgspec.Meta(ge=1)]
-    rope_delta: int  # mrope max position + 1 - prompt_len (≤ 0 with images)
-    first_token: NonNegative
-    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+    prompt_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    rope_delta: int | None = None  # mrope max position + 1 - prompt_len (≤ 0 with images)
+    first_token: NonNegative | None = None
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+    def __post_init__(self) -> None:
+        given = [v is not None for v in (self.prompt_len, self.rope_delta, self.first_token, self.num_blocks)]
+        if any(given) and not all(given):
+            raise ValueError("give prompt_len, rope_delta, first_token and num_blocks together, or none of them "
+                             "(pipelined: decode asks the producer)")
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether decode asks the producer for what prefill has not answered yet."""
+        return self.prompt_len is None
 
 
 class PrefillResponse(msgspec.Struct):

@@ -34,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -43,6 +44,7 @@ from epd_lab.epd.prefill import EPDPrefill
 from epd_lab.epd.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import AlreadyReady, RequestAborted
+from epd_lab.kv.messages import KVAux
 from epd_lab.pd.messages import (
     MAX_BODY_BYTES,
     AbortRequest,
@@ -99,6 +101,63 @@ class PrefillSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+class _KeptKV:
+    """One request's KV blocks on the prefill side: allocated and announced before the forward (so that a
+    pipelined decode allocates its own meanwhile), written and readied after it, or given back when the request
+    fails (and a decode waiting on the side channel is answered ``TRANS_ERROR`` at once)."""
+
+    def __init__(self, server: "PrefillServer", rid: str) -> None:
+        self.server, self.rid = server, rid
+        self.ids: list[int] | None = None
+        self.readied = False
+        self.conflict = False  # another request with this id holds KV on the producer: never abort that one
+
+    def announce(self, input_ids: torch.Tensor) -> None:
+        """Allocate the prompt's blocks (503 when the pool is exhausted) and announce its plan."""
+        server, prompt_len = self.server, input_ids.shape[1]
+        n = blocks_needed(prompt_len, server.cache.block_size)
+        try:
+            self.ids = server.blocks.allocate(n)
+        except OutOfBlocks as exc:
+            server.counters["kv_pool_exhausted"] += 1
+            raise HTTPError(503, f"KV pool exhausted: {exc}") from None
+        try:
+            server.producer.announce(self.rid, prompt_len, n)
+        except RequestAborted:
+            server.counters["aborted_while_prefilling"] += 1
+            raise HTTPError(409, f"request_id {self.rid!r} was aborted while it was being prefilled") from None
+        except AlreadyReady:
+            self.conflict = True
+            raise HTTPError(409, f"request_id {self.rid!r}: its KV is still waiting for decode") from None
+
+    def keep(self, result: models.PrefillResult, first_token: int) -> KVTransferParams:
+        """Write the KV into the blocks and hand them to the producer; the parameters decode needs."""
+        server, ids = self.server, self.ids
+        assert ids is not None, "announce() first"
+        with server.recorder.span("kv_write", self.rid, nbytes=len(ids) * server.cache.block_len * 2
+                                  * server.cache.num_layers):
+            server.cache.write_from(result.past_key_values, ids, result.prompt_len)
+        try:
+            server.producer.ready(self.rid, ids, KVAux(first_token, result.rope_delta))
+        except RequestAborted:
+            server.counters["aborted_while_prefilling"] += 1
+            raise HTTPError(409, f"request_id {self.rid!r} was aborted while it was being prefilled") from None
+        self.readied = True  # the producer frees the blocks from here on
+        return KVTransferParams(server.producer.url, self.rid, result.prompt_len, result.rope_delta, first_token,
+                                len(ids))
+
+    def drop(self) -> None:
+        """The request failed before its KV was readied: free the blocks, and abort it on the producer, so that
+        a pipelined decode already waiting for it hears at once (not at its timeout)."""
+        if self.readied:
+            return
+        if self.ids is not None:
+            self.server.blocks.free(self.ids)
+            self.ids = None
+        if not self.conflict:
+            self.server.producer.abort(self.rid)
+
+
 class PrefillServer:
     """The prefill role's state: model, receiver, paged KV cache, block manager, KV producer, counters."""
 
@@ -147,56 +206,39 @@ class PrefillServer:
 
     def _prefill(self, req: PrefillRequest, rid: str) -> PrefillResponse:
         t0 = time.monotonic_ns()
-        if req.images:
-            if self.epd is None:
-                raise HTTPError(400, "this prefill server has no encoders (started without --encoders): "
-                                     "images are not allowed, text-only prompts are")
-            try:
-                result = self.epd.prefill(req.prompt, req.images, rid).prefill
-            except EPDError as exc:
-                # an encoder that refused the input (an image that does not decode, ...) is the client's error
-                status = exc.status if exc.status in (400, 409, 413) else 502
-                raise HTTPError(status, f"E→P failed: {exc}") from None
-            except ValueError as exc:  # the prompt and the embeddings disagree
-                raise HTTPError(400, f"prefill failed: {exc}") from None
-        else:
-            input_ids = models.build_input_ids(req.prompt, [])
-            if input_ids.shape[1] == 0:
-                raise HTTPError(400, "empty prompt and no images: nothing to prefill")
-            with self.recorder.span("prefill", rid):
-                result = self.runner.prefill(input_ids, None, None)
-        first_token = int(result.logits.argmax(-1))
-        params = None
-        if req.kv_transfer_params.do_remote_decode:
-            params = self._keep_kv(rid, result, first_token)
+        kv = _KeptKV(self, rid) if req.kv_transfer_params.do_remote_decode else None
+        try:
+            if req.images:
+                if self.epd is None:
+                    raise HTTPError(400, "this prefill server has no encoders (started without --encoders): "
+                                         "images are not allowed, text-only prompts are")
+                try:
+                    result = self.epd.prefill(req.prompt, req.images, rid,
+                                              before_forward=kv.announce if kv else None).prefill
+                except EPDError as exc:
+                    # an encoder that refused the input (an image that does not decode, ...) is the client's error
+                    status = exc.status if exc.status in (400, 409, 413) else 502
+                    raise HTTPError(status, f"E→P failed: {exc}") from None
+                except ValueError as exc:  # the prompt and the embeddings disagree
+                    raise HTTPError(400, f"prefill failed: {exc}") from None
+            else:
+                input_ids = models.build_input_ids(req.prompt, [])
+                if input_ids.shape[1] == 0:
+                    raise HTTPError(400, "empty prompt and no images: nothing to prefill")
+                if kv:
+                    kv.announce(input_ids)
+                with self.recorder.span("prefill", rid):
+                    result = self.runner.prefill(input_ids, None, None)
+            first_token = int(result.logits.argmax(-1))
+            params = kv.keep(result, first_token) if kv else None
+        except BaseException:
+            if kv:
+                kv.drop()
+            raise
         self.counters["requests_ok"] += 1
         self.counters["prompt_tokens"] += result.prompt_len
         spans = [s for s in self.recorder.spans(rid) if s.t_start_ns >= t0]
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
-
-    def _keep_kv(self, rid: str, result: models.PrefillResult, first_token: int) -> KVTransferParams:
-        """Write the KV into fresh blocks and hand them to the producer."""
-        n = blocks_needed(result.prompt_len, self.cache.block_size)
-        try:
-            ids = self.blocks.allocate(n)
-        except OutOfBlocks as exc:
-            self.counters["kv_pool_exhausted"] += 1
-            raise HTTPError(503, f"KV pool exhausted: {exc}") from None
-        try:
-            with self.recorder.span("kv_write", rid, nbytes=n * self.cache.block_len * 2 * self.cache.num_layers):
-                self.cache.write_from(result.past_key_values, ids, result.prompt_len)
-            self.producer.ready(rid, ids)
-        except RequestAborted:
-            self.blocks.free(ids)
-            self.counters["aborted_while_prefilling"] += 1
-            raise HTTPError(409, f"request_id {rid!r} was aborted while it was being prefilled") from None
-        except AlreadyReady:
-            self.blocks.free(ids)
-            raise HTTPError(409, f"request_id {rid!r}: its KV is still waiting for decode") from None
-        except BaseException:
-            self.blocks.free(ids)
-            raise
-        return KVTransferParams(self.producer.url, rid, result.prompt_len, result.rope_delta, first_token, n)
 
     def abort(self, req: AbortRequest) -> AbortResponse:
         """Drop a request's KV: decode will never ask for it."""

@@ -22,7 +22,7 @@ import msgspec
 STAGES = ("http_encode", "load", "decode", "vit", "buffer_alloc", "register", "http_send", "transfer", "notify",
           "reassemble", "prefill")
 # The P→D stages and the proxy's per-request spans, in the order a request meets them.
-PD_STAGES = ("proxy_parse", "kv_write", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
+PD_STAGES = ("proxy_parse", "kv_write", "kv_query", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
 
 
 def tracing_enabled() -> bool:
