@@ -54,6 +54,8 @@ class Topology:
             encoders; 0 keeps the prefill role in the driver (`Cluster.receiver`).
         decodes: decode servers (`epd_lab.pd.decode_server`).
         proxy: start the OpenAI-compatible proxy in front of the prefills and decodes.
+        pipelined: the proxy asks decode while prefill runs (streamed requests); False (default): after prefill
+            answered, which gave the lower TTFT on 2 vCPUs (README, "bench e2e").
         kv_blocks: KV-cache blocks per prefill and decode server.
         trace: record spans in every process (``EPD_TRACE=0`` in their environment when False).
     """
@@ -68,6 +70,7 @@ class Topology:
     prefills: int = 0
     decodes: int = 0
     proxy: bool = False
+    pipelined: bool = False
     kv_blocks: int = 512
     trace: bool = True
 
@@ -135,7 +138,7 @@ class Cluster:
     def _proxy_cmd(self) -> list[str]:
         return [sys.executable, "-m", "epd_lab.pd.proxy", "--host", "127.0.0.1", "--port", "0",
                 "--prefill", ",".join(self.prefill_urls), "--decode", ",".join(self.decode_urls),
-                "--timeout", str(self.topology.timeout)]
+                "--timeout", str(self.topology.timeout)] + (["--pipelined"] if self.topology.pipelined else [])
 
     def _start(self, name: str, cmd: list[str]) -> str:
         log = self.log_dir / f"{name}.log"

@@ -89,7 +89,7 @@ def test_producer_abort_frees_blocks_and_answers_trans_error() -> None:
 # ---- the cluster ----
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with Cluster(Topology(encoders=2, prefills=2, decodes=2, proxy=True, timeout=TIMEOUT)) as c:
+    with Cluster(Topology(encoders=2, prefills=2, decodes=2, proxy=True, timeout=TIMEOUT, pipelined=True)) as c:
         yield c
 
 
@@ -197,15 +197,17 @@ def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai
                 SLACK, "the proxy never recorded the request's e2e span")  # recorded as the stream closes
     spans = got["spans"]
     stages = {s[2] for s in spans}
-    assert stages >= {"http_encode", "vit", "transfer", "prefill", "kv_write", "kv_transfer", "decode_step",
-                      "ttft", "tpot", "e2e"}, stages
+    assert stages >= {"http_encode", "vit", "transfer", "prefill", "kv_write", "kv_query", "kv_transfer",
+                      "decode_step", "ttft", "tpot", "e2e"}, stages
     assert {s[3].split(":")[0] for s in spans} >= {"proxy", "prefill", "decode"}
     assert [s[4] for s in spans] == sorted(s[4] for s in spans)  # oldest first
     first = {stage: min(s[4] for s in spans if s[2] == stage) for stage in stages}
     last = {stage: max(s[5] for s in spans if s[2] == stage) for stage in stages}
-    # one clock for every process: E→P, then prefill, then the KV transfer, then decode steps, inside e2e
+    # one clock for every process: E→P, then prefill, then decode steps, inside e2e; decode was asked while
+    # prefill ran (pipelined), and its KV arrived once prefill had written it
     assert first["e2e"] <= first["http_encode"] <= last["transfer"] <= first["prefill"]
-    assert last["prefill"] <= first["kv_transfer"] <= last["kv_transfer"] <= first["decode_step"]
+    assert first["kv_query"] <= first["prefill"] and first["kv_transfer"] <= last["prefill"]
+    assert last["kv_write"] <= last["kv_transfer"] <= first["decode_step"]
     assert last["decode_step"] <= last["e2e"] and last["ttft"] <= last["e2e"]
     assert sum(s[2] == "decode_step" for s in spans) == MAX_TOKENS - 1
     bare = httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id.removeprefix("chatcmpl-")})
@@ -270,13 +272,9 @@ def test_streaming_client_disconnect_releases_prefill_and_decode(cluster: Cluste
     # blocks_back: no blocks held and nothing generating on any prefill or decode
 
 
-def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
-    """Both prefills frozen while the proxy waits on one; the client hangs up; the prefills thaw: the proxy sees
-    the client gone before it calls decode, answers 499 into the void and aborts the request on its prefill."""
-    body = json.dumps({"model": MODEL, "messages": _messages("leaving", [], seed=1), "max_tokens": MAX_TOKENS,
-                       "stream": True}).encode()
+def _leave_while_prefills_are_frozen(cluster: Cluster, body: bytes) -> None:
+    """Send `body` to the proxy with every prefill frozen, hang up once a prefill holds it, thaw them."""
     host, port = cluster.proxy_url.removeprefix("http://").split(":")
-    aborted_before, served_before = _aborts(cluster), _served(cluster)[1]
     for proc in cluster.procs[PREFILLS]:
         os.kill(proc.pid, signal.SIGSTOP)
     try:
@@ -288,9 +286,32 @@ def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
     finally:  # thawed well within the proxy's idle timeout, which would otherwise fail the prefill call
         for proc in cluster.procs[PREFILLS]:
             os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
+    """A request that is not streamed (decode is asked after prefill): both prefills frozen while the proxy waits
+    on one; the client hangs up; the prefills thaw: the proxy sees the client gone before it calls decode, answers
+    499 into the void and aborts the request on its prefill."""
+    body = json.dumps({"model": MODEL, "messages": _messages("leaving", [], seed=1), "max_tokens": MAX_TOKENS,
+                       "stream": False}).encode()
+    aborted_before, served_before = _aborts(cluster), _served(cluster)[1]
+    status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
+    _leave_while_prefills_are_frozen(cluster, body)
     _wait(lambda: _aborts(cluster) == aborted_before + 1, SLACK, "the prefill never got the abort")
-    assert _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') == 1
+    assert _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') == status_before + 1
     assert _served(cluster)[1] == served_before  # no decode was asked
+
+
+def test_streamed_client_gone_while_prefill_runs_releases_both(cluster: Cluster) -> None:
+    """A streamed request asks decode while prefill runs (pipelined). The client hangs up during the prefill:
+    the proxy answers 499 into the void and drops the decode request it had started; whether the KV had already
+    moved to decode or still waited on the prefill, every block on both sides comes back (`blocks_back`)."""
+    body = json.dumps({"model": MODEL, "messages": _messages("leaving too", [], seed=2), "max_tokens": MAX_TOKENS,
+                       "stream": True}).encode()
+    status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
+    _leave_while_prefills_are_frozen(cluster, body)
+    _wait(lambda: _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}')
+          == status_before + 1, SLACK, "the proxy did not answer 499")
 
 
 def _concurrently(client: openai.OpenAI, n: int, text: str) -> list[concurrent.futures.Future]:

@@ -106,12 +106,13 @@ def _chat(client, raw: bytes, max_tokens: int) -> _Chat:
                  (times[1] - times[0]) * 1e3, rid)
 
 
-def epd(backend: str, requests: int, max_tokens: int, log=print) -> list[dict]:
-    """E→P→D through the proxy at each concurrency level."""
+def epd(backend: str, requests: int, max_tokens: int, log=print, pipelined: bool = False) -> list[dict]:
+    """E→P→D through the proxy at each concurrency level (`pipelined`: decode asked while prefill runs)."""
     import openai
 
     rows = []
-    with Cluster(Topology(encoders=2, backend=backend, prefills=1, decodes=1, proxy=True, timeout=60)) as cluster:
+    with Cluster(Topology(encoders=2, backend=backend, prefills=1, decodes=1, proxy=True, timeout=60,
+                          pipelined=pipelined)) as cluster:
         client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=300)
         _chat(client, _image(0), max_tokens)  # warm-up: connections, mappings, caches
         for conc in CONCURRENCY:
@@ -137,7 +138,7 @@ def epd(backend: str, requests: int, max_tokens: int, log=print) -> list[dict]:
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
-            rows.append({"path": f"epd/{backend}", "concurrency": conc,
+            rows.append({"path": f"epd/{backend}" + (" (pipelined)" if pipelined else ""), "concurrency": conc,
                          "ttft_ms": _summary([r.ttft for r in results]), "tpot_ms": _summary([r.tpot for r in results]),
                          "second_token_ms": _summary([r.second for r in results]),
                          "requests_per_s": len(results) / wall})
@@ -201,12 +202,15 @@ def _fmt(row: dict) -> str:
             f"{row['requests_per_s']:6.2f} req/s")
 
 
-def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print) -> dict:
-    """Measure; returns ``{"machine", "rows", "kv_transfer", "ttft_overhead_ms"}``."""
+def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pipelined: bool = False) -> dict:
+    """Measure; returns ``{"machine", "rows", "kv_transfer", "ttft_overhead_ms"}``. `pipelined`: each backend
+    also with decode asked while prefill runs, beside the default path."""
     rows = [monolithic(requests, max_tokens)]
     log(_fmt(rows[0]))
     for backend in backends:
         rows += epd(backend, requests, max_tokens, log)
+        if pipelined:
+            rows += epd(backend, requests, max_tokens, log, pipelined=True)
     kv = kv_transfer(requests)
     log(f"  kv_transfer: {kv['prompt_tokens']} tokens, {kv['blocks']} blocks, {kv['bytes']} bytes, "
         f"p50 {kv['ms']['p50']:.3f} ms (p90 {kv['ms']['p90']:.3f})")
@@ -231,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least the level)")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="also measure each backend with decode asked while prefill runs")
     args = ap.parse_args(argv)
-    result = run(tuple(args.backends.split(",")), args.requests, args.max_tokens)
+    result = run(tuple(args.backends.split(",")), args.requests, args.max_tokens, pipelined=args.pipelined)
     if args.json:
         write_json(args.json, result)
     return 0

@@ -121,6 +121,7 @@ class ProxySettings:
     timeout: float = 30.0  # idle timeout of every backend call (connect, each read)
     retry_after: float = 5.0  # a backend that refused a connection is skipped this long
     model: str = MODEL_ID
+    pipelined: bool = False  # streamed requests: ask decode while prefill runs (else after prefill answered)
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefills), ("decode", self.decodes)):
@@ -148,6 +149,8 @@ class Backend:
     inflight: int = 0  # requests sent to it and not yet answered (for decode: until its stream closes)
     served: int = 0  # requests it accepted
     down_until: float = 0.0  # time.monotonic() before which it is skipped
+    kv_url: str | None = None  # a prefill's KV side channel, from its /health: decode can be asked up front
+    probed: bool = False  # its /health has answered once
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
@@ -401,10 +404,14 @@ class Proxy:
             pool.mark_down(backend)
             return None
         pool.mark_up(backend)
+        backend.probed = True
+        body: dict[str, Any] = {}
         with contextlib.suppress(ValueError):
-            body = response.json()
-            return body if isinstance(body, dict) else {}
-        return {}
+            answer = response.json()
+            body = answer if isinstance(answer, dict) else {}
+        if backend.role == "prefill" and isinstance(body.get("kv_url"), str):
+            backend.kv_url = body["kv_url"]
+        return body
 
     async def _choose(self, pool: Pool, tried: set[str]) -> Backend | None:
         """The next backend to try; when all untried ones are down, probe them once first."""
@@ -415,14 +422,17 @@ class Proxy:
             backend = pool.choose(tried)
         return backend
 
-    async def _post(self, pool: Pool, path: str, body: dict[str, Any], stream: bool) -> tuple[Backend, httpx.Response]:
-        """POST `body` to a backend of `pool`, going on to the next while connections are refused.
+    async def _post(self, pool: Pool, path: str, body: dict[str, Any], stream: bool,
+                    only: Backend | None = None) -> tuple[Backend, httpx.Response]:
+        """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
+        refused.
 
         Returns a 200 response (its body not yet read when `stream`) with the backend's ``inflight`` counted
         up: the caller counts it down and closes the response. Raises `ProxyError`.
         """
         tried: set[str] = set()
-        while (backend := await self._choose(pool, tried)) is not None:
+        while (backend := (await self._choose(pool, tried) if only is None
+                           else None if only.url in tried else only)) is not None:
             tried.add(backend.url)
             backend.inflight += 1
             ok = False
@@ -455,10 +465,11 @@ class Proxy:
         urls = ", ".join(b.url for b in pool.backends)
         raise ProxyError(503, f"no {pool.role} server is reachable ({urls})", "service_unavailable", "no_backend")
 
-    async def _prefill(self, job: _Job, prompt: str, images: list[str]) -> tuple[Backend, PrefillResponse]:
+    async def _prefill(self, job: _Job, prompt: str, images: list[str],
+                       only: Backend | None = None) -> tuple[Backend, PrefillResponse]:
         backend, response = await self._post(self.prefills, "/v1/prefill", {
             "request_id": job.rid, "prompt": prompt, "images": images,
-            "kv_transfer_params": {"do_remote_decode": True}}, stream=False)
+            "kv_transfer_params": {"do_remote_decode": True}}, stream=False, only=only)
         backend.inflight -= 1
         try:
             prefill = _decode_json(backend, response.content, PrefillResponse)
@@ -488,9 +499,36 @@ class Proxy:
             return
         self.prefill_aborts["freed" if freed else "nothing_held"] += 1
 
-    def _decode_body(self, job: _Job, prefill: PrefillResponse) -> dict[str, Any]:
+    def _decode_body(self, job: _Job, kv_transfer_params: Any) -> dict[str, Any]:
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
-                "seed": job.seed, "stream": job.stream, "kv_transfer_params": prefill.kv_transfer_params}
+                "seed": job.seed, "stream": job.stream, "kv_transfer_params": kv_transfer_params}
+
+    async def _pipelined(self, job: _Job, prompt: str,
+                         images: list[str]) -> tuple[Backend, PrefillResponse, asyncio.Task] | None:
+        """Ask decode and prefill at once: the prefill chosen up front, decode told only its side channel
+        (vLLM's kv_transfer_params, SGLang's bootstrap address), so that decode allocates and sends its metadata
+        while prefill runs. None when the chosen prefill does not tell its side channel, or refused the
+        connection: the caller goes the serial way. Raises `ProxyError` as `_prefill` does."""
+        backend = await self._choose(self.prefills, set())
+        if backend is not None and not backend.probed:
+            await self._probe(backend)  # learns its kv_url, once
+        if backend is None or backend.kv_url is None:
+            return None
+        kv = {"remote_url": backend.kv_url, "remote_request_id": job.rid}
+        decode = asyncio.create_task(self._post(self.decodes, "/v1/decode", self._decode_body(job, kv), stream=True))
+        try:
+            _, prefill = await self._prefill(job, prompt, images, only=backend)
+        except ProxyError as exc:
+            await _discard(decode)
+            if exc.code == "no_backend":  # it refused the connection: it never saw the request
+                return None
+            await asyncio.shield(self._abort(backend, job.rid))  # decode may wait for it: answered at once
+            raise
+        except BaseException:
+            await _discard(decode)
+            await asyncio.shield(self._abort(backend, job.rid))
+            raise
+        return backend, prefill, decode
 
     # ---- requests ----
     async def complete(self, request: Request, kind: str) -> Response:
@@ -498,18 +536,25 @@ class Proxy:
         t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
         job, prompt, images = _parse_request(await _read_json(request), kind, t0)
         self.record(Span(job.rid, -1, "proxy_parse", self.recorder.node, t0, time.monotonic_ns()))
-        prefill_backend, prefill = await self._prefill(job, prompt, images)
+        piped = await self._pipelined(job, prompt, images) if job.stream and self.settings.pipelined else None
+        if piped is None:
+            decode = None
+            prefill_backend, prefill = await self._prefill(job, prompt, images)
+        else:
+            prefill_backend, prefill, decode = piped
         try:
             if await request.is_disconnected():
                 raise ProxyError(499, "the client closed the request before decode began", "client_disconnect",
                                  "client_disconnect")
-            if job.stream:  # the stream starts with prefill's token and asks decode for the rest meanwhile
-                stream = _TokenStream(self, job, prefill_backend, prefill)
+            if job.stream:  # the stream starts with prefill's token; decode (asked already, or now) does the rest
+                stream = _TokenStream(self, job, prefill_backend, prefill, decode)
                 return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache"})
-            backend, response = await self._post(self.decodes, "/v1/decode", self._decode_body(job, prefill),
-                                                 stream=False)
+            backend, response = await self._post(self.decodes, "/v1/decode",
+                                                 self._decode_body(job, prefill.kv_transfer_params), stream=False)
         except BaseException:  # cancellation included: no decode will ask for the KV, so free it now
+            if decode is not None:
+                await _discard(decode)
             await asyncio.shield(self._abort(prefill_backend, job.rid))
             raise
         backend.inflight -= 1
@@ -602,11 +647,13 @@ class _TokenStream:
     in the stream, not an HTTP status. If decode never took the request, prefill is told to drop the KV.
     """
 
-    def __init__(self, proxy: Proxy, job: _Job, prefill_backend: Backend, prefill: PrefillResponse) -> None:
+    def __init__(self, proxy: Proxy, job: _Job, prefill_backend: Backend, prefill: PrefillResponse,
+                 decode: asyncio.Task | None = None) -> None:
         self.proxy = proxy
         self.job = job
         self.prefill_backend = prefill_backend
         self.prefill = prefill
+        self.decode = decode  # decode asked already (pipelined): its (backend, response) to come
         self.backend: Backend | None = None  # the decode server, once it took the request
         self.response: httpx.Response | None = None
         self.outcome = "client_disconnect"  # unless the stream ends otherwise
@@ -646,8 +693,11 @@ class _TokenStream:
             self.tokens = 1
             # one write for the role chunk and the first token
             yield (self._event("", role=True) if job.kind == "chat" else b"") + (self._event(text) if text else b"")
-            self.backend, self.response = await self.proxy._post(
-                self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill), stream=True)
+            if self.decode is None:
+                self.decode = asyncio.create_task(self.proxy._post(
+                    self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill.kv_transfer_params),
+                    stream=True))
+            self.backend, self.response = await self.decode
             backend = self.backend
             finish_reason = None
             try:
@@ -704,6 +754,8 @@ class _TokenStream:
         self.closed = True
         try:
             if self.response is None:
+                if self.decode is not None:
+                    await _discard(self.decode)
                 await asyncio.shield(self.proxy._abort(self.prefill_backend, self.job.rid))
             else:
                 await self.response.aclose()
@@ -717,6 +769,16 @@ class _TokenStream:
             proxy.record(Span(job.rid, -1, "e2e", node, job.t0, time.monotonic_ns()))
             if self.outcome != "ok":
                 proxy.streams_aborted[self.outcome] += 1
+
+
+async def _discard(decode: asyncio.Task) -> None:
+    """Drop a decode request the proxy no longer wants: cancel it, or close the response it got."""
+    if not decode.done():
+        decode.cancel()
+    with contextlib.suppress(BaseException):  # its failure or cancellation is moot now
+        backend, response = await decode
+        backend.inflight -= 1
+        await response.aclose()
 
 
 async def _read_json(request: Request) -> Any:
@@ -809,6 +871,8 @@ def parse_args(argv: list[str] | None = None) -> ProxySettings:
     ap.add_argument("--retry-after", type=float, default=default["retry_after"],
                     help="seconds a backend that refused a connection is skipped")
     ap.add_argument("--model", default=default["model"], help="the model id /v1/models lists")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="streamed requests: ask decode while prefill runs (default: after prefill answered)")
     args = ap.parse_args(argv)
     return settings_from_args(ap, args, ProxySettings, prefills=_urls(args.prefill), decodes=_urls(args.decode))
 
