@@ -139,12 +139,7 @@ class KVProducer:
         its KV takes: its `KVQuery` is answered now (or when it comes). Raises `ValueError` when the producer
         is closed, `AlreadyReady` when the request's KV already waits, `RequestAborted` when it was aborted."""
         with self._lock:
-            if self._closed:
-                raise ValueError("the producer is closed")
-            if request_id in self._aborted:
-                raise RequestAborted(f"request {request_id!r} was aborted")
-            if request_id in self._ready:
-                raise AlreadyReady(f"request {request_id!r} is already ready")
+            self._check_new(request_id)
             plan = KVPlan(request_id, prompt_len, num_blocks)
             self._plans[request_id] = (plan, time.monotonic() + self.free_timeout)
         self._wake()
@@ -156,14 +151,18 @@ class KVProducer:
         Raises `ValueError` when the producer is closed, `AlreadyReady` when the request is already ready, or
         `RequestAborted` when it was aborted first; the blocks then stay the caller's to free."""
         with self._lock:
-            if self._closed:
-                raise ValueError("the producer is closed")
-            if request_id in self._ready:
-                raise AlreadyReady(f"request {request_id!r} is already ready")
-            if request_id in self._aborted:
-                raise RequestAborted(f"request {request_id!r} was aborted")
+            self._check_new(request_id)
             self._ready[request_id] = _Ready(list(block_ids), time.monotonic() + self.free_timeout, aux)
         self._wake()
+
+    def _check_new(self, request_id: str) -> None:
+        # under the lock: the producer is open, and the request neither waits already nor was aborted
+        if self._closed:
+            raise ValueError("the producer is closed")
+        if request_id in self._ready:
+            raise AlreadyReady(f"request {request_id!r} is already ready")
+        if request_id in self._aborted:
+            raise RequestAborted(f"request {request_id!r} was aborted")
 
     def abort(self, request_id: str) -> int:
         """Drop `request_id`: free its blocks now if it is ready, and answer its asks (waiting or to come
