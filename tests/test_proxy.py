@@ -528,3 +528,15 @@ def test_cli(rig: Rig) -> None:
     bad = subprocess.run([sys.executable, "-m", "epd_lab.pd.proxy", "--prefill", p.url, "--decode", d.url,
                           "--policy", "random"], capture_output=True, text=True, timeout=30, check=False)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_pipelined_proxy_goes_the_serial_way_when_prefill_tells_no_side_channel(rig: Rig) -> None:
+    """A prefill whose /health names no kv_url cannot be paired with an early decode: the streamed request goes
+    the serial way, decode asked with prefill's answer, and the client sees no difference."""
+    p, d = rig.prefill(), rig.decode()
+    url, app = rig.proxy([p.url], [d.url], pipelined=True)
+    chunks = list(rig.client(url).chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert d.requests[0]["kv_transfer_params"]["prompt_len"] is not None  # prefill's own answer, not the early one
+    assert app.state.proxy.prefills.backends[0].probed and app.state.proxy.prefills.backends[0].kv_url is None
