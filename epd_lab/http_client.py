@@ -94,8 +94,9 @@ class KeepAliveClient:
             if self._closed:
                 raise HTTPError("the client is closed")
             idle = self._idle.get(key, [])
-            expired = [conn for conn, since in idle if time.monotonic() - since >= CLIENT_KEEPALIVE_S]
-            idle[:] = [(conn, since) for conn, since in idle if conn not in expired]
+            fresh_since = time.monotonic() - CLIENT_KEEPALIVE_S
+            expired = [conn for conn, since in idle if since <= fresh_since]
+            idle[:] = [(conn, since) for conn, since in idle if since > fresh_since]
             taken = idle.pop()[0] if idle else None
         for conn in expired:
             conn.close()

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import mmap
-import os
 import statistics
 import time
 from typing import Callable
@@ -75,13 +73,7 @@ def _rotated(names: list[str], r: int) -> list[str]:
 def in_process(sizes: tuple[int, ...], repeats: int) -> dict[int, dict[str, dict]]:
     """numpy.copyto, memcpy and stream from one buffer into a memfd mapping, per size."""
     span = 2 * max(sizes)
-    fd = os.memfd_create("epd-bench-shm-copy", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, span)
-        dst = np.frombuffer(mmap.mmap(fd, span), dtype=np.uint8)
-    finally:
-        os.close(fd)
-    dst.fill(0)
+    dst = shm_copy.memfd_array(span, "epd-bench-shm-copy")
     src = np.ones(span, dtype=np.uint8)
     copies: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
         "numpy.copyto": np.copyto, **{c: lambda d, s, c=c: _native.copy_bytes(d, s, c) for c in _native.COPIES}}

@@ -78,6 +78,10 @@ class PagedKVCache:
         """Layer `i`'s (K, V) tensors, each [num_blocks, block_size, num_kv_heads, head_dim]."""
         return self._regions[2 * i], self._regions[2 * i + 1]
 
+    def nbytes(self, num_blocks: int) -> int:
+        """Bytes of `num_blocks` blocks over every K and V region: what moves when they are transferred."""
+        return num_blocks * self.block_len * len(self._regions)
+
     @property
     def base_addrs(self) -> list[int]:
         """Address of every region, ``[K0, V0, K1, V1, ...]`` (the seed's `kv_caches_base_addr`)."""

@@ -187,7 +187,7 @@ class DecodeServer:
                     raise HTTPError(502, f"TRANS_DONE for {p.remote_request_id!r} came without the first token")
                 p = msgspec.structs.replace(p, prompt_len=prompt_len, num_blocks=num_blocks,
                                             first_token=done.aux[0].first_token, rope_delta=done.aux[0].rope_delta)
-            nbytes = n * self.cache.block_len * 2 * self.cache.num_layers
+            nbytes = self.cache.nbytes(n)
             spans.append(Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes))
             self.recorder.extend(spans)
             cache = self.cache.read_to_dynamic_cache(ids, prompt_len, self.model.config)

@@ -124,8 +124,7 @@ class _KeptKV:
         try:
             server.producer.announce(self.rid, prompt_len, n)
         except RequestAborted:
-            server.counters["aborted_while_prefilling"] += 1
-            raise HTTPError(409, f"request_id {self.rid!r} was aborted while it was being prefilled") from None
+            raise self._aborted() from None
         except AlreadyReady:
             self.conflict = True
             raise HTTPError(409, f"request_id {self.rid!r}: its KV is still waiting for decode") from None
@@ -134,17 +133,20 @@ class _KeptKV:
         """Write the KV into the blocks and hand them to the producer; the parameters decode needs."""
         server, ids = self.server, self.ids
         assert ids is not None, "announce() first"
-        with server.recorder.span("kv_write", self.rid, nbytes=len(ids) * server.cache.block_len * 2
-                                  * server.cache.num_layers):
+        with server.recorder.span("kv_write", self.rid, nbytes=server.cache.nbytes(len(ids))):
             server.cache.write_from(result.past_key_values, ids, result.prompt_len)
         try:
             server.producer.ready(self.rid, ids, KVAux(first_token, result.rope_delta))
         except RequestAborted:
-            server.counters["aborted_while_prefilling"] += 1
-            raise HTTPError(409, f"request_id {self.rid!r} was aborted while it was being prefilled") from None
+            raise self._aborted() from None
         self.readied = True  # the producer frees the blocks from here on
         return KVTransferParams(server.producer.url, self.rid, result.prompt_len, result.rope_delta, first_token,
                                 len(ids))
+
+    def _aborted(self) -> HTTPError:
+        """The 409 for a request the proxy aborted (`/v1/abort`) while it was being prefilled, counted."""
+        self.server.counters["aborted_while_prefilling"] += 1
+        return HTTPError(409, f"request_id {self.rid!r} was aborted while it was being prefilled")
 
     def drop(self) -> None:
         """The request failed before its KV was readied: free the blocks, and abort it on the producer, so that

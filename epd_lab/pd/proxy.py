@@ -413,8 +413,11 @@ class Proxy:
             backend.kv_url = body["kv_url"]
         return body
 
-    async def _choose(self, pool: Pool, tried: set[str]) -> Backend | None:
-        """The next backend to try; when all untried ones are down, probe them once first."""
+    async def _choose(self, pool: Pool, tried: set[str], only: Backend | None = None) -> Backend | None:
+        """The next backend to try (`only`: that one, once); when all untried ones are down, probe them once
+        first."""
+        if only is not None:
+            return None if only.url in tried else only
         backend = pool.choose(tried)
         if backend is None:
             down = [b for b in pool.backends if b.url not in tried]
@@ -431,8 +434,7 @@ class Proxy:
         up: the caller counts it down and closes the response. Raises `ProxyError`.
         """
         tried: set[str] = set()
-        while (backend := (await self._choose(pool, tried) if only is None
-                           else None if only.url in tried else only)) is not None:
+        while (backend := await self._choose(pool, tried, only)) is not None:
             tried.add(backend.url)
             backend.inflight += 1
             ok = False
@@ -518,15 +520,11 @@ class Proxy:
         decode = asyncio.create_task(self._post(self.decodes, "/v1/decode", self._decode_body(job, kv), stream=True))
         try:
             _, prefill = await self._prefill(job, prompt, images, only=backend)
-        except ProxyError as exc:
+        except BaseException as exc:
             await _discard(decode)
-            if exc.code == "no_backend":  # it refused the connection: it never saw the request
+            if isinstance(exc, ProxyError) and exc.code == "no_backend":  # refused: it never saw the request
                 return None
             await asyncio.shield(self._abort(backend, job.rid))  # decode may wait for it: answered at once
-            raise
-        except BaseException:
-            await _discard(decode)
-            await asyncio.shield(self._abort(backend, job.rid))
             raise
         return backend, prefill, decode
 

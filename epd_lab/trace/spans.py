@@ -123,11 +123,11 @@ class Recorder:
         """A copy of the spans, optionally of one request (`of_request`) and only those that ended
         after `since_ns`."""
         rid = bare_request_id(request_id) if request_id else None
+        owner = _owner(rid) if rid else None
+        part = rid if rid != owner else None  # a part's own id selects that part alone, as `of_request` does
         with self._lock:
-            pool = self._spans if rid is None else self._by_request.get(_owner(rid), ())
-            # a part's own id (``{rid}_local_part_{idx}``) selects that part alone, as `of_request` does
-            return [s for s in pool if s.t_end_ns >= since_ns and (rid is None or rid == _owner(rid)
-                                                                    or s.req_id == rid)]
+            pool = self._spans if owner is None else self._by_request.get(owner, ())
+            return [s for s in pool if s.t_end_ns >= since_ns and (part is None or s.req_id == part)]
 
     def clear(self) -> None:
         with self._lock:

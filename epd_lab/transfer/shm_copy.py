@@ -116,6 +116,19 @@ def cache_path(key: dict[str, Any] | None = None) -> Path:
     return Path(base) / "epd_lab" / f"shm-copy-{digest}.json"
 
 
+def memfd_array(nbytes: int, name: str) -> np.ndarray:
+    """`nbytes` of a fresh memfd mapping as a uint8 array, every page touched (as a managed buffer's
+    MAP_POPULATE does): the destination copies are timed into. Unmapped when the last view goes."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        out = np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+    finally:
+        os.close(fd)
+    out.fill(0)
+    return out
+
+
 def calibrate(sizes: Sequence[int] | None = None, repeats: int = REPEATS) -> list[dict[str, float]]:
     """GB/s of each copy at each size (default: `calibration_sizes` of this machine's glibc):
     ``[{"size", "memcpy_gbps", "stream_gbps"}, ...]``.
@@ -131,13 +144,7 @@ def calibrate(sizes: Sequence[int] | None = None, repeats: int = REPEATS) -> lis
     if repeats < 1 or not sizes or min(sizes) <= 0:
         raise ValueError(f"need positive sizes and repeats, got sizes={sizes}, repeats={repeats}")
     span = max(sizes)
-    fd = os.memfd_create("epd-shm-copy-calibration", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, span)
-        dst = np.frombuffer(mmap.mmap(fd, span), dtype=np.uint8)  # unmapped when the last view goes
-    finally:
-        os.close(fd)
-    dst.fill(0)  # touch every page now, as a managed buffer's MAP_POPULATE does
+    dst = memfd_array(span, "epd-shm-copy-calibration")
     src = np.ones(span, dtype=np.uint8)
     for copy in _native.COPIES:
         _native.copy_bytes(dst[:min(sizes)], src[:min(sizes)], copy)
