@@ -34,8 +34,9 @@ from PIL import Image
 from epd_lab import models
 from epd_lab.epd import media
 from epd_lab.epd.encoder import EmbeddingCache, EncoderSettings
-from epd_lab.epd.messages import MAX_JSON_BYTES, EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
+from epd_lab.epd.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
 from epd_lab.epd.receiver import PartPlan, encode_request, send_request
+from epd_lab.serving import MAX_BODY_BYTES
 from epd_lab.transfer import TransferEngine
 
 TIMEOUT = 1.5  # the servers' --timeout: the wait for a receive URL that never comes
@@ -338,7 +339,7 @@ def test_encode_request_errors(servers, tmp_path):
                          ({"embedding_port": 0}, "embedding_port"), ({"num_parts": 0}, "num_parts")):
         resp = client.post("/encode", json={**encode_body("e", [data_uri(IMG_A)]), **extra})
         assert resp.status_code == 400 and words in resp.json()["detail"], (extra, resp.text)
-    resp = client.post("/encode", content=b" " * (MAX_JSON_BYTES + 1))
+    resp = client.post("/encode", content=b" " * (MAX_BODY_BYTES + 1))
     assert resp.status_code == 413
     # routes of other backends
     assert client.post("/scheduler_receive_url", json={"req_id": "e", "receive_url": "tcp://h:1"}).status_code == 400

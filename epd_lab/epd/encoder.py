@@ -45,20 +45,18 @@ Run: ``python -m epd_lab.epd.encoder --port 0 --backend mooncake`` prints ``{"ur
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import msgspec
 import torch
 import zmq
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from PIL import Image
 
 from epd_lab import models
@@ -67,7 +65,6 @@ from epd_lab.epd.media import MAX_MEDIA_BYTES, MediaError, content_hash, fetch_m
 from epd_lab.epd.messages import (
     BACKENDS,
     DTYPES,
-    MAX_JSON_BYTES,
     EmbeddingData,
     EmbeddingNotify,
     EncodeRequest,
@@ -81,7 +78,9 @@ from epd_lab.epd.messages import (
     zmq_url,
 )
 from epd_lab.epd.push import PushSockets
-from epd_lab.serving import add_status_routes, run_server, server_arguments, settings_from_args
+from epd_lab.serving import (BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
+                             ServingError, decode_body, from_argv, json_response, option, read_body, read_struct,
+                             role_app, run_server)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -95,7 +94,7 @@ from epd_lab.transfer.engine import ENGINES
 
 TRANSPORTS = ENGINES
 SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes
-ROUTES = ("/encode", "/send", "/scheduler_receive_url", "/health", "/metrics")
+ROUTES = ("/encode", "/send", "/scheduler_receive_url")
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -104,15 +103,16 @@ T = TypeVar("T", bound=msgspec.Struct)
 class EncoderSettings:
     """What an encode server is started with; checked on construction (`ValueError`)."""
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: the OS picks
-    backend: str = "mooncake"
-    model: str | None = None  # a local model directory; None: the tiny random Qwen2-VL
-    dtype: str = "float32"
-    transport: str = "auto"  # the transfer engine's protocol (mooncake backend)
-    timeout: float = 10.0  # bounds every wait: media fetch, embedding, receive URL, transfer, ZMQ send
-    embedding_ttl: float = 60.0  # a held embedding whose /send never came is released after this
-    cache_bytes: int = 256 << 20  # embedding cache capacity; 0 disables it
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "0: the OS picks (printed on stdout)")
+    backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
+    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
+    dtype: str = option("float32", "the ViT's dtype", choices=tuple(DTYPES))
+    transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=TRANSPORTS)
+    timeout: float = option(10.0, "seconds; bounds every wait: media fetch, embedding, receive URL, transfer, "
+                                  "ZMQ send")
+    embedding_ttl: float = option(60.0, "seconds a held embedding waits for /send before it is released")
+    cache_bytes: int = option(256 << 20, "embedding cache capacity in bytes (0: off)")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -191,18 +191,17 @@ class MMEncoder:
         self.held: dict[str, _Held] = {}
         self.receive_urls: dict[str, _ReceiveUrls] = {}
         self.encoder_idx: int | None = None  # the latest /encode's encoder_idx: this server's place in its list
-        self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.bytes_sent = 0
         self.embeddings_expired = 0
 
     # ---- /encode ----
     async def encode(self, body: bytes | bytearray) -> EncodeResponse:
         """/encode's JSON body (`EncodeRequest`): read the media and answer the sizes; run (mooncake: start) the
-        ViT and send per backend. A bad request or item is a 400 (`HTTPException`)."""
+        ViT and send per backend. A bad request or item is a 400 (`BadRequest`)."""
         try:  # one thread hop for the body and the media: megabytes of JSON and base64 with data: URIs
             req, modality, items, load_span = await asyncio.to_thread(self._read_request, body)
         except MediaError as exc:
-            raise HTTPException(400, str(exc)) from None
+            raise BadRequest(str(exc)) from None
         if req.encoder_idx is not None:
             self.encoder_idx = req.encoder_idx
         sizes = [item.image.size for item in items]
@@ -210,7 +209,7 @@ class MMEncoder:
         resp = EncodeResponse(req.req_id, req.part_idx, n_tokens * self.embedding_dim * self.itemsize, n_tokens,
                               self.embedding_dim, self.settings.dtype, [list(models.image_grid(s)) for s in sizes])
         if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
-            raise HTTPException(409, f"req_id {req.req_id!r} is already held here, waiting for /send")
+            raise Conflict(f"req_id {req.req_id!r} is already held here, waiting for /send")
         future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, load_span)
         if self.settings.backend == "mooncake":
             self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
@@ -222,7 +221,7 @@ class MMEncoder:
     def _read_request(self, body: bytes | bytearray) -> tuple[EncodeRequest, Modality, list[_Item], Span]:
         """In a thread: the request, checked, and its media items, read, hashed and opened from their headers
         (the `load` span); a bad item raises `MediaError` naming it."""
-        req = _parse(body, EncodeRequest)
+        req = decode_body(body, EncodeRequest)
         modality = self._check_encode(req)
         t0 = time.monotonic_ns()
         items, nbytes = [], 0
@@ -241,17 +240,17 @@ class MMEncoder:
         try:
             modality = Modality.from_str(req.modality)
         except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
+            raise BadRequest(str(exc)) from None
         if modality not in SERVED_MODALITIES:
-            raise HTTPException(400, f"modality {modality.name} is not served by this encoder")
+            raise BadRequest(f"modality {modality.name} is not served by this encoder")
         if not req.mm_items:
-            raise HTTPException(400, "mm_items is empty")
+            raise BadRequest("mm_items is empty")
         if not req.req_id:
-            raise HTTPException(400, "req_id is empty")
+            raise BadRequest("req_id is empty")
         if not 0 <= req.part_idx < req.num_parts:
-            raise HTTPException(400, f"part_idx {req.part_idx} is not in 0..num_parts-1 ({req.num_parts})")
+            raise BadRequest(f"part_idx {req.part_idx} is not in 0..num_parts-1 ({req.num_parts})")
         if self.settings.backend == "zmq_to_tokenizer" and req.embedding_port is None:
-            raise HTTPException(400, "the zmq_to_tokenizer backend needs embedding_port")
+            raise BadRequest("the zmq_to_tokenizer backend needs embedding_port")
         return modality
 
     def _cache_key(self, digest: str) -> str:
@@ -305,7 +304,7 @@ class MMEncoder:
                 await self._bounded(entry.event.wait(), f"/scheduler_receive_url for {req.req_id!r}")
             msg.data = _raw_bytes(embedding)
             msg.spans = spans
-        except HTTPException as exc:
+        except ServingError as exc:
             if not urls:
                 raise
             raise await asyncio.to_thread(self._push_error, list(urls), msg, "transfer", exc) from None
@@ -323,18 +322,18 @@ class MMEncoder:
         """zmq_to_scheduler: add a place `req.req_id`'s embedding goes (and wake its /encode once all
         `receive_count` are known); returns its ZMQ URL."""
         if self.settings.backend != "zmq_to_scheduler":
-            raise HTTPException(400, f"/scheduler_receive_url is for the zmq_to_scheduler backend; "
+            raise BadRequest(f"/scheduler_receive_url is for the zmq_to_scheduler backend; "
                                      f"this encoder runs {self.settings.backend}")
         url = receive_url_endpoint(req.receive_url)  # checked on decode already
         entry = self._receive_entry(req.req_id)
         if entry.count is None:
             entry.count = req.receive_count
         elif req.receive_count != entry.count:
-            raise HTTPException(400, f"receive_count {req.receive_count} differs from the {entry.count} that "
+            raise BadRequest(f"receive_count {req.receive_count} differs from the {entry.count} that "
                                      f"came before for {req.req_id!r}")
         if url not in entry.urls:
             if len(entry.urls) == entry.count:
-                raise HTTPException(400, f"{req.req_id!r} already has its {entry.count} receive URL(s)")
+                raise BadRequest(f"{req.req_id!r} already has its {entry.count} receive URL(s)")
             entry.urls.append(url)
         if len(entry.urls) == entry.count:
             entry.event.set()
@@ -344,23 +343,23 @@ class MMEncoder:
     async def send(self, req: SendRequest) -> SendResponse:
         """mooncake: write the held embedding into the receiver's buffer, then notify it."""
         if self.settings.backend != "mooncake":
-            raise HTTPException(400, f"/send is for the mooncake backend; this encoder runs {self.settings.backend}")
+            raise BadRequest(f"/send is for the mooncake backend; this encoder runs {self.settings.backend}")
         held = self.held.get(req.req_id)
         if held is None:
-            raise HTTPException(404, f"req_id {req.req_id!r} is not held here: never encoded, already sent, "
+            raise NotFound(f"req_id {req.req_id!r} is not held here: never encoded, already sent, "
                                      f"or released after embedding_ttl={self.settings.embedding_ttl} s")
         answer = held.answer
         for name in EncodeResponse.__struct_fields__:  # the seed's body repeats the /encode answer
             sent, encoded = getattr(req, name), getattr(answer, name)
             if sent is not None and sent != encoded:
-                raise HTTPException(400, f"{name} {sent!r} does not match the encoded part's {encoded!r}")
+                raise BadRequest(f"{name} {sent!r} does not match the encoded part's {encoded!r}")
         port = req.embedding_port if req.embedding_port is not None else held.embedding_port
         if port is None:
-            raise HTTPException(400, "no embedding_port to notify (neither in /send nor in /encode)")
+            raise BadRequest("no embedding_port to notify (neither in /send nor in /encode)")
         try:
             parse_session_id(req.session_id)
         except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
+            raise BadRequest(str(exc)) from None
         # accepted: from here the part is released whatever happens, and the receiver always hears back
         del self.held[req.req_id]
         urls = [zmq_url(req.prefill_host or held.prefill_host, port)]
@@ -369,7 +368,7 @@ class MMEncoder:
         try:
             embedding, notify.spans = await self._bounded(asyncio.wrap_future(held.future),
                                                           f"the ViT of {req.req_id!r}")
-        except HTTPException as exc:
+        except ServingError as exc:
             raise await asyncio.to_thread(self._push_error, urls, notify, "notify", exc) from None
         path = await asyncio.to_thread(self._write_and_notify, req, embedding, notify, urls)
         self.bytes_sent += answer.embedding_size
@@ -381,7 +380,7 @@ class MMEncoder:
         notify is what the receiver waits for. Returns the path taken."""
         try:
             path = self._write(req, embedding, notify.spans)
-        except HTTPException as exc:
+        except ServingError as exc:
             raise self._push_error(urls, notify, "notify", exc) from None
         self._push_all(urls, notify, "notify")
         return path
@@ -398,13 +397,13 @@ class MMEncoder:
             finally:
                 engine.deregister(ptr)
         except RemoteAccessError as exc:
-            raise HTTPException(403, f"the receiver refused the write: {exc}") from None
+            raise Forbidden(f"the receiver refused the write: {exc}") from None
         except TransferTimeout as exc:
-            raise HTTPException(504, f"transfer to {req.session_id} timed out: {exc}") from None
+            raise GatewayTimeout(f"transfer to {req.session_id} timed out: {exc}") from None
         except RegistrationError as exc:
-            raise HTTPException(500, f"registering the embedding failed: {exc}") from None
+            raise ServingError(f"registering the embedding failed: {exc}") from None
         except TransferError as exc:
-            raise HTTPException(502, f"transfer to {req.session_id} failed: {exc}") from None
+            raise BadGateway(f"transfer to {req.session_id} failed: {exc}") from None
         span = Span(req.req_id, req.part_idx, "transfer", self.recorder.node, t0, time.monotonic_ns(), nbytes)
         self.recorder.add(span)
         if self.recorder.enabled:
@@ -416,13 +415,14 @@ class MMEncoder:
         for url in urls:
             self._push(url, msg, stage)
 
-    def _push_error(self, urls: list[str], msg: EmbeddingNotify, stage: str, exc: HTTPException) -> HTTPException:
+    def _push_error(self, urls: list[str], msg: EmbeddingNotify, stage: str, exc: ServingError) -> ServingError:
         """Tell the receivers why their part will not come (so they fail fast); the error to answer with."""
         msg.error = exc.detail
         try:
             self._push_all(urls, msg, stage)
-        except HTTPException as push_exc:
-            return HTTPException(exc.status_code, f"{exc.detail}; telling the receiver failed too: {push_exc.detail}")
+        except ServingError as push_exc:
+            return ServingError(f"{exc.detail}; telling the receiver failed too: {push_exc.detail}",
+                                status=exc.status, code=exc.code)
         return exc
 
     def _push(self, url: str, msg: EmbeddingNotify, stage: str) -> None:
@@ -435,7 +435,7 @@ class MMEncoder:
         try:
             self.pushers.push(url, encode_zmq(msg))
         except zmq.ZMQError as exc:
-            raise HTTPException(502, f"ZMQ send to {url} failed: {exc}") from None
+            raise BadGateway(f"ZMQ send to {url} failed: {exc}") from None
         self.recorder.add(Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, time.monotonic_ns(),
                                nbytes))
 
@@ -446,13 +446,13 @@ class MMEncoder:
         try:
             return await asyncio.wait_for(aw, self.settings.timeout)
         except asyncio.TimeoutError:
-            raise HTTPException(504, f"{what} did not come within {self.settings.timeout} s") from None
-        except HTTPException:
+            raise GatewayTimeout(f"{what} did not come within {self.settings.timeout} s") from None
+        except ServingError:
             raise
         except MediaError as exc:  # the client's image, found corrupt only when decoded
-            raise HTTPException(400, str(exc)) from None
+            raise BadRequest(str(exc)) from None
         except Exception as exc:  # whatever the ViT raised: the caller answers it and tells the receiver
-            raise HTTPException(500, f"{what} failed: {type(exc).__name__}: {exc}") from None
+            raise ServingError(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
     def sweep(self) -> None:
         """Release held embeddings and receive URLs older than the TTL."""
@@ -463,7 +463,8 @@ class MMEncoder:
         for req_id in [r for r, u in self.receive_urls.items() if u.created < cutoff and not u.awaited]:
             del self.receive_urls[req_id]
 
-    async def sweep_forever(self) -> None:
+    async def run(self) -> None:
+        """For the server's life (the floor runs it): sweep expired embeddings and receive URLs."""
         period = min(1.0, self.settings.embedding_ttl / 4)
         while True:
             await asyncio.sleep(period)
@@ -475,13 +476,9 @@ class MMEncoder:
                 "session_id": self.engine.session_id if self.engine is not None else None,
                 "embeddings_held": len(self.held), "encoder_idx": self.encoder_idx}
 
-    def metrics(self) -> str:
-        """Prometheus text exposition of the counters."""
-        lines = ["# HELP epd_encoder_requests_total HTTP requests by route and status",
-                 "# TYPE epd_encoder_requests_total counter"]
-        lines += [f'epd_encoder_requests_total{{route="{route}",status="{status}"}} {n}'
-                  for (route, status), n in sorted(self.requests.items())]
-        for name, kind, value, help_ in (
+    def metric_families(self) -> list[Metric]:
+        """The encoder's ``/metrics`` families: held embeddings, bytes sent, the embedding cache."""
+        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
             ("embeddings_held", "gauge", len(self.held), "embeddings waiting for /send"),
             ("embeddings_expired_total", "counter", self.embeddings_expired, "embeddings released by the TTL"),
             ("bytes_sent_total", "counter", self.bytes_sent, "embedding bytes written or sent over ZMQ"),
@@ -490,10 +487,7 @@ class MMEncoder:
             ("cache_evictions_total", "counter", self.cache.evictions, "cache entries evicted"),
             ("cache_entries", "gauge", len(self.cache), "images in the cache"),
             ("cache_bytes", "gauge", self.cache.num_bytes, "bytes in the cache"),
-        ):
-            lines += [f"# HELP epd_encoder_{name} {help_}", f"# TYPE epd_encoder_{name} {kind}",
-                      f"epd_encoder_{name} {value}"]
-        return "\n".join(lines) + "\n"
+        )]
 
     def close(self) -> None:
         """Stop the worker, close the sockets and the engine."""
@@ -522,101 +516,30 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-async def _read_body(request: Request) -> bytearray:
-    """The request body, at most MAX_JSON_BYTES (413 beyond); not copied into `bytes` (msgspec reads any buffer)."""
-    length = request.headers.get("content-length", "")
-    too_large = HTTPException(413, f"request body larger than {MAX_JSON_BYTES} bytes")
-    if length.isdigit() and int(length) > 2 * MAX_JSON_BYTES:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        # keep draining (up to twice the cap) so the client reads the 413 rather than a reset connection
-        if len(body) > 2 * MAX_JSON_BYTES:
-            break
-    if len(body) > MAX_JSON_BYTES:
-        raise too_large
-    return body
-
-
-_SMALL_BODY = 64 << 10  # /send and /scheduler_receive_url bodies are far smaller; such a body decodes in µs
-
-
-def _parse(body: bytes | bytearray, typ: type[T]) -> T:
-    """`typ` from a JSON body; a 400 when it is not one."""
-    try:
-        return msgspec.json.decode(body, type=typ)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise HTTPException(400, f"malformed {typ.__name__}: {exc}") from None
-
-
-async def _decode(request: Request, typ: type[T]) -> T:
-    """`typ` from the request's body: parsed on the event loop when small, in a thread when not (up to
-    MAX_JSON_BYTES of JSON takes milliseconds)."""
-    body = await _read_body(request)
-    return _parse(body, typ) if len(body) <= _SMALL_BODY else await asyncio.to_thread(_parse, body, typ)
-
-
-def _json(msg: msgspec.Struct) -> Response:
-    return Response(msgspec.json.encode(msg), media_type="application/json")
-
-
 def create_app(settings: EncoderSettings) -> FastAPI:
     """The encode server's app; the model loads, and the engine and worker start, in its lifespan."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        encoder = MMEncoder(settings)
-        app.state.encoder = encoder
-        sweeper = asyncio.create_task(encoder.sweep_forever())
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            await asyncio.gather(sweeper, return_exceptions=True)
-            encoder.close()
-
-    app = FastAPI(title="epd_lab encoder", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable) -> Response:
-        response = await call_next(request)
-        route = request.url.path if request.url.path in ROUTES else "other"
-        app.state.encoder.requests[route, response.status_code] += 1
-        return response
+    app = role_app("encoder", lambda: MMEncoder(settings), ROUTES)
 
     @app.post("/encode")
     async def encode(request: Request) -> Response:
-        return _json(await app.state.encoder.encode(await _read_body(request)))
+        return json_response(await app.state.server.encode(await read_body(request)))
 
     @app.post("/send")
     async def send(request: Request) -> Response:
-        return _json(await app.state.encoder.send(await _decode(request, SendRequest)))
+        return json_response(await app.state.server.send(await read_struct(request, SendRequest)))
 
     @app.post("/scheduler_receive_url")
-    async def scheduler_receive_url(request: Request) -> JSONResponse:
-        req = await _decode(request, SchedulerReceiveUrl)
-        url = app.state.encoder.set_receive_url(req)
-        return JSONResponse({"req_id": req.req_id, "receive_url": url, "receive_count": req.receive_count})
-
-    add_status_routes(app, lambda: app.state.encoder)
+    async def scheduler_receive_url(request: Request) -> Response:
+        req = await read_struct(request, SchedulerReceiveUrl)
+        url = app.state.server.set_receive_url(req)
+        return json_response({"req_id": req.req_id, "receive_url": url, "receive_count": req.receive_count})
 
     return app
 
 
 def parse_args(argv: list[str] | None = None) -> EncoderSettings:
     """`EncoderSettings` from the command line (errors exit with the usage)."""
-    default = {f.name: f.default for f in dataclasses.fields(EncoderSettings)}
-    ap = server_arguments("epd-lab encoder", "the EPD encode server (ViT → embeddings)")
-    ap.add_argument("--backend", default="mooncake", choices=BACKENDS)
-    ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--transport", default="auto", choices=TRANSPORTS, help="transfer engine protocol")
-    ap.add_argument("--timeout", type=float, default=default["timeout"], help="seconds, bounds every wait")
-    ap.add_argument("--embedding-ttl", type=float, default=default["embedding_ttl"],
-                    help="seconds a held embedding waits for /send")
-    ap.add_argument("--cache-bytes", type=int, default=default["cache_bytes"], help="embedding cache capacity (0: off)")
-    return settings_from_args(ap, ap.parse_args(argv), EncoderSettings)
+    return from_argv(EncoderSettings, argv, "epd-lab encoder", "the EPD encode server (ViT → embeddings)")
 
 
 def main(argv: list[str] | None = None) -> int:

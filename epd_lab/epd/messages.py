@@ -24,7 +24,6 @@ from epd_lab.transfer.engine import parse_session_id
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # dtype names on the wire
 BACKENDS = ("mooncake", "zmq_to_tokenizer", "zmq_to_scheduler")
-MAX_JSON_BYTES = 8 << 20  # an /encode body carries data: URIs; larger bodies are refused with 413
 MAX_ZMQ_BYTES = 1 << 31
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]

@@ -1,0 +1,130 @@
+"""The floor every role's app stands on: one lifespan, one error answer, one request counter, the status routes.
+
+    app = role_app("prefill", lambda: PrefillServer(settings), routes=("/v1/prefill", "/v1/abort"))
+
+The role object the factory builds (off the event loop: model loads, engine start-up) is kept in
+``app.state.server`` and must offer `Role`'s methods. `ServingError`s raised by a route are answered with
+their status and ``{"detail": ...}`` (or the role's own shape: the proxy's OpenAI error objects), and so are
+unknown routes; ``GET /health``, ``GET /metrics``, ``GET /v1/spans`` and ``GET /v1/clock`` are added.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol
+
+import msgspec
+
+from epd_lab.serving.errors import ServingError, error_for_status
+from epd_lab.serving.metrics import CountRequests, Metric, metrics_text
+from epd_lab.serving.stack import http_info
+
+__all__ = ["Role", "add_trace_routes", "json_response", "role_app"]
+
+STATUS_ROUTES = ("/health", "/metrics", "/v1/spans", "/v1/clock")
+
+
+class Role(Protocol):
+    """What a role's server object offers the floor."""
+
+    recorder: Any  # its `epd_lab.trace.Recorder`
+
+    def health(self) -> dict[str, Any]:
+        """``/health``'s JSON (may be a coroutine); ``"status"`` other than ``"ok"`` answers 503."""
+
+    def metric_families(self) -> Iterable[Metric]:
+        """The role's own ``/metrics`` families (the request counter is the floor's)."""
+
+    def close(self) -> None:
+        """Release everything (may be a coroutine); called once, at shutdown."""
+
+
+def json_response(obj: Any, status: int = 200) -> Any:
+    """A JSON answer encoded by msgspec (structs, dicts, lists)."""
+    from fastapi.responses import Response
+
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _detail_body(exc: ServingError) -> dict[str, Any]:
+    return {"detail": exc.detail}
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
+             error_body: Callable[[ServingError], Any] = _detail_body) -> Any:
+    """A FastAPI app for `role` (``epd_{role}_...`` metrics). `factory` builds the role's object at start-up,
+    in a thread; if it has ``async def run()``, that runs as a task for the server's life (sweepers).
+    `routes` are the role's own paths (the request counter's labels); `error_body` shapes an error's JSON."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import PlainTextResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    requests: collections.Counter[tuple[str, int]] = collections.Counter()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server = await asyncio.to_thread(factory)
+        app.state.server = server
+        task = asyncio.create_task(server.run()) if hasattr(server, "run") else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            if inspect.iscoroutinefunction(server.close):
+                await server.close()
+            else:
+                await asyncio.to_thread(server.close)
+
+    app = FastAPI(title=f"epd_lab {role}", lifespan=lifespan)
+    app.state.requests = requests
+    app.add_middleware(CountRequests, routes=(*routes, *STATUS_ROUTES), counts=requests)
+
+    @app.exception_handler(ServingError)
+    async def serving_error(request: Request, exc: ServingError) -> Any:
+        return json_response(error_body(exc), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Any:  # unknown routes and methods
+        return await serving_error(request, error_for_status(exc.status_code, str(exc.detail)))
+
+    @app.get("/health")
+    async def health() -> Any:
+        report = await _maybe_await(app.state.server.health())
+        report.setdefault("http", http_info())
+        return json_response(report, 200 if report.get("status") == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = metrics_text(f"epd_{role}", requests, app.state.server.metric_families())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    add_trace_routes(app, lambda: app.state.server.recorder)
+    return app
+
+
+def add_trace_routes(app: Any, recorder: Callable[[], Any]) -> None:
+    """``GET /v1/spans`` (the role's spans, oldest first; ``request_id`` — a request's or an OpenAI
+    response's id — and ``since_ns`` filter, an unknown request gives an empty list) and ``GET /v1/clock``
+    (CLOCK_MONOTONIC and host, for `epd_lab.trace.collect`'s clock offsets). `recorder` returns the role's
+    `Recorder`."""
+    from fastapi import Query
+
+    from epd_lab.trace import clock_answer, spans_answer
+
+    @app.get("/v1/spans")
+    async def spans(request_id: str = "", since_ns: int = Query(0, ge=0)) -> Any:
+        page = spans_answer(recorder(), request_id or None, since_ns)
+        page.spans.sort(key=lambda s: (s.t_start_ns, s.t_end_ns))
+        return json_response(page)
+
+    @app.get("/v1/clock")
+    async def clock() -> Any:
+        return json_response(clock_answer(recorder().node))

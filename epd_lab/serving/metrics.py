@@ -1,0 +1,74 @@
+"""One request counter and one Prometheus text writer for every server.
+
+`CountRequests` (pure ASGI, so streamed answers pass untouched) counts answers by route and status for
+``{prefix}_requests_total``; a role adds its own families as `Metric` rows.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Iterable, Mapping, NamedTuple
+
+__all__ = ["CountRequests", "Metric", "metrics_text"]
+
+Labels = Mapping[str, Any]
+
+
+class Metric(NamedTuple):
+    """One metric family: `samples` are (name suffix, labels, value), e.g. ``("", {}, 3)`` or
+    ``("_sum", {}, 1.5)``; `Metric.of` builds the common unlabelled or one-label cases."""
+
+    name: str
+    kind: str  # counter, gauge, summary
+    help: str
+    samples: tuple[tuple[str, Labels, float], ...]
+
+    @classmethod
+    def of(cls, name: str, kind: str, help_: str, value: float | Mapping[Any, float], label: str = "") -> "Metric":
+        """An unlabelled family of one `value`, or one sample per key of `value` under `label`."""
+        if isinstance(value, Mapping):
+            return cls(name, kind, help_, tuple(("", {label: k}, v) for k, v in sorted(value.items())))
+        return cls(name, kind, help_, (("", {}, value),))
+
+
+class CountRequests:
+    """ASGI middleware counting answers by (route, status) into `counts`; paths not in `routes` count as
+    ``other`` (so that a scan of random paths cannot grow the counter)."""
+
+    def __init__(self, app: Any, routes: Iterable[str], counts: collections.Counter) -> None:
+        self.app, self.routes, self.counts = app, frozenset(routes), counts
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.counts[route, message["status"]] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _labels(labels: Labels) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _escape(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metrics_text(prefix: str, requests: Mapping[tuple[str, int], int], families: Iterable[Metric]) -> str:
+    """Prometheus text exposition: ``{prefix}_requests_total{route,status}`` from `requests`, then `families`,
+    each named ``{prefix}_{name}``."""
+    name = f"{prefix}_requests_total"
+    lines = [f"# HELP {name} HTTP requests by route and status", f"# TYPE {name} counter"]
+    lines += [f'{name}{{route="{route}",status="{status}"}} {n}' for (route, status), n in sorted(requests.items())]
+    for family in families:
+        full = f"{prefix}_{family.name}"
+        lines += [f"# HELP {full} {family.help}", f"# TYPE {full} {family.kind}"]
+        lines += [f"{full}{suffix}{_labels(labels)} {value}" for suffix, labels, value in family.samples]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,107 @@
+"""Settings written once: a role's frozen dataclass is its command line, its launcher's argv and its checks.
+
+    @dataclasses.dataclass(slots=True, frozen=True)
+    class DecodeSettings:
+        max_batch: int = option(8, "requests per decode forward")
+
+`parser(DecodeSettings)` is the role's ``argparse`` parser (``--max-batch``, typed from the annotation),
+`from_argv` the settings it parses (a value the dataclass refuses exits with the usage), and `to_argv` the
+command line that recreates given settings, which `epd_lab.launch` starts each process with.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Sequence, TypeVar
+
+__all__ = ["from_argv", "option", "parser", "to_argv"]
+
+S = TypeVar("S")
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: Sequence[str] | None = None,  # noqa: A002
+           flag: str | None = None, cli: bool = True) -> Any:
+    """A settings field with its command-line help; `flag` overrides ``--field-name``, `choices` limits the
+    values, ``cli=False`` keeps it off the command line (a value only Python can give)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "cli": cli})
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def _cli_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
+def _split(value: str) -> list[str]:
+    """A comma-separated list option; repeating the option adds to it."""
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _base(hint: Any) -> tuple[Any, bool]:
+    """(the type, whether None is allowed) of ``X`` or ``X | None``."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return hint, False
+
+
+def parser(cls: type, prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    """The command line of settings dataclass `cls`: one option per field, typed from its annotation (``bool``
+    → ``--x/--no-x``, ``tuple[str, ...]`` → comma-separated or repeated, ``X | None`` → optional)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").split("\n")[0])
+    for field, hint in _cli_fields(cls):
+        kind, _ = _base(hint)
+        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        help_ = field.metadata.get("help", "")
+        if not required and field.default not in (None, "", ()):
+            help_ += f" (default: {field.default})"
+        kw: dict[str, Any] = {"dest": field.name, "help": help_, "required": required}
+        if kind is bool:
+            ap.add_argument(_flag(field), action=argparse.BooleanOptionalAction, default=None, **kw)
+        elif typing.get_origin(kind) is tuple:
+            ap.add_argument(_flag(field), type=_split, action="extend", default=None, metavar="A[,B...]", **kw)
+        else:
+            ap.add_argument(_flag(field), type=kind, choices=field.metadata.get("choices"), default=None, **kw)
+    return ap
+
+
+def from_argv(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None,
+              description: str | None = None) -> S:
+    """Settings `cls` from a command line (options not given keep the field defaults); a value the dataclass
+    refuses (`ValueError`) exits with the usage, as argparse does."""
+    ap = parser(cls, prog, description)
+    args = ap.parse_args(argv)
+    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(args).items() if v is not None}
+    try:
+        return cls(**given)
+    except (TypeError, ValueError) as exc:
+        ap.error(str(exc))
+
+
+def to_argv(settings: Any) -> list[str]:
+    """The command line that `from_argv` turns back into `settings`: the fields that differ from their
+    defaults. A value the command line cannot carry (None where the default is not, an empty list, an item
+    with a comma) is refused with `ValueError`."""
+    argv: list[str] = []
+    for field, hint in _cli_fields(type(settings)):
+        value = getattr(settings, field.name)
+        if field.default is not dataclasses.MISSING and value == field.default:
+            continue
+        flag = _flag(field)
+        if value is None:
+            raise ValueError(f"{field.name}=None has no command line (its default is {field.default!r})")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            if not value or any("," in str(v) for v in value):
+                raise ValueError(f"{field.name}={value!r} has no comma-separated command line")
+            argv += [flag, ",".join(map(str, value))]
+        else:
+            argv += [flag, str(value)]
+    return argv
