@@ -263,5 +263,14 @@ def test_close_is_idempotent_and_stops_the_server() -> None:
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+
+@pytest.mark.parametrize(("timeout", "whole"), [(0.5, 5), (6.2, 7)])
+def test_open_engine_rounds_the_timeout_up_to_whole_seconds_and_mooncakes_floor(timeout: float, whole: int) -> None:
+    from epd_lab.transfer import open_engine
+
+    with open_engine("mooncake", "127.0.0.1", timeout) as engine:
+        assert type(engine) is MooncakeTransferEngine
+        assert (engine.timeout, engine.protocol, engine.hostname) == (whole, "tcp", "127.0.0.1")
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--peer"]:
     _peer_main(int(sys.argv[2]))

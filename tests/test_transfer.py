@@ -1,14 +1,31 @@
 """Writes land in the peer's registered memory, checked by the owner, on every path (two processes)."""
 from __future__ import annotations
 
+import ast
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import zlib
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import pytest
 
-from epd_lab.transfer import RegistrationError, RemoteAccessError, TransferEngine, TransferStatus
+import epd_lab.transfer
+from epd_lab.transfer import (
+    ENGINES,
+    RegistrationError,
+    RemoteAccessError,
+    TransferEngine,
+    TransferStatus,
+    open_engine,
+    register_transport,
+    registry,
+    transports,
+)
 from procs import freeze
 
 MiB = 1 << 20
@@ -174,3 +191,149 @@ def test_a_write_naming_an_old_registration_is_refused(peer, writer, managed):
     writer.transfer_sync_write(peer.session_id, src, dst, 4096, rkey=new_key)
     writer.transfer_sync_write(peer.session_id, src, dst, 4096)
     assert peer.stats()["writes_refused"] == 2
+
+
+# ---- transports by name (epd_lab.transfer.registry) and the import graph of the package ----
+
+PKG = "epd_lab.transfer"
+PKG_DIR = Path(epd_lab.transfer.__file__).parent
+
+
+def _module_level(tree: ast.Module) -> Iterator[ast.AST]:
+    """The nodes that run when the module is imported: all but function bodies (class bodies run)."""
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _package_imports(nodes: Iterable[ast.AST]) -> set[str]:
+    """The modules of epd_lab.transfer these import statements name, short (``engine``); the package
+    itself is ``__init__``, and ``from epd_lab.transfer import verbs`` names ``verbs``."""
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative; nothing in the package sits deeper than one level
+                module = f"{PKG}.{module}".rstrip(".")
+            names = [f"{module}.{a.name}" if module == PKG and (PKG_DIR / f"{a.name}.py").exists() else module
+                     for a in node.names]
+        else:
+            continue
+        found.update("__init__" if n == PKG else n.removeprefix(f"{PKG}.") for n in names
+                     if n == PKG or n.startswith(f"{PKG}."))
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module → the package modules it imports anywhere in it, lazy imports inside functions included:
+    a lazy import still makes the two modules depend on each other (the circle of issue 10 was one)."""
+    return {path.stem: _package_imports(ast.walk(ast.parse(path.read_text())))
+            for path in sorted(PKG_DIR.glob("*.py"))}
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle in `graph` as a path that ends where it starts, or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for nxt in sorted(graph.get(node, ())):
+            if (found := visit(nxt, path + [node])) is not None:
+                return found
+        done.add(node)
+        return None
+
+    return next((c for n in sorted(graph) if (c := visit(n, [])) is not None), None)
+
+
+def test_the_transfer_package_imports_no_circle():
+    graph = _import_graph()
+    # the scan sees module-level imports and lazy ones inside functions (engine's verbs and registry)
+    assert {"registration", "verbs", "registry"} <= graph["engine"]
+    assert "registration" in graph["mooncake"] and "mooncake" not in graph["engine"]
+    assert _circle(graph) is None, " -> ".join(_circle(graph))
+    assert _circle({**graph, "registration": {"engine"}}) is not None  # and it would find one
+
+
+def test_no_transport_imports_the_registry_at_module_level():
+    targets = {t.module_path for t in registry._TRANSPORTS.values()}
+    assert targets == {"epd_lab.transfer.engine", "epd_lab.transfer.mooncake"}
+    for module in targets:
+        path = PKG_DIR / f"{module.rpartition('.')[2]}.py"
+        assert "registry" not in _package_imports(_module_level(ast.parse(path.read_text()))), module
+
+
+def test_the_builtin_transports_are_the_engine_protocols_and_mooncake():
+    from epd_lab.transfer.engine import PROTOCOLS
+
+    assert ENGINES == transports() == (*PROTOCOLS, "mooncake")
+
+
+def test_old_import_paths_still_work():
+    from epd_lab.transfer import engine
+    from epd_lab.transfer.engine import ENGINES as old_engines, Registration, open_engine as old_open
+    from epd_lab.transfer.registration import Registration as moved
+
+    assert (old_engines, old_open, Registration) == (ENGINES, open_engine, moved)
+    with pytest.raises(AttributeError, match="'epd_lab.transfer.engine' has no attribute 'no_such_name'"):
+        engine.no_such_name
+
+
+def test_opening_an_engine_imports_only_its_transport():
+    """In a fresh process: neither listing the transports nor opening ``tcp`` imports Mooncake's adapter."""
+    code = textwrap.dedent("""
+        import sys
+        from epd_lab.transfer import registry
+        print("mooncake" in registry.transports(), "epd_lab.transfer.mooncake" in sys.modules)
+        with registry.open_engine("tcp", "127.0.0.1", 1.0) as e:
+            print(type(e).__name__, e.protocol, "epd_lab.transfer.mooncake" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "False", "TransferEngine", "tcp", "False"]
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch, tmp_path):
+    """The registry as it is, restored after the test; `tmp_path` importable."""
+    monkeypatch.setattr(registry, "_TRANSPORTS", dict(registry._TRANSPORTS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("fake_transport", None)
+
+
+def test_register_transport_by_module_path(scratch_registry):
+    (scratch_registry / "fake_transport.py").write_text(textwrap.dedent("""
+        class FakeEngine:
+            def __init__(self, hostname, protocol, *, timeout):
+                self.args = (hostname, protocol, timeout)
+    """))
+    register_transport("fake", "fake_transport", "FakeEngine")
+    register_transport("fake", "fake_transport", "FakeEngine")  # the same again (a re-run cell): a no-op
+    assert "fake_transport" not in sys.modules  # registering imports nothing
+    assert transports() == (*ENGINES, "fake")
+    engine = open_engine("fake", "10.0.0.1", 2.5)
+    assert type(engine).__module__ == "fake_transport"
+    assert engine.args == ("10.0.0.1", "fake", 2.5)
+
+
+def test_a_name_registered_to_another_target_is_refused(scratch_registry):
+    with pytest.raises(ValueError, match=r"'tcp' is already registered as epd_lab\.transfer\.engine\.TransferEngine"):
+        register_transport("tcp", "fake_transport", "FakeEngine")
+    assert transports() == ENGINES
+
+
+def test_an_unknown_transport_names_the_choices(scratch_registry):
+    register_transport("fake", "fake_transport", "FakeEngine")
+    with pytest.raises(ValueError, match="unknown transport 'rdma'") as err:
+        open_engine("rdma")
+    for name in (*ENGINES, "fake"):
+        assert f"{name}," in f"{err.value},"
+    assert "fake_transport" not in sys.modules

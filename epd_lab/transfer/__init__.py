@@ -1,13 +1,6 @@
 """The transfer engine: one-sided writes into memory a peer registered beforehand."""
 from epd_lab.transfer.buffers import as_array, buffer_info
-from epd_lab.transfer.engine import (
-    PROTOCOLS,
-    Registration,
-    TransferEngine,
-    TransferStatus,
-    open_engine,
-    parse_session_id,
-)
+from epd_lab.transfer.engine import PROTOCOLS, TransferEngine, TransferStatus, parse_session_id
 from epd_lab.transfer.errors import (
     PeerUnreachable,
     ProtocolError,
@@ -17,8 +10,11 @@ from epd_lab.transfer.errors import (
     TransferTimeout,
     TransportUnavailable,
 )
+from epd_lab.transfer.registration import Registration
+from epd_lab.transfer.registry import ENGINES, open_engine, register_transport, transports
 
 __all__ = [
+    "ENGINES",
     "PROTOCOLS",
     "PeerUnreachable",
     "ProtocolError",
@@ -34,4 +30,6 @@ __all__ = [
     "buffer_info",
     "open_engine",
     "parse_session_id",
+    "register_transport",
+    "transports",
 ]

@@ -19,29 +19,20 @@ registered memory after checking them against its registration table. Paths to a
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 from epd_lab import _native
 from epd_lab.transfer import shm_copy
 from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
+from epd_lab.transfer.registration import Registration
 
 PROTOCOLS = ("auto", "tcp", "shm", "verbs")
-ENGINES = (*PROTOCOLS, "mooncake")  # what `open_engine` takes
-
-
-class Registration(NamedTuple):
-    """What `register_buffer` registered: the address, the size and the registration's key."""
-
-    ptr: int
-    nbytes: int
-    key: int
 
 
 class TransferStatus(Enum):
@@ -375,13 +366,12 @@ class TransferEngine:
         return f"TransferEngine({state}, protocol={self.protocol!r})"
 
 
+def __getattr__(name: str) -> Any:
+    """`ENGINES` and `open_engine` now live in `epd_lab.transfer.registry`; old imports of them from
+    here still work. Looked up on use, not imported at module level: the registry names this module as
+    a target, and this module importing the registry back would make the two depend on each other."""
+    if name in ("ENGINES", "open_engine"):
+        from epd_lab.transfer import registry
 
-def open_engine(protocol: str = "auto", hostname: str = "127.0.0.1", timeout: float = 5.0):
-    """An engine by protocol name: ours for ``auto``/``tcp``/``shm``/``verbs``, the real Mooncake
-    engine (`epd_lab.transfer.mooncake.MooncakeTransferEngine`, same API) for ``mooncake``, whose
-    timeout is whole seconds and at least 5."""
-    if protocol == "mooncake":
-        from epd_lab.transfer.mooncake import MooncakeTransferEngine
-
-        return MooncakeTransferEngine(hostname, timeout=max(5, math.ceil(timeout)))
-    return TransferEngine(hostname, protocol, timeout=timeout)
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
 import threading
@@ -59,7 +60,6 @@ from typing import Any, Sequence
 
 from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
-from epd_lab.transfer.engine import Registration
 from epd_lab.transfer.errors import (
     PeerUnreachable,
     RegistrationError,
@@ -67,6 +67,7 @@ from epd_lab.transfer.errors import (
     TransferTimeout,
     TransportUnavailable,
 )
+from epd_lab.transfer.registration import Registration
 
 PROTOCOLS = ("auto", "tcp", "rdma")
 _DEFAULT_TIMEOUT_S = 30  # Mooncake's transfer timeout when MC_TRANSFER_TIMEOUT is unset
@@ -368,3 +369,17 @@ class MooncakeTransferEngine:
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.session_id
         return f"MooncakeTransferEngine({state}, protocol={self.protocol!r})"
+
+
+def open_mooncake(hostname: str = "127.0.0.1", protocol: str = "mooncake", *,
+                  timeout: float = 5.0) -> MooncakeTransferEngine:
+    """`open_engine`'s way in (transport ``mooncake`` in `epd_lab.transfer.registry`).
+
+    Args:
+        hostname: as for `MooncakeTransferEngine`.
+        protocol: ``"mooncake"`` (the registry's name: Mooncake's ``auto``) or one of `PROTOCOLS`.
+        timeout: seconds, as every role passes it; rounded up to whole seconds and to Mooncake's
+            floor of 5, since Mooncake takes no less.
+    """
+    return MooncakeTransferEngine(hostname, "auto" if protocol == "mooncake" else protocol,
+                                  timeout=max(_MIN_TIMEOUT_S, math.ceil(timeout)))

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from epd_lab.transfer.buffers import as_array
-from epd_lab.transfer.engine import TransferEngine, open_engine
+from epd_lab.transfer.engine import TransferEngine
+from epd_lab.transfer.registry import open_engine
 
 
 def checksum(ptr: int, nbytes: int) -> int:
