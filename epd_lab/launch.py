@@ -5,7 +5,9 @@
             got = receiver.receive(["photo.png"])
 
 Each role is a plain process with a CLI (`python -m epd_lab.epd.encoder ...`), started with port 0:
-it prints one JSON line with its URL once it serves, and the cluster then waits for its /health.
+it prints one JSON line with its URL once it serves, and the cluster then waits for its /health. Its command
+line is its settings dataclass written back (`epd_lab.serving.to_argv`): the `Topology` fills the shared
+options, ``Topology(settings={"decode": {"max_batch": 4}})`` any other one of a role.
 Every process's output goes to a log file kept by the cluster (`cluster.logs`).
 """
 from __future__ import annotations
@@ -21,14 +23,19 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import httpx
 
+from epd_lab.epd.encoder import EncoderSettings
 from epd_lab.epd.messages import BACKENDS
 from epd_lab.epd.receiver import EmbeddingReceiver, ReceiverConfig
+from epd_lab.pd.decode_server import DecodeSettings
+from epd_lab.pd.prefill_server import PrefillSettings
+from epd_lab.pd.proxy import ProxySettings
+from epd_lab.serving import from_argv, option, to_argv
 from epd_lab.trace import Recorder, Span, collect
 from epd_lab.transfer.engine import ENGINES
 
@@ -37,42 +44,39 @@ if TYPE_CHECKING:
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
+# each role: the module its process runs, the settings its command line is written from, and the `Topology`
+# options it takes (the proxy's `model` is the id it lists, not the model directory)
+ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
+    "encoder": ("epd_lab.epd.encoder", EncoderSettings, ("model", "dtype", "timeout", "transport", "backend")),
+    "prefill": ("epd_lab.pd.prefill_server", PrefillSettings,
+                ("model", "dtype", "timeout", "transport", "backend", "kv_blocks")),
+    "decode": ("epd_lab.pd.decode_server", DecodeSettings, ("model", "dtype", "timeout", "transport", "kv_blocks")),
+    "proxy": ("epd_lab.pd.proxy", ProxySettings, ("timeout", "pipelined")),
+}
+
 
 @dataclass(slots=True)
 class Topology:
-    """What to start.
+    """What to start: how many processes of each role, and the options they share. ``settings`` sets any
+    other option of a role's settings (`EncoderSettings`, `PrefillSettings`, `DecodeSettings`, `ProxySettings`),
+    by role name; a name a role does not have is refused here."""
 
-    Args:
-        encoders: number of encode servers.
-        backend: ``mooncake``, ``zmq_to_tokenizer`` or ``zmq_to_scheduler``.
-        transport: the transfer engines' protocol (``auto``, ``shm``, ``tcp``).
-        model: a local model directory; None for the built-in tiny Qwen2-VL.
-        dtype: ``float32`` or ``bfloat16``.
-        timeout: seconds for a request (and for each process to come up, times 6).
-        pool_bytes: the receiver's persistent pool (0: a buffer per request, as the seed).
-        prefills: prefill servers (`epd_lab.pd.prefill_server`), each fanning images out to all
-            encoders; 0 keeps the prefill role in the driver (`Cluster.receiver`).
-        decodes: decode servers (`epd_lab.pd.decode_server`).
-        proxy: start the OpenAI-compatible proxy in front of the prefills and decodes.
-        pipelined: the proxy asks decode while prefill runs (streamed requests); False (default): after prefill
-            answered, which gave the lower TTFT on 2 vCPUs (README, "bench e2e").
-        kv_blocks: KV-cache blocks per prefill and decode server.
-        trace: record spans in every process (``EPD_TRACE=0`` in their environment when False).
-    """
-
-    encoders: int = 1
-    backend: str = "mooncake"
-    transport: str = "auto"
-    model: str | None = None
-    dtype: str = "float32"
-    timeout: float = 10.0
-    pool_bytes: int = 0
-    prefills: int = 0
-    decodes: int = 0
-    proxy: bool = False
-    pipelined: bool = False
-    kv_blocks: int = 512
-    trace: bool = True
+    encoders: int = option(1, "encode servers")
+    backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
+    transport: str = option("auto", "the transfer engines' protocol", choices=ENGINES)
+    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
+    dtype: str = option("float32", "the model's dtype", choices=("float32", "bfloat16"))
+    timeout: float = option(10.0, "seconds for a request (and for each process to come up, times 6)")
+    pool_bytes: int = option(0, "the in-driver receiver's persistent pool (0: a buffer per request, as the seed)")
+    prefills: int = option(0, "prefill servers, each fanning images out to all encoders (0: the prefill role "
+                              "stays in the driver, `Cluster.receiver`)")
+    decodes: int = option(0, "decode servers")
+    proxy: bool = option(False, "start the OpenAI-compatible proxy in front of the prefills and decodes")
+    pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
+                                    "prefill answered, which gave the lower TTFT on 2 vCPUs (README, bench e2e)")
+    kv_blocks: int = option(512, "KV-cache blocks per prefill and decode server")
+    trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -87,6 +91,20 @@ class Topology:
             raise ValueError("prefills and decodes must be >= 0")
         if self.proxy and not (self.prefills and self.decodes):
             raise ValueError("the proxy needs at least one prefill and one decode server")
+        for role, values in self.settings.items():
+            if role not in ROLES:
+                raise ValueError(f"settings for unknown role {role!r}; roles: {', '.join(ROLES)}")
+            names = {f.name for f in fields(ROLES[role][1])}
+            unknown = set(values) - names
+            if unknown:
+                raise ValueError(f"{role} has no setting {', '.join(sorted(unknown))}; it has {', '.join(sorted(names))}")
+
+    def role_settings(self, role: str, **wiring: Any) -> Any:
+        """The settings a `role` process starts with: this topology's shared options, the `wiring` the cluster
+        knows once earlier roles run (URLs), then ``settings[role]``. `ValueError` when the role refuses them."""
+        _, cls, shared = ROLES[role]
+        values = {name: getattr(self, name) for name in shared}
+        return replace(cls(**{**values, **wiring}), **self.settings.get(role, {}))
 
 
 class Cluster:
@@ -104,43 +122,31 @@ class Cluster:
         _LIVE.add(self)
         try:
             for i in range(topology.encoders):
-                self.encoder_urls.append(self._start(f"encoder{i}", self._encoder_cmd()))
+                self.encoder_urls.append(self._start(f"encoder{i}", "encoder"))
             for i in range(topology.prefills):
-                self.prefill_urls.append(self._start(f"prefill{i}", self._server_cmd("prefill_server")))
+                self.prefill_urls.append(self._start(f"prefill{i}", "prefill", encoders=tuple(self.encoder_urls)))
             for i in range(topology.decodes):
-                self.decode_urls.append(self._start(f"decode{i}", self._server_cmd("decode_server")))
+                self.decode_urls.append(self._start(f"decode{i}", "decode"))
             if topology.proxy:
-                self.proxy_url = self._start("proxy", self._proxy_cmd())
+                self.proxy_url = self._start("proxy", "proxy", prefills=tuple(self.prefill_urls),
+                                             decodes=tuple(self.decode_urls))
             for url in self.urls():
                 self._wait_healthy(url)
         except BaseException:
             self.close()
             raise
 
-    def _encoder_cmd(self) -> list[str]:
-        t = self.topology
-        cmd = [sys.executable, "-m", "epd_lab.epd.encoder", "--host", "127.0.0.1", "--port", "0",
-               "--backend", t.backend, "--transport", t.transport, "--dtype", t.dtype, "--timeout", str(t.timeout)]
-        return cmd + (["--model", t.model] if t.model else [])
+    def command(self, role: str, **wiring: Any) -> list[str]:
+        """The command line a `role` process of this cluster starts with (port 0: the OS picks)."""
+        module = ROLES[role][0]
+        return [sys.executable, "-m", module, *to_argv(self.topology.role_settings(role, **wiring))]
 
     def urls(self) -> list[str]:
         """Every server's base URL: encoders, prefills, decodes, proxy."""
         return [*self.encoder_urls, *self.prefill_urls, *self.decode_urls, *([self.proxy_url] if self.proxy_url else [])]
 
-    def _server_cmd(self, module: str) -> list[str]:
-        t = self.topology
-        cmd = [sys.executable, "-m", f"epd_lab.pd.{module}", "--host", "127.0.0.1", "--port", "0",
-               "--dtype", t.dtype, "--timeout", str(t.timeout), "--kv-blocks", str(t.kv_blocks)]
-        if module == "prefill_server" and self.encoder_urls:
-            cmd += ["--encoders", ",".join(self.encoder_urls), "--backend", t.backend]
-        return cmd + (["--model", t.model] if t.model else [])
-
-    def _proxy_cmd(self) -> list[str]:
-        return [sys.executable, "-m", "epd_lab.pd.proxy", "--host", "127.0.0.1", "--port", "0",
-                "--prefill", ",".join(self.prefill_urls), "--decode", ",".join(self.decode_urls),
-                "--timeout", str(self.topology.timeout)] + (["--pipelined"] if self.topology.pipelined else [])
-
-    def _start(self, name: str, cmd: list[str]) -> str:
+    def _start(self, name: str, role: str, **wiring: Any) -> str:
+        cmd = self.command(role, **wiring)
         log = self.log_dir / f"{name}.log"
         self.logs.append(log)
         with open(log, "wb") as err:
@@ -249,22 +255,7 @@ def _close_all() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab launch``: start a topology, print its URLs and logs as JSON, serve until Ctrl-C."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="epd-lab launch", description=main.__doc__)
-    ap.add_argument("--encoders", type=int, default=2)
-    ap.add_argument("--backend", default="mooncake", choices=BACKENDS)
-    ap.add_argument("--transport", default="auto", choices=ENGINES)
-    ap.add_argument("--model", default=None, help="a local model directory (default: the tiny Qwen2-VL)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--timeout", type=float, default=10.0)
-    ap.add_argument("--prefills", type=int, default=0, help="prefill servers (0: none)")
-    ap.add_argument("--decodes", type=int, default=0, help="decode servers (0: none)")
-    ap.add_argument("--proxy", action="store_true", help="the OpenAI-compatible proxy in front")
-    ap.add_argument("--kv-blocks", type=int, default=512)
-    args = ap.parse_args(argv)
-    topo = Topology(args.encoders, args.backend, args.transport, args.model, args.dtype, args.timeout,
-                    prefills=args.prefills, decodes=args.decodes, proxy=args.proxy, kv_blocks=args.kv_blocks)
+    topo = from_argv(Topology, argv, "epd-lab launch", main.__doc__)
     with Cluster(topo) as cluster:
         print(json.dumps({"encoders": cluster.encoder_urls, "prefills": cluster.prefill_urls,
                           "decodes": cluster.decode_urls, "proxy": cluster.proxy_url, "backend": topo.backend,

@@ -127,7 +127,7 @@ class Stack:
         with self.http.stream("POST", self.decode.url + "/v1/decode", json=body) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
             lines = [json.loads(line) for line in r.iter_lines() if line]
-        assert lines[-1]["done"] is True and lines[-1]["finish_reason"] == "length"
+        assert lines[-1]["type"] == "done" and lines[-1]["finish_reason"] == "length"
         assert [ln["index"] for ln in lines[:-1]] == list(range(N_TOKENS))
         return [ln["token"] for ln in lines[:-1]]
 
@@ -296,7 +296,8 @@ def test_bad_requests_are_4xx_or_503_with_detail(stack):
     assert r.status_code == 400 and "max_tokens" in r.json()["detail"]
     r = stack.http.post(d, json={"request_id": "x", "max_tokens": 1})
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["detail"]
-    assert 'epd_prefill_http_requests_total{status="400"}' in stack.http.get(stack.main.url + "/metrics").text
+    metrics = stack.http.get(stack.main.url + "/metrics").text
+    assert 'epd_prefill_requests_total{route="/v1/prefill",status="400"}' in metrics
     assert "epd_decode_kv_blocks_free 64" in stack.http.get(stack.decode.url + "/metrics").text
 
 

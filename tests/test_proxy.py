@@ -31,7 +31,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from epd_lab.pd.proxy import MODEL_ID, ProxySettings, create_app
+from epd_lab.pd.openai_api import MODEL_ID
+from epd_lab.pd.proxy import ProxySettings, create_app
 from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
 
 TAIL = [*"é ok".encode(), 1025]  # after the first token: a 2-byte character split over two tokens, a special id
@@ -96,8 +97,8 @@ def prefill_app(state: StandIn) -> FastAPI:
         assert body["kv_transfer_params"] == {"do_remote_decode": True}
         token = first_token(body["prompt"])
         prompt_len = len(body["prompt"].encode()) + 66 * len(body["images"])
-        params = {"remote_engine": state.name, "request_id": body["request_id"], "first_token": token,
-                  "prompt_len": prompt_len}
+        params = {"remote_url": f"tcp://{state.name}:5557", "remote_request_id": body["request_id"],
+                  "prompt_len": prompt_len, "rope_delta": 0, "first_token": token, "num_blocks": 1}
         return JSONResponse({"request_id": body["request_id"], "first_token": token, "prompt_len": prompt_len,
                              "kv_transfer_params": params, "spans": []})
 
@@ -133,8 +134,8 @@ def decode_app(state: StandIn) -> FastAPI:
                         finished = True
                         return
                     await asyncio.sleep(state.delay)
-                    yield json.dumps({"token": token, "index": i}).encode() + b"\n"
-                yield json.dumps({"done": True, "finish_reason": "length", "spans": []}).encode() + b"\n"
+                    yield json.dumps({"type": "token", "token": token, "index": i}).encode() + b"\n"
+                yield json.dumps({"type": "done", "finish_reason": "length", "spans": []}).encode() + b"\n"
                 finished = True
             finally:
                 state.active -= 1
@@ -309,9 +310,10 @@ def test_chat_non_streaming_text_and_images(basic: tuple) -> None:
     (pre,), (dec,) = p.requests, d.requests
     assert pre["prompt"] == prompt and pre["images"] == [PNG_URI, "/tmp/x.png"]
     assert dec == {"request_id": pre["request_id"], "max_tokens": 7, "temperature": 0.0, "seed": 7,
-                   "stream": False, "kv_transfer_params": {"remote_engine": "p0", "request_id": pre["request_id"],
-                                                           "first_token": first_token(prompt),
-                                                           "prompt_len": prompt_len}}
+                   "stream": False, "kv_transfer_params": {"remote_url": "tcp://p0:5557",
+                                                           "remote_request_id": pre["request_id"],
+                                                           "prompt_len": prompt_len, "rope_delta": 0,
+                                                           "first_token": first_token(prompt), "num_blocks": 1}}
 
     text = client.chat.completions.create(model="any-model", messages=[{"role": "user", "content": "hello"}])
     assert d.requests[-1]["max_tokens"] == 16  # the default
@@ -334,7 +336,7 @@ def test_chat_streaming(basic: tuple) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 11
     assert chunks[-1].usage.prompt_tokens == len(prompt.encode()) + 66
     assert d.requests[0]["stream"] is True and len({c.id for c in chunks}) == 1
-    proxy = app.state.proxy
+    proxy = app.state.server
     wait_for(lambda: proxy.decodes.backends[0].inflight == 0)
     assert sorted(s.stage for s in proxy.recorder.spans()) == ["e2e", "proxy_parse", "tpot", "ttft"]
     assert proxy.prefills.backends[0].inflight == 0 and proxy.streams_aborted == {}
@@ -356,7 +358,7 @@ def test_models_health_metrics(basic: tuple) -> None:
     assert [m.id for m in client.models.list()] == [MODEL_ID]
     list(client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                         stream=True))
-    wait_for(lambda: app.state.proxy.decodes.backends[0].inflight == 0)
+    wait_for(lambda: app.state.server.decodes.backends[0].inflight == 0)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_ID, messages=[], max_tokens=2)
     base = str(client.base_url).removesuffix("/v1/")
@@ -442,7 +444,7 @@ def test_stream_failure_after_start(rig: Rig, behaviour: dict[str, Any], error: 
                                                      max_tokens=8, stream=True)
     with pytest.raises(openai.APIError, match=error):
         list(stream)
-    proxy = app.state.proxy
+    proxy = app.state.server
     wait_for(lambda: proxy.decodes.backends[0].inflight == 0)
     assert sum(proxy.streams_aborted.values()) == 1 and "client_disconnect" not in proxy.streams_aborted
 
@@ -495,7 +497,7 @@ def test_client_disconnect_closes_upstream(rig: Rig) -> None:
     stream.close()
     assert d.closed.wait(5), "the stand-in decode's stream was not closed"
     assert d.closed_early == [d.requests[0]["request_id"]]
-    proxy = app.state.proxy
+    proxy = app.state.server
     wait_for(lambda: proxy.decodes.backends[0].inflight == 0 and proxy.streams_aborted)
     assert proxy.streams_aborted == {"client_disconnect": 1}
     assert {s.stage for s in proxy.recorder.spans()} == {"proxy_parse", "ttft", "tpot", "e2e"}
@@ -539,4 +541,4 @@ def test_pipelined_proxy_goes_the_serial_way_when_prefill_tells_no_side_channel(
         model=MODEL_ID, messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert d.requests[0]["kv_transfer_params"]["prompt_len"] is not None  # prefill's own answer, not the early one
-    assert app.state.proxy.prefills.backends[0].probed and app.state.proxy.prefills.backends[0].kv_url is None
+    assert app.state.server.prefills.backends[0].probed and app.state.server.prefills.backends[0].kv_url is None

@@ -21,7 +21,7 @@ cancelled; the scheduler drops it (and its cache) before its next step.
 
 Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
 KV pool exhausted 503, TRANS_ERROR 502, timeout 504. An error after streaming began is a last NDJSON line
-``{"error": "..."}``.
+`StreamError` (``{"type": "error", "detail": "..."}``).
 
 ``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
 batched steps, so ``tokens_generated`` over it is about the mean batch), ``GET /metrics`` (Prometheus).
@@ -54,15 +54,14 @@ from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.pd.messages import (
     DecodeRequest,
     DecodeResponse,
-    ErrorResponse,
     KVTransferParams,
     StreamDone,
+    StreamError,
     StreamToken,
     encode,
 )
-from epd_lab.pd.prefill_server import HTTPError, decode_body, read_body
-from epd_lab.serving import (add_status_routes, metrics_text, run_server, server_arguments, server_lifespan,
-                             settings_from_args)
+from epd_lab.serving import (BadGateway, BadRequest, GatewayTimeout, Metric, ServingError, Unavailable, from_argv,
+                             option, read_struct, role_app, run_server)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -72,7 +71,7 @@ T = TypeVar("T")
 _DONE = object()  # the queue's end marker
 
 
-class _TimedOut(HTTPError):
+class _TimedOut(GatewayTimeout):
     """The producer did not answer in time (504): blocks it was asked to write into are quarantined."""
 
 
@@ -80,16 +79,17 @@ class _TimedOut(HTTPError):
 class DecodeSettings:
     """What a decode server is started with; checked on construction (`ValueError`)."""
 
-    host: str = "127.0.0.1"
-    port: int = 0
-    transport: str = "auto"
-    model: str | None = None
-    dtype: str = "float32"
-    kv_blocks: int = 512
-    block_size: int = 16
-    timeout: float = 10.0  # the side channel's wait for the producer's answer
-    kv_quarantine: float | None = None  # blocks of a timed-out transfer rest this long (None: timeout)
-    max_batch: int = 16  # requests per decode forward
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "0: the OS picks (printed on stdout)")
+    transport: str = option("auto", "the transfer engine's protocol", choices=ENGINES)
+    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
+    dtype: str = option("float32", "the model's dtype", choices=tuple(DTYPES))
+    kv_blocks: int = option(512, "blocks in the paged KV cache")
+    block_size: int = option(16, "tokens per KV block")
+    timeout: float = option(10.0, "seconds the side channel waits for the producer's answer")
+    kv_quarantine: float | None = option(None, "seconds the blocks of a timed-out transfer rest before reuse "
+                                               "(default: --timeout)")
+    max_batch: int = option(16, "requests per decode forward (1: round-robin single steps)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -142,7 +142,6 @@ class DecodeServer:
         self.consumer = KVConsumer(self.engine, self.cache, timeout=settings.timeout)
         self.quarantine_s = settings.timeout if settings.kv_quarantine is None else settings.kv_quarantine
         self.counters: collections.Counter[str] = collections.Counter()
-        self.statuses: collections.Counter[int] = collections.Counter()
         self._quarantined = 0
         self._timers: set[threading.Timer] = set()
         self._lock = threading.Lock()
@@ -155,7 +154,7 @@ class DecodeServer:
 
     # ---- KV ----
     def fetch_kv(self, req: DecodeRequest) -> tuple[DynamicCache, list[Span], KVTransferParams]:
-        """Receive the request's KV (in a worker thread) and gather it; raises `HTTPError`. Returns the cache,
+        """Receive the request's KV (in a worker thread) and gather it; raises `ServingError`. Returns the cache,
         the spans and the parameters complete (a pipelined request's learnt from the producer)."""
         p = req.kv_transfer_params
         spans: list[Span] = []
@@ -167,13 +166,13 @@ class DecodeServer:
             prompt_len, num_blocks = plan.prompt_len, plan.num_blocks
         n = blocks_needed(prompt_len, self.cache.block_size)
         if num_blocks != n:
-            raise HTTPError(400, f"kv_transfer_params: {prompt_len} tokens take {n} blocks of "
+            raise BadRequest(f"kv_transfer_params: {prompt_len} tokens take {n} blocks of "
                                  f"{self.cache.block_size}, not {num_blocks} (prefill's block size differs?)")
         try:
             ids = self.blocks.allocate(n)
         except OutOfBlocks as exc:
             self._count("kv_pool_exhausted")
-            raise HTTPError(503, f"KV pool exhausted: {exc}") from None
+            raise Unavailable(f"KV pool exhausted: {exc}") from None
         t0 = time.monotonic_ns()
         quarantine = False
         try:
@@ -184,7 +183,7 @@ class DecodeServer:
                 raise
             if p.pipelined:
                 if not done.aux:
-                    raise HTTPError(502, f"TRANS_DONE for {p.remote_request_id!r} came without the first token")
+                    raise BadGateway(f"TRANS_DONE for {p.remote_request_id!r} came without the first token")
                 p = msgspec.structs.replace(p, prompt_len=prompt_len, num_blocks=num_blocks,
                                             first_token=done.aux[0].first_token, rope_delta=done.aux[0].rope_delta)
             nbytes = self.cache.nbytes(n)
@@ -200,18 +199,18 @@ class DecodeServer:
                 self.blocks.free(ids)
 
     def _kv_call(self, p: KVTransferParams, call: Callable[[], T]) -> T:
-        """One side-channel exchange; its failures as `HTTPError`: TRANS_ERROR 502, no answer 504 (`_TimedOut`),
+        """One side-channel exchange; its failures as `ServingError`s: TRANS_ERROR 502, no answer 504 (`_TimedOut`),
         an unusable `remote_url` 400."""
         try:
             return call()
         except KVTransferTimeout as exc:
             self._count("kv_timeouts")
-            raise _TimedOut(504, str(exc)) from None
+            raise _TimedOut(str(exc)) from None
         except KVTransferError as exc:
             self._count("kv_errors")
-            raise HTTPError(502, str(exc)) from None
+            raise BadGateway(str(exc)) from None
         except zmq.ZMQError as exc:
-            raise HTTPError(400, f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
+            raise BadRequest(f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
 
     def _quarantine(self, ids: list[int]) -> None:
         def release() -> None:
@@ -343,10 +342,11 @@ class DecodeServer:
                 "block_size": self.cache.block_size, "active_requests": active,
                 "max_batch": self.settings.max_batch, "counters": counters}
 
-    def metrics(self) -> str:
+    def metric_families(self) -> list[Metric]:
+        """The decode's ``/metrics`` families: its KV blocks, requests and tokens, the consumer's counters."""
         h = self.health()
         c = collections.Counter(h["counters"])
-        return metrics_text("epd_decode", [
+        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
             ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
             ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
@@ -359,7 +359,7 @@ class DecodeServer:
             ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
             ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
             ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
-        ], statuses=("/v1/decode", self.statuses))
+        )]
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""
@@ -376,11 +376,7 @@ class DecodeServer:
         self.engine.close()
 
 
-def _error(status: int, detail: str) -> Response:
-    return Response(encode(ErrorResponse(detail)), status_code=status, media_type="application/json")
-
-
-def _line(msg: msgspec.Struct | dict) -> bytes:
+def _line(msg: msgspec.Struct) -> bytes:
     return msgspec.json.encode(msg) + b"\n"
 
 
@@ -402,22 +398,14 @@ class _GenerationStream(StreamingResponse):
 def create_app(settings: DecodeSettings) -> FastAPI:
     """The decode server's app; the model loads and the cache registers in its lifespan."""
 
-    app = FastAPI(title="epd_lab decode", lifespan=server_lifespan(lambda: DecodeServer(settings)))
+    app = role_app("decode", lambda: DecodeServer(settings), ("/v1/decode",))
 
     @app.post("/v1/decode")
     async def decode(request: Request) -> Response:
-        server: DecodeServer = app.state.server
-        try:
-            out = await _decode(server, request)
-        except HTTPError as exc:
-            out = _error(exc.status, exc.detail)
-        except Exception as exc:  # noqa: BLE001 - every answer is {"detail": ...}
-            out = _error(500, f"{type(exc).__name__}: {exc}")
-        server.statuses[out.status_code] += 1
-        return out
+        return await _decode(app.state.server, request)
 
     async def _decode(server: DecodeServer, request: Request) -> Response:
-        req: DecodeRequest = decode_body(await read_body(request), DecodeRequest)
+        req = await read_struct(request, DecodeRequest)
         loop = asyncio.get_running_loop()
         cache, kv_spans, params = await loop.run_in_executor(server.io, server.fetch_kv, req)
         req = msgspec.structs.replace(req, kv_transfer_params=params)  # a pipelined one's, completed
@@ -436,7 +424,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
         try:
             while (item := await queue.get()) is not _DONE:
                 if isinstance(item, Exception):
-                    raise HTTPError(500, f"decode failed: {type(item).__name__}: {item}")
+                    raise ServingError(f"decode failed: {type(item).__name__}: {item}")
         finally:
             gen.cancelled = True  # a no-op once it finished; stops it if this handler was cancelled
         logits = [row.tolist() for row in gen.logits] if gen.logits is not None else None
@@ -450,33 +438,20 @@ def create_app(settings: DecodeSettings) -> FastAPI:
             index = 0
             while (item := await queue.get()) is not _DONE:
                 if isinstance(item, Exception):
-                    yield _line({"error": f"decode failed: {type(item).__name__}: {item}"})
+                    yield _line(StreamError(f"decode failed: {type(item).__name__}: {item}"))
                     return
                 yield _line(StreamToken(item, index))
                 index += 1
-            yield _line(StreamDone(True, "length", gen.spans))
+            yield _line(StreamDone("length", gen.spans))
         finally:
             gen.cancelled = True
-
-    add_status_routes(app, lambda: app.state.server)
 
     return app
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeSettings:
-    d = {f.name: f.default for f in dataclasses.fields(DecodeSettings)}
-    ap = server_arguments("python -m epd_lab.pd.decode_server", "the EPD decode server")
-    ap.add_argument("--transport", default=d["transport"], choices=ENGINES, help="transfer engine protocol")
-    ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
-    ap.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
-    ap.add_argument("--kv-blocks", type=int, default=d["kv_blocks"], help="blocks in the paged KV cache")
-    ap.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block")
-    ap.add_argument("--timeout", type=float, default=d["timeout"], help="seconds to wait for the producer's answer")
-    ap.add_argument("--kv-quarantine", type=float, default=None,
-                    help="seconds the blocks of a timed-out transfer rest before reuse (default: --timeout)")
-    ap.add_argument("--max-batch", type=int, default=d["max_batch"],
-                    help="requests per decode forward (1: round-robin single steps)")
-    return settings_from_args(ap, ap.parse_args(argv), DecodeSettings)
+    """`DecodeSettings` from the command line (errors exit with the usage)."""
+    return from_argv(DecodeSettings, argv, "python -m epd_lab.pd.decode_server", "the EPD decode server")
 
 
 def main(argv: list[str] | None = None) -> int:

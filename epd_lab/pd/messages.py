@@ -3,7 +3,8 @@
 Everything is validated on decode (`decode`); a malformed body or an unknown field is a 400 at the server.
 
     PrefillRequest  → POST /v1/prefill → PrefillResponse   (its kv_transfer_params: `KVTransferParams`)
-    DecodeRequest   → POST /v1/decode  → DecodeResponse, or NDJSON lines `StreamToken`… then `StreamDone`
+    DecodeRequest   → POST /v1/decode  → DecodeResponse, or NDJSON `StreamLine`s: `StreamToken`… then
+                                         `StreamDone` or `StreamError`
     AbortRequest    → POST /v1/abort   → AbortResponse     (prefill: decode will never ask for this KV)
 
 `KVTransferParams` is what decode needs besides the KV blocks (issue 4, DESIGN.md §4): where to ask for
@@ -117,19 +118,27 @@ class DecodeResponse(msgspec.Struct):
     logits: list[list[float]] | None = None  # with return_logits: step i's logits, which chose token i + 1
 
 
-class StreamToken(msgspec.Struct):
+class StreamToken(msgspec.Struct, tag="token"):
     """One NDJSON line of a streaming /v1/decode: token number `index` (0-based)."""
 
     token: int
     index: int
 
 
-class StreamDone(msgspec.Struct):
-    """The last NDJSON line of a streaming /v1/decode."""
+class StreamDone(msgspec.Struct, tag="done"):
+    """The last NDJSON line of a streaming /v1/decode that ran to its end."""
 
-    done: bool = True
     finish_reason: str = "length"
     spans: list[Span] = []
+
+
+class StreamError(msgspec.Struct, tag="error"):
+    """The last NDJSON line of a streaming /v1/decode that failed after its answer began (its status was sent)."""
+
+    detail: str
+
+
+StreamLine = StreamToken | StreamDone | StreamError  # tagged by "type": {"type": "token", ...}
 
 
 class ErrorResponse(msgspec.Struct):

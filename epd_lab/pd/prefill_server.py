@@ -15,7 +15,7 @@ client left before decode began). ``producer.abort`` frees its blocks now instea
 decode asking for it later gets ``TRANS_ERROR`` "aborted", and a prefill of it still running when the abort came
 keeps nothing (answered 409). Idempotent; an unknown request_id is answered 200 with ``freed_blocks`` 0.
 
-Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 8 MiB 413, an image an
+Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 64 MiB 413, an image an
 encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted 503, a
 request_id whose KV is still waiting for decode, or that was aborted, 409.
 
@@ -33,7 +33,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -46,49 +45,40 @@ from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, bloc
 from epd_lab.kv.connector import AlreadyReady, RequestAborted
 from epd_lab.kv.messages import KVAux
 from epd_lab.pd.messages import (
-    MAX_BODY_BYTES,
     AbortRequest,
     AbortResponse,
-    ErrorResponse,
     KVTransferParams,
     PrefillRequest,
     PrefillResponse,
-    decode,
     encode,
 )
-from epd_lab.serving import (add_status_routes, metrics_text, run_server, server_arguments, server_lifespan,
-                             settings_from_args)
+from epd_lab.serving import (BadRequest, Conflict, Metric, Unavailable, error_for_status, from_argv, option,
+                             read_struct, role_app, run_server)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
-
-
-class HTTPError(Exception):
-    """An answer other than 200: status and detail."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status, self.detail = status, detail
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class PrefillSettings:
     """What a prefill server is started with; checked on construction (`ValueError`)."""
 
-    host: str = "127.0.0.1"
-    port: int = 0
-    encoders: tuple[str, ...] = ()  # encode servers' base URLs; empty: text-only prompts
-    backend: str = "mooncake"  # the E→P backend
-    transport: str = "auto"  # the transfer engines' protocol (E→P receiver and KV producer)
-    model: str | None = None
-    dtype: str = "float32"
-    kv_blocks: int = 512
-    block_size: int = 16
-    timeout: float = 10.0  # E→P per request; also the side channel's wait for a request not yet ready
-    kv_free_timeout: float = 30.0  # a readied request's blocks are freed after this if decode never asks
-    workers: int = 4  # prefills in flight at once
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "0: the OS picks (printed on stdout)")
+    encoders: tuple[str, ...] = option((), "encode servers' base URLs (none: text-only prompts)")
+    backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
+    transport: str = option("auto", "the transfer engines' protocol (E→P receiver and KV producer)", choices=ENGINES)
+    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
+    dtype: str = option("float32", "the model's dtype", choices=tuple(DTYPES))
+    kv_blocks: int = option(512, "blocks in the paged KV cache")
+    block_size: int = option(16, "tokens per KV block")
+    timeout: float = option(10.0, "seconds: E→P per request, and the side channel's wait for a request not yet "
+                                  "ready")
+    kv_free_timeout: float = option(30.0, "seconds a prefilled KV waits for decode before its blocks are freed")
+    workers: int = option(4, "prefills in flight at once")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
@@ -120,14 +110,14 @@ class _KeptKV:
             self.ids = server.blocks.allocate(n)
         except OutOfBlocks as exc:
             server.counters["kv_pool_exhausted"] += 1
-            raise HTTPError(503, f"KV pool exhausted: {exc}") from None
+            raise Unavailable(f"KV pool exhausted: {exc}") from None
         try:
             server.producer.announce(self.rid, prompt_len, n)
         except RequestAborted:
             raise self._aborted() from None
         except AlreadyReady:
             self.conflict = True
-            raise HTTPError(409, f"request_id {self.rid!r}: its KV is still waiting for decode") from None
+            raise Conflict(f"request_id {self.rid!r}: its KV is still waiting for decode") from None
 
     def keep(self, result: models.PrefillResult, first_token: int) -> KVTransferParams:
         """Write the KV into the blocks and hand them to the producer; the parameters decode needs."""
@@ -143,10 +133,10 @@ class _KeptKV:
         return KVTransferParams(server.producer.url, self.rid, result.prompt_len, result.rope_delta, first_token,
                                 len(ids))
 
-    def _aborted(self) -> HTTPError:
+    def _aborted(self) -> Conflict:
         """The 409 for a request the proxy aborted (`/v1/abort`) while it was being prefilled, counted."""
         self.server.counters["aborted_while_prefilling"] += 1
-        return HTTPError(409, f"request_id {self.rid!r} was aborted while it was being prefilled")
+        return Conflict(f"request_id {self.rid!r} was aborted while it was being prefilled")
 
     def drop(self) -> None:
         """The request failed before its KV was readied: free the blocks, and abort it on the producer, so that
@@ -171,7 +161,6 @@ class PrefillServer:
         self.runner = models.PrefillRunner(self.model)
         self.recorder = Recorder(node=f"prefill:{settings.port}")
         self.counters: collections.Counter[str] = collections.Counter()
-        self.statuses: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
         self.engine = open_engine(settings.transport, settings.host, settings.timeout)
@@ -194,11 +183,11 @@ class PrefillServer:
 
     # ---- /v1/prefill ----
     def prefill(self, req: PrefillRequest) -> PrefillResponse:
-        """Run one request (in a worker thread); raises `HTTPError`."""
+        """Run one request (in a worker thread); raises `ServingError`."""
         rid = req.request_id
         with self._lock:
             if rid in self._inflight:
-                raise HTTPError(409, f"request_id {rid!r} is already being prefilled")
+                raise Conflict(f"request_id {rid!r} is already being prefilled")
             self._inflight.add(rid)
         try:
             return self._prefill(req, rid)
@@ -212,7 +201,7 @@ class PrefillServer:
         try:
             if req.images:
                 if self.epd is None:
-                    raise HTTPError(400, "this prefill server has no encoders (started without --encoders): "
+                    raise BadRequest("this prefill server has no encoders (started without --encoders): "
                                          "images are not allowed, text-only prompts are")
                 try:
                     result = self.epd.prefill(req.prompt, req.images, rid,
@@ -220,13 +209,13 @@ class PrefillServer:
                 except EPDError as exc:
                     # an encoder that refused the input (an image that does not decode, ...) is the client's error
                     status = exc.status if exc.status in (400, 409, 413) else 502
-                    raise HTTPError(status, f"E→P failed: {exc}") from None
+                    raise error_for_status(status, f"E→P failed: {exc}") from None
                 except ValueError as exc:  # the prompt and the embeddings disagree
-                    raise HTTPError(400, f"prefill failed: {exc}") from None
+                    raise BadRequest(f"prefill failed: {exc}") from None
             else:
                 input_ids = models.build_input_ids(req.prompt, [])
                 if input_ids.shape[1] == 0:
-                    raise HTTPError(400, "empty prompt and no images: nothing to prefill")
+                    raise BadRequest("empty prompt and no images: nothing to prefill")
                 if kv:
                     kv.announce(input_ids)
                 with self.recorder.span("prefill", rid):
@@ -256,9 +245,10 @@ class PrefillServer:
                 "block_size": self.cache.block_size, "inflight": len(self._inflight), "producer": producer,
                 "counters": dict(self.counters)}
 
-    def metrics(self) -> str:
+    def metric_families(self) -> list[Metric]:
+        """The prefill's ``/metrics`` families: its KV blocks, prefills running, the producer's counters."""
         p = self.producer.stats()
-        return metrics_text("epd_prefill", [
+        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
             ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
             ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
             ("inflight", "gauge", len(self._inflight), "prefills running"),
@@ -270,7 +260,7 @@ class PrefillServer:
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
             ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
             ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
-        ], statuses=("/v1/prefill", self.statuses))
+        )]
 
     def close(self) -> None:
         """Stop the workers, answer waiting asks, free and deregister the cache, close the engines."""
@@ -285,83 +275,29 @@ class PrefillServer:
         self.engine.close()
 
 
-def _error(status: int, detail: str) -> Response:
-    return Response(encode(ErrorResponse(detail)), status_code=status, media_type="application/json")
-
-
-async def read_body(request: Request) -> bytes:
-    """The request body, at most MAX_BODY_BYTES (413 beyond)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise HTTPError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise HTTPError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-    return bytes(body)
-
-
-def decode_body(body: bytes, typ: type) -> msgspec.Struct:
-    try:
-        return decode(body, typ)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise HTTPError(400, f"malformed {typ.__name__}: {exc}") from None
-
-
 def create_app(settings: PrefillSettings) -> FastAPI:
     """The prefill server's app; the model loads and the cache registers in its lifespan."""
-
-    app = FastAPI(title="epd_lab prefill", lifespan=server_lifespan(lambda: PrefillServer(settings)))
+    app = role_app("prefill", lambda: PrefillServer(settings), ("/v1/prefill", "/v1/abort"))
 
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
         server: PrefillServer = app.state.server
-        try:
-            req = decode_body(await read_body(request), PrefillRequest)
-            loop = asyncio.get_running_loop()
-            resp = await loop.run_in_executor(server.pool, server.prefill, req)
-            out = Response(encode(resp), media_type="application/json")
-        except HTTPError as exc:
-            out = _error(exc.status, exc.detail)
-        except Exception as exc:  # noqa: BLE001 - every answer is {"detail": ...}
-            out = _error(500, f"{type(exc).__name__}: {exc}")
-        server.statuses[out.status_code] += 1
-        return out
+        req = await read_struct(request, PrefillRequest)
+        resp = await asyncio.get_running_loop().run_in_executor(server.pool, server.prefill, req)
+        return Response(encode(resp), media_type="application/json")
 
     @app.post("/v1/abort")
     async def abort(request: Request) -> Response:
-        server: PrefillServer = app.state.server
-        try:
-            req = decode_body(await read_body(request), AbortRequest)
-            # freeing takes the block manager's lock only: no need to leave the event loop
-            return Response(encode(server.abort(req)), media_type="application/json")
-        except HTTPError as exc:
-            return _error(exc.status, exc.detail)
-
-    add_status_routes(app, lambda: app.state.server)
+        # freeing takes the block manager's lock only: no need to leave the event loop
+        req = await read_struct(request, AbortRequest)
+        return Response(encode(app.state.server.abort(req)), media_type="application/json")
 
     return app
 
 
 def parse_args(argv: list[str] | None = None) -> PrefillSettings:
-    d = {f.name: f.default for f in dataclasses.fields(PrefillSettings)}
-    ap = server_arguments("python -m epd_lab.pd.prefill_server", "the EPD prefill server")
-    ap.add_argument("--encoders", default="", help="comma-separated encode server URLs (none: text only)")
-    ap.add_argument("--backend", default=d["backend"], choices=BACKENDS, help="the E→P backend")
-    ap.add_argument("--transport", default=d["transport"], choices=ENGINES, help="transfer engine protocol")
-    ap.add_argument("--model", default=None, help="local model directory (default: the tiny random Qwen2-VL)")
-    ap.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
-    ap.add_argument("--kv-blocks", type=int, default=d["kv_blocks"], help="blocks in the paged KV cache")
-    ap.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block")
-    ap.add_argument("--timeout", type=float, default=d["timeout"],
-                    help="seconds: E→P per request, and the side channel's wait for a request not yet ready")
-    ap.add_argument("--kv-free-timeout", type=float, default=d["kv_free_timeout"],
-                    help="seconds a prefilled KV waits for decode before its blocks are freed")
-    ap.add_argument("--workers", type=int, default=d["workers"], help="prefills in flight at once")
-    args = ap.parse_args(argv)
-    encoders = tuple(u.strip().rstrip("/") for u in args.encoders.split(",") if u.strip())
-    return settings_from_args(ap, args, PrefillSettings, encoders=encoders)
+    """`PrefillSettings` from the command line (errors exit with the usage)."""
+    return from_argv(PrefillSettings, argv, "python -m epd_lab.pd.prefill_server", "the EPD prefill server")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,75 +55,47 @@ import contextlib
 import dataclasses
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
-from epd_lab.serving import (CLIENT_KEEPALIVE_S, add_trace_routes, http_info, run_server, server_arguments,
-                             settings_from_args)
+from epd_lab.pd.messages import AbortResponse, DecodeResponse, PrefillResponse, StreamDone, StreamLine, StreamToken
+from epd_lab.pd.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
+from epd_lab.pd.routing import POLICIES, Backend, Pool
+from epd_lab.pd.text import Detokenizer, detokenize
+from epd_lab.serving import (CLIENT_KEEPALIVE_S, BadGateway, BadRequest, ClientClosed, GatewayTimeout, Metric,
+                             PayloadTooLarge, ServingError, Unavailable, from_argv, json_response, option,
+                             read_body, decode_body, role_app, run_server)
 from epd_lab.trace import Recorder, Span
 
-MODEL_ID = "epd-lab-tiny-qwen2-vl"
-POLICIES = ("round_robin", "least_loaded")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/spans", "/v1/clock", "/health", "/metrics")
-MAX_BODY_BYTES = 64 << 20  # a request with several data-URI images is MiBs
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat too
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 PROBE_TIMEOUT = 1.0  # seconds, at most, for a /health probe of a backend
 QUANTILES = (0.5, 0.9, 0.99)
-# OpenAI request fields this proxy does not implement: accepted only absent, null or at their neutral value,
-# so that a client asking for them gets a 400 instead of a silently different answer
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "stop": ("", []), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
-    "suffix": ("",), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "response_format": ({"type": "text"},), "top_p": (1,), "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-}
-
-
-class ProxyError(Exception):
-    """A failure answered as an OpenAI error object with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
-
-    def response(self) -> Response:
-        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
-
-
-def bad_request(message: str) -> ProxyError:
-    return ProxyError(400, message, "invalid_request_error", "invalid_request")
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class ProxySettings:
     """What a proxy is started with; checked on construction (`ValueError`)."""
 
-    prefills: tuple[str, ...]
-    decodes: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: the OS picks
-    policy: str = "round_robin"
-    timeout: float = 30.0  # idle timeout of every backend call (connect, each read)
-    retry_after: float = 5.0  # a backend that refused a connection is skipped this long
-    model: str = MODEL_ID
-    pipelined: bool = False  # streamed requests: ask decode while prefill runs (else after prefill answered)
+    prefills: tuple[str, ...] = option(help="prefill server URL(s)", flag="--prefill")
+    decodes: tuple[str, ...] = option(help="decode server URL(s)", flag="--decode")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "0: the OS picks (printed on stdout)")
+    policy: str = option("round_robin", "how a backend is chosen", choices=POLICIES)
+    timeout: float = option(30.0, "seconds; idle timeout of every backend call (connect, each read)")
+    retry_after: float = option(5.0, "seconds a backend that refused a connection is skipped")
+    model: str = option(MODEL_ID, "the model id /v1/models lists")
+    pipelined: bool = option(False, "streamed requests: ask decode while prefill runs (else after prefill "
+                                    "answered)")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "prefills", tuple(u.rstrip("/") for u in self.prefills))
+        object.__setattr__(self, "decodes", tuple(u.rstrip("/") for u in self.decodes))
         for role, urls in (("prefill", self.prefills), ("decode", self.decodes)):
             if not urls:
                 raise ValueError(f"at least one {role} URL is needed")
@@ -140,155 +112,6 @@ class ProxySettings:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
 
 
-@dataclasses.dataclass(slots=True)
-class Backend:
-    """One prefill or decode server as the proxy sees it. Touched only from the event loop."""
-
-    role: str
-    url: str
-    inflight: int = 0  # requests sent to it and not yet answered (for decode: until its stream closes)
-    served: int = 0  # requests it accepted
-    down_until: float = 0.0  # time.monotonic() before which it is skipped
-    kv_url: str | None = None  # a prefill's KV side channel, from its /health: decode can be asked up front
-    probed: bool = False  # its /health has answered once
-
-    def up(self, now: float) -> bool:
-        return now >= self.down_until
-
-
-class Pool:
-    """The backends of one role and the policy that chooses among them."""
-
-    def __init__(self, role: str, urls: tuple[str, ...], policy: str, retry_after: float) -> None:
-        self.role = role
-        self.backends = [Backend(role, url.rstrip("/")) for url in urls]
-        self.policy = policy
-        self.retry_after = retry_after
-        self._next = 0  # round-robin position; also breaks least_loaded ties, so equal loads still rotate
-
-    def choose(self, exclude: set[str]) -> Backend | None:
-        """The next backend by the policy among those up and not in `exclude`; None if there is none."""
-        now = time.monotonic()
-        n = len(self.backends)
-        ring = [self.backends[(self._next + i) % n] for i in range(n)]
-        candidates = [b for b in ring if b.url not in exclude and b.up(now)]
-        if not candidates:
-            return None
-        chosen = min(candidates, key=lambda b: b.inflight) if self.policy == "least_loaded" else candidates[0]
-        self._next = (self.backends.index(chosen) + 1) % n
-        return chosen
-
-    def mark_down(self, backend: Backend) -> None:
-        backend.down_until = time.monotonic() + self.retry_after
-
-    @staticmethod
-    def mark_up(backend: Backend) -> None:
-        backend.down_until = 0.0
-
-
-class _StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-
-
-class _Sampling(msgspec.Struct, kw_only=True):
-    """The request fields the proxy acts on. Others are ignored, as OpenAI-compatible servers do: ``model``
-    among them (any name is served by the one model), except those in `UNSUPPORTED`."""
-
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # chat's newer name for max_tokens
-    temperature: float | None = None
-    seed: int | None = None
-    stream: bool | None = None
-    stream_options: _StreamOptions | None = None
-
-
-class PrefillResponse(msgspec.Struct):
-    """The prefill server's answer (extra fields ignored)."""
-
-    request_id: str
-    first_token: int
-    prompt_len: int
-    kv_transfer_params: dict[str, Any]
-    spans: list[Span] = []
-
-
-class _AbortAnswer(msgspec.Struct):
-    """The prefill server's answer to /v1/abort (extra fields ignored)."""
-
-    freed_blocks: int
-
-
-class DecodeResponse(msgspec.Struct):
-    """The decode server's non-streaming answer (extra fields ignored)."""
-
-    request_id: str
-    tokens: list[int]
-    finish_reason: str
-    spans: list[Span] = []
-
-
-class DecodeLine(msgspec.Struct):
-    """One line of the decode server's NDJSON stream: a token, the end, or an error."""
-
-    token: int | None = None
-    index: int | None = None
-    done: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    detail: str | None = None
-    spans: list[Span] = []  # on the done line
-
-
-@dataclasses.dataclass(slots=True)
-class _Job:
-    """One client request on its way through the proxy."""
-
-    rid: str
-    kind: str  # "chat" or "text"
-    t0: int  # time.monotonic_ns() when the request arrived
-    created: int  # unix seconds, for OpenAI's `created`
-    max_tokens: int
-    temperature: float
-    seed: int | None
-    stream: bool
-    include_usage: bool
-    prompt_len: int = 0
-
-    @property
-    def response_id(self) -> str:
-        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.rid
-
-
-def _parse_request(body: Any, kind: str, t0: int) -> tuple[_Job, str, list[str]]:
-    """Validate a client request that arrived at `t0` (monotonic ns) → (job, prompt text, media items);
-    `ProxyError` 400 on anything unusable."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    for name, neutral in UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in neutral:
-            raise bad_request(f"{name!r} is not supported by this server")
-    try:
-        sampling = msgspec.convert(body, _Sampling)
-        if kind == "chat":
-            prompt, images = messages_to_prompt(body.get("messages"))
-        else:
-            prompt, images = completion_prompt(body.get("prompt")), []
-    except (msgspec.ValidationError, PromptError) as exc:
-        raise bad_request(str(exc)) from None
-    max_tokens = next((n for n in (sampling.max_completion_tokens, sampling.max_tokens) if n is not None),
-                      DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise bad_request(f"max_tokens must be >= 1, got {max_tokens}")
-    temperature = 1.0 if sampling.temperature is None else sampling.temperature  # OpenAI's default
-    if not 0 <= temperature <= 2:
-        raise bad_request(f"temperature must be in [0, 2], got {temperature}")
-    stream = bool(sampling.stream)
-    job = _Job(rid=uuid.uuid4().hex, kind=kind, t0=t0, created=int(time.time()),
-               max_tokens=max_tokens, temperature=temperature, seed=sampling.seed, stream=stream,
-               include_usage=stream and sampling.stream_options is not None and sampling.stream_options.include_usage)
-    return job, prompt, images
-
-
 def _detail(response: httpx.Response) -> str:
     """A backend's error detail: its JSON ``detail``, else the start of its body."""
     with contextlib.suppress(ValueError):
@@ -298,32 +121,34 @@ def _detail(response: httpx.Response) -> str:
     return response.text[:500] or response.reason_phrase
 
 
-def _backend_error(backend: Backend, status: int, detail: str) -> ProxyError:
+def _backend_error(backend: Backend, status: int, detail: str) -> ServingError:
     """A backend's non-200 answer as the client's error (its input errors stay 4xx)."""
     message = f"{backend.role} {backend.url} answered {status}: {detail}"
-    if status in (400, 413, 422):
-        return ProxyError(status if status != 422 else 400, message, "invalid_request_error", "invalid_request")
+    if status in (400, 422):
+        return BadRequest(message)
+    if status == 413:
+        return PayloadTooLarge(message)
     if status == 504:
-        return ProxyError(504, message, "timeout", "backend_timeout")
+        return GatewayTimeout(message)
     if status == 503:
-        return ProxyError(503, message, "service_unavailable", "backend_unavailable")
-    return ProxyError(502, message, "backend_error", "backend_error")
+        return Unavailable(message, code="backend_unavailable")
+    return BadGateway(message)
 
 
-def _transport_error(backend: Backend, exc: httpx.HTTPError) -> ProxyError:
+def _transport_error(backend: Backend, exc: httpx.HTTPError) -> ServingError:
     """A failed exchange with a backend (after connecting) as the client's error."""
     what = f"{backend.role} {backend.url}"
     if isinstance(exc, httpx.TimeoutException):
-        return ProxyError(504, f"{what} timed out ({type(exc).__name__})", "timeout", "backend_timeout")
-    return ProxyError(502, f"{what} failed: {type(exc).__name__}: {exc}", "backend_error", "backend_error")
+        return GatewayTimeout(f"{what} timed out ({type(exc).__name__})")
+    return BadGateway(f"{what} failed: {type(exc).__name__}: {exc}")
 
 
 def _decode_json(backend: Backend, raw: bytes, typ: type[Any]) -> Any:
     try:
         return msgspec.json.decode(raw, type=typ)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ProxyError(502, f"{backend.role} {backend.url} answered a malformed {typ.__name__}: {exc}",
-                         "backend_error", "backend_error") from None
+        what = getattr(typ, "__name__", "stream line")
+        raise BadGateway(f"{backend.role} {backend.url} answered a malformed {what}: {exc}") from None
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -348,27 +173,6 @@ class ClosingStreamingResponse(StreamingResponse):
                 await self._on_close()
 
 
-class _CountRequests:
-    """ASGI middleware counting responses by route and status (pure ASGI: it leaves streaming alone)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-        counts = scope["app"].state.proxy.requests
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                counts[route, message["status"]] += 1
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
 class Proxy:
     """The proxy's state: the pools, the HTTP client to the backends, the recorder and the counters."""
 
@@ -380,14 +184,13 @@ class Proxy:
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                             keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.recorder = Recorder(node=f"proxy:{settings.port}")
-        self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
         self.prefill_aborts: collections.Counter[str] = collections.Counter()  # by result
         self.latency_sum: collections.Counter[str] = collections.Counter()  # seconds, by span stage
         self.latency_count: collections.Counter[str] = collections.Counter()
         self.started = int(time.time())
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         await self.client.aclose()
 
     # ---- backends ----
@@ -431,7 +234,7 @@ class Proxy:
         refused.
 
         Returns a 200 response (its body not yet read when `stream`) with the backend's ``inflight`` counted
-        up: the caller counts it down and closes the response. Raises `ProxyError`.
+        up: the caller counts it down and closes the response. Raises `ServingError`.
         """
         tried: set[str] = set()
         while (backend := await self._choose(pool, tried, only)) is not None:
@@ -465,9 +268,9 @@ class Proxy:
                 if not ok:
                     backend.inflight -= 1
         urls = ", ".join(b.url for b in pool.backends)
-        raise ProxyError(503, f"no {pool.role} server is reachable ({urls})", "service_unavailable", "no_backend")
+        raise Unavailable(f"no {pool.role} server is reachable ({urls})", code="no_backend")
 
-    async def _prefill(self, job: _Job, prompt: str, images: list[str],
+    async def _prefill(self, job: Job, prompt: str, images: list[str],
                        only: Backend | None = None) -> tuple[Backend, PrefillResponse]:
         backend, response = await self._post(self.prefills, "/v1/prefill", {
             "request_id": job.rid, "prompt": prompt, "images": images,
@@ -475,7 +278,7 @@ class Proxy:
         backend.inflight -= 1
         try:
             prefill = _decode_json(backend, response.content, PrefillResponse)
-        except ProxyError:
+        except ServingError:
             await self._abort(backend, job.rid)  # it answered 200, so it may hold KV we cannot hand on
             raise
         job.prompt_len = prefill.prompt_len
@@ -495,22 +298,22 @@ class Proxy:
             self.prefill_aborts[f"status_{response.status_code}"] += 1
             return
         try:
-            freed = msgspec.json.decode(response.content, type=_AbortAnswer).freed_blocks
+            freed = msgspec.json.decode(response.content, type=AbortResponse).freed_blocks
         except (msgspec.ValidationError, msgspec.DecodeError):
             self.prefill_aborts["malformed"] += 1
             return
         self.prefill_aborts["freed" if freed else "nothing_held"] += 1
 
-    def _decode_body(self, job: _Job, kv_transfer_params: Any) -> dict[str, Any]:
+    def _decode_body(self, job: Job, kv_transfer_params: Any) -> dict[str, Any]:
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
                 "seed": job.seed, "stream": job.stream, "kv_transfer_params": kv_transfer_params}
 
-    async def _pipelined(self, job: _Job, prompt: str,
+    async def _pipelined(self, job: Job, prompt: str,
                          images: list[str]) -> tuple[Backend, PrefillResponse, asyncio.Task] | None:
         """Ask decode and prefill at once: the prefill chosen up front, decode told only its side channel
         (vLLM's kv_transfer_params, SGLang's bootstrap address), so that decode allocates and sends its metadata
         while prefill runs. None when the chosen prefill does not tell its side channel, or refused the
-        connection: the caller goes the serial way. Raises `ProxyError` as `_prefill` does."""
+        connection: the caller goes the serial way. Raises `ServingError` as `_prefill` does."""
         backend = await self._choose(self.prefills, set())
         if backend is not None and not backend.probed:
             await self._probe(backend)  # learns its kv_url, once
@@ -522,7 +325,7 @@ class Proxy:
             _, prefill = await self._prefill(job, prompt, images, only=backend)
         except BaseException as exc:
             await _discard(decode)
-            if isinstance(exc, ProxyError) and exc.code == "no_backend":  # refused: it never saw the request
+            if isinstance(exc, Unavailable) and exc.code == "no_backend":  # refused: it never saw the request
                 return None
             await asyncio.shield(self._abort(backend, job.rid))  # decode may wait for it: answered at once
             raise
@@ -532,7 +335,7 @@ class Proxy:
     async def complete(self, request: Request, kind: str) -> Response:
         """Serve one /v1/chat/completions (`kind` "chat") or /v1/completions ("text") request."""
         t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
-        job, prompt, images = _parse_request(await _read_json(request), kind, t0)
+        job, prompt, images = parse_request(decode_body(await read_body(request)), kind, t0)
         self.record(Span(job.rid, -1, "proxy_parse", self.recorder.node, t0, time.monotonic_ns()))
         piped = await self._pipelined(job, prompt, images) if job.stream and self.settings.pipelined else None
         if piped is None:
@@ -542,8 +345,7 @@ class Proxy:
             prefill_backend, prefill, decode = piped
         try:
             if await request.is_disconnected():
-                raise ProxyError(499, "the client closed the request before decode began", "client_disconnect",
-                                 "client_disconnect")
+                raise ClientClosed("the client closed the request before decode began")
             if job.stream:  # the stream starts with prefill's token; decode (asked already, or now) does the rest
                 stream = _TokenStream(self, job, prefill_backend, prefill, decode)
                 return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
@@ -559,22 +361,8 @@ class Proxy:
         decoded = _decode_json(backend, response.content, DecodeResponse)
         self.recorder.extend(decoded.spans)
         self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
-        usage = self.usage(job, len(decoded.tokens))
-        text = detokenize(decoded.tokens)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": decoded.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": decoded.finish_reason}
-            obj = "text_completion"
-        return _json({"id": job.response_id, "object": obj, "created": job.created, "model": self.settings.model,
-                      "choices": [choice], "usage": usage})
-
-    @staticmethod
-    def usage(job: _Job, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": job.prompt_len, "completion_tokens": completion_tokens,
-                "total_tokens": job.prompt_len + completion_tokens}
+        return json_response(completion(job, self.settings.model, detokenize(decoded.tokens), decoded.finish_reason,
+                                        len(decoded.tokens)))
 
     def record(self, span: Span) -> None:
         self.recorder.add(span)
@@ -582,8 +370,8 @@ class Proxy:
         self.latency_count[span.stage] += 1
 
     # ---- observability ----
-    async def health(self) -> tuple[int, dict[str, Any]]:
-        """Probe every backend; 200 when at least one prefill and one decode answer, else 503.
+    async def health(self) -> dict[str, Any]:
+        """Probe every backend; ``status`` "ok" (200) when at least one prefill and one decode answer, else 503.
 
         Each backend's entry holds the proxy's view (``healthy``, ``inflight``, ``served``) and, under
         ``health``, the JSON its own ``/health`` answered (None when it did not answer 200).
@@ -597,44 +385,37 @@ class Proxy:
                                          "health": answer})  # the backend's own /health, as it answered
         ok = all(any(e["healthy"] for e in report[role]) for role in ("prefill", "decode"))
         report |= {"status": "ok" if ok else "unavailable", "model": self.settings.model,
-                   "policy": self.settings.policy, "http": http_info()}
-        return (200 if ok else 503), report
+                   "policy": self.settings.policy}
+        return report
 
-    def metrics(self) -> str:
-        """Prometheus text exposition: requests, aborted streams, backends, latency summaries."""
-        lines = ["# HELP epd_proxy_requests_total HTTP requests by route and status",
-                 "# TYPE epd_proxy_requests_total counter"]
-        lines += [f'epd_proxy_requests_total{{route="{route}",status="{status}"}} {n}'
-                  for (route, status), n in sorted(self.requests.items())]
-        lines += ["# HELP epd_proxy_streams_aborted_total streams that ended early, by reason",
-                  "# TYPE epd_proxy_streams_aborted_total counter"]
-        lines += [f'epd_proxy_streams_aborted_total{{reason="{reason}"}} {n}'
-                  for reason, n in sorted(self.streams_aborted.items())]
-        lines += ["# HELP epd_proxy_prefill_aborts_total /v1/abort calls to prefills, by result",
-                  "# TYPE epd_proxy_prefill_aborts_total counter"]
-        lines += [f'epd_proxy_prefill_aborts_total{{result="{result}"}} {n}'
-                  for result, n in sorted(self.prefill_aborts.items())]
+    def metric_families(self) -> list[Metric]:
+        """The proxy's ``/metrics`` families: aborted streams, prefill aborts, backends, latency summaries."""
         now = time.monotonic()
         backends = self.prefills.backends + self.decodes.backends
+        families = [
+            Metric.of("streams_aborted_total", "counter", "streams that ended early, by reason",
+                      self.streams_aborted, "reason"),
+            Metric.of("prefill_aborts_total", "counter", "/v1/abort calls to prefills, by result",
+                      self.prefill_aborts, "result"),
+        ]
         for name, kind, help_, value in (
             ("inflight", "gauge", "requests in flight per backend", lambda b: b.inflight),
             ("served_total", "counter", "requests each backend accepted", lambda b: b.served),
             ("up", "gauge", "1 unless the backend is skipped after a refused connection", lambda b: int(b.up(now))),
         ):
-            lines += [f"# HELP epd_proxy_backend_{name} {help_}", f"# TYPE epd_proxy_backend_{name} {kind}"]
-            lines += [f'epd_proxy_backend_{name}{{role="{b.role}",url="{b.url}"}} {value(b)}' for b in backends]
+            families.append(Metric(f"backend_{name}", kind, help_,
+                                   tuple(("", {"role": b.role, "url": b.url}, value(b)) for b in backends)))
         spans = self.recorder.spans()
         for stage, help_ in (("ttft", "time to first token (streamed requests)"),
                              ("tpot", "mean time per output token after the first (streamed requests)"),
                              ("e2e", "request received to its last byte prepared")):
             durations = sorted((s.t_end_ns - s.t_start_ns) / 1e9 for s in spans if s.stage == stage)
-            name = f"epd_proxy_{stage}_seconds"
-            lines += [f"# HELP {name} {help_}; quantiles over the recorder's window", f"# TYPE {name} summary"]
-            if durations:
-                lines += [f'{name}{{quantile="{q}"}} {durations[min(len(durations) - 1, int(q * len(durations)))]:.6f}'
-                          for q in QUANTILES]
-            lines += [f"{name}_sum {self.latency_sum[stage]:.6f}", f"{name}_count {self.latency_count[stage]}"]
-        return "\n".join(lines) + "\n"
+            quantiles = [("", {"quantile": q}, round(durations[min(len(durations) - 1, int(q * len(durations)))], 6))
+                         for q in QUANTILES] if durations else []
+            families.append(Metric(f"{stage}_seconds", "summary", f"{help_}; quantiles over the recorder's window",
+                                   (*quantiles, ("_sum", {}, round(self.latency_sum[stage], 6)),
+                                    ("_count", {}, self.latency_count[stage]))))
+        return families
 
 
 class _TokenStream:
@@ -645,7 +426,7 @@ class _TokenStream:
     in the stream, not an HTTP status. If decode never took the request, prefill is told to drop the KV.
     """
 
-    def __init__(self, proxy: Proxy, job: _Job, prefill_backend: Backend, prefill: PrefillResponse,
+    def __init__(self, proxy: Proxy, job: Job, prefill_backend: Backend, prefill: PrefillResponse,
                  decode: asyncio.Task | None = None) -> None:
         self.proxy = proxy
         self.job = job
@@ -663,22 +444,7 @@ class _TokenStream:
 
     def _event(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
                usage: dict[str, int] | None = None) -> bytes:
-        """One SSE event in OpenAI's chunk format; `text` None with `usage`: the usage chunk (no choices)."""
-        job = self.job
-        if job.kind == "chat":
-            delta: dict[str, str] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            obj = "text_completion"
-        chunk: dict[str, Any] = {"id": job.response_id, "object": obj, "created": job.created,
-                                 "model": self.proxy.settings.model, "choices": [] if usage else [choice]}
-        if usage:
-            chunk["usage"] = usage
-        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+        return chunk(self.job, self.proxy.settings.model, text, finish_reason, role=role, usage=usage)
 
     async def events(self) -> AsyncIterator[bytes]:
         """The SSE events: a role chunk (chat), text deltas, the finish chunk, usage if asked, ``[DONE]``."""
@@ -702,46 +468,42 @@ class _TokenStream:
                 async for line in self.response.aiter_lines():
                     if not line:
                         continue
-                    msg = _decode_json(backend, line.encode(), DecodeLine)
-                    if msg.token is not None:
+                    msg = _decode_json(backend, line.encode(), StreamLine)
+                    if isinstance(msg, StreamToken):
                         due, self.received = self.received, self.received + 1
-                        if msg.index is not None and msg.index != due:
-                            raise ProxyError(502, f"decode {backend.url} sent token {msg.index} where "
-                                             f"{due} was due", "backend_error", "backend_error")
+                        if msg.index != due:
+                            raise BadGateway(f"decode {backend.url} sent token {msg.index} where {due} was due")
                         if due == 0:  # prefill's token, already sent: decode must agree, and it is not resent
                             if msg.token != self.prefill.first_token:
-                                raise ProxyError(502, f"decode {backend.url} began with token {msg.token}, "
-                                                 f"prefill answered {self.prefill.first_token}", "backend_error",
-                                                 "backend_error")
+                                raise BadGateway(f"decode {backend.url} began with token {msg.token}, "
+                                                 f"prefill answered {self.prefill.first_token}")
                             continue
                         self.t_last = time.monotonic_ns()
                         self.tokens += 1
                         text = detok.feed(msg.token)
                         if text:
                             yield self._event(text)
-                    elif msg.done:
-                        finish_reason = msg.finish_reason or "length"
+                    elif isinstance(msg, StreamDone):
+                        finish_reason = msg.finish_reason
                         self.proxy.recorder.extend(msg.spans)
                         break
                     else:
-                        raise ProxyError(502, f"decode {backend.url} failed mid-stream: "
-                                         f"{msg.error or msg.detail or line[:500]}", "backend_error", "backend_error")
+                        raise BadGateway(f"decode {backend.url} failed mid-stream: {msg.detail}")
             except httpx.HTTPError as exc:
                 raise _transport_error(backend, exc) from None
             if finish_reason is None:
-                raise ProxyError(502, f"decode {backend.url} ended its stream before its done line",
-                                 "backend_error", "backend_error")
+                raise BadGateway(f"decode {backend.url} ended its stream before its done line")
             tail = detok.flush()
             if tail:
                 yield self._event(tail)
             yield self._event(None if job.kind == "chat" else "", finish_reason)
             if job.include_usage:
-                yield self._event(None, usage=self.proxy.usage(job, self.tokens))
+                yield self._event(None, usage=usage(job, self.tokens))
             yield b"data: [DONE]\n\n"
             self.outcome = "ok"
-        except ProxyError as exc:
+        except ServingError as exc:
             self.outcome = exc.code
-            yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
+            yield b"data: " + msgspec.json.encode(error_body(exc)) + b"\n\n"
             yield b"data: [DONE]\n\n"
 
     async def close(self) -> None:
@@ -779,100 +541,32 @@ async def _discard(decode: asyncio.Task) -> None:
         await response.aclose()
 
 
-async def _read_json(request: Request) -> Any:
-    """The request body as JSON, at most MAX_BODY_BYTES (413 beyond, 400 when not JSON)."""
-    length = request.headers.get("content-length", "")
-    too_large = ProxyError(413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error",
-                           "request_too_large")
-    if length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"the request body is not JSON: {exc}") from None
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
-
-
 def create_app(settings: ProxySettings) -> FastAPI:
-    """The proxy's app; its HTTP client to the backends lives for the app's lifespan."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        proxy = Proxy(settings)
-        app.state.proxy = proxy
-        try:
-            yield
-        finally:
-            await proxy.aclose()
-
-    app = FastAPI(title="epd_lab proxy", lifespan=lifespan)
-    app.add_middleware(_CountRequests)
-
-    @app.exception_handler(ProxyError)
-    async def proxy_error(request: Request, exc: ProxyError) -> Response:
-        return exc.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        # unknown routes and methods, in OpenAI's error shape too
-        return ProxyError(exc.status_code, str(exc.detail), "invalid_request_error", "not_found").response()
+    """The proxy's app; its HTTP client to the backends lives for the app's lifespan. Errors, unknown routes
+    included, are OpenAI error objects."""
+    app = role_app("proxy", lambda: Proxy(settings), ROUTES, error_body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await app.state.proxy.complete(request, "chat")
+        return await app.state.server.complete(request, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await app.state.proxy.complete(request, "text")
+        return await app.state.server.complete(request, "text")
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return _json({"object": "list", "data": [{"id": settings.model, "object": "model",
-                                                  "created": app.state.proxy.started, "owned_by": "epd_lab"}]})
-
-    add_trace_routes(app, lambda: app.state.proxy.recorder)
-
-    @app.get("/health")
-    async def health() -> Response:
-        status, report = await app.state.proxy.health()
-        return _json(report, status)
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(app.state.proxy.metrics(), media_type="text/plain; version=0.0.4")
+        return json_response({"object": "list", "data": [{"id": settings.model, "object": "model",
+                                                          "created": app.state.server.started,
+                                                          "owned_by": "epd_lab"}]})
 
     return app
 
 
-def _urls(values: list[str]) -> tuple[str, ...]:
-    """URLs given comma-separated, or the option repeated."""
-    return tuple(url.strip() for value in values for url in value.split(",") if url.strip())
-
-
 def parse_args(argv: list[str] | None = None) -> ProxySettings:
     """`ProxySettings` from the command line (errors exit with the usage)."""
-    default = {f.name: f.default for f in dataclasses.fields(ProxySettings)}
-    ap = server_arguments("epd-lab proxy", "the OpenAI-compatible proxy over prefill and decode servers")
-    ap.add_argument("--prefill", action="append", required=True, help="prefill server URL(s), comma-separated")
-    ap.add_argument("--decode", action="append", required=True, help="decode server URL(s), comma-separated")
-    ap.add_argument("--policy", default=default["policy"], choices=POLICIES)
-    ap.add_argument("--timeout", type=float, default=default["timeout"],
-                    help="seconds; idle timeout of every backend call (connect, each read)")
-    ap.add_argument("--retry-after", type=float, default=default["retry_after"],
-                    help="seconds a backend that refused a connection is skipped")
-    ap.add_argument("--model", default=default["model"], help="the model id /v1/models lists")
-    ap.add_argument("--pipelined", action="store_true",
-                    help="streamed requests: ask decode while prefill runs (default: after prefill answered)")
-    args = ap.parse_args(argv)
-    return settings_from_args(ap, args, ProxySettings, prefills=_urls(args.prefill), decodes=_urls(args.decode))
+    return from_argv(ProxySettings, argv, "epd-lab proxy", "the OpenAI-compatible proxy over prefill and decode "
+                                                            "servers")
 
 
 def main(argv: list[str] | None = None) -> int:

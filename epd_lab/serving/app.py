@@ -5,7 +5,7 @@
 The role object the factory builds (off the event loop: model loads, engine start-up) is kept in
 ``app.state.server`` and must offer `Role`'s methods. `ServingError`s raised by a route are answered with
 their status and ``{"detail": ...}`` (or the role's own shape: the proxy's OpenAI error objects), and so are
-unknown routes; ``GET /health``, ``GET /metrics``, ``GET /v1/spans`` and ``GET /v1/clock`` are added.
+unknown routes and any other exception (500, with its type and message); ``GET /health``, ``GET /metrics``, ``GET /v1/spans`` and ``GET /v1/clock`` are added.
 """
 from __future__ import annotations
 
@@ -90,6 +90,10 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
     @app.exception_handler(ServingError)
     async def serving_error(request: Request, exc: ServingError) -> Any:
         return json_response(error_body(exc), exc.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Any:  # a bug: answered, and logged by uvicorn
+        return await serving_error(request, ServingError(f"{type(exc).__name__}: {exc}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Any:  # unknown routes and methods

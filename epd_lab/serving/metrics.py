@@ -43,12 +43,21 @@ class CountRequests:
             return
         route = scope["path"] if scope["path"] in self.routes else "other"
 
+        started = False
+
         async def counting_send(message: Any) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.counts[route, message["status"]] += 1
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:  # the outermost middleware answers it 500, outside this one
+                self.counts[route, 500] += 1
+            raise
 
 
 def _labels(labels: Labels) -> str:

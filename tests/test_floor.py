@@ -1,0 +1,192 @@
+"""The serving floor every role stands on (`epd_lab.serving`): settings written once and read back, typed errors
+answered with their status, one body limit, one request counter, /health and /metrics.
+
+The app tests drive `role_app` in process (Starlette's TestClient runs its lifespan) with a small role whose
+routes raise what the real roles raise; the roles' own servers are tested through real processes in their
+files (`test_encoder`, `test_pd`, `test_proxy`, `test_xpyd`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+from fastapi import Request
+from fastapi.testclient import TestClient
+
+from epd_lab.epd.encoder import EncoderSettings
+from epd_lab.launch import ROLES, Cluster, Topology
+from epd_lab.pd.decode_server import DecodeSettings
+from epd_lab.pd.openai_api import MODEL_ID
+from epd_lab.pd.prefill_server import PrefillSettings
+from epd_lab.pd.proxy import ProxySettings, create_app as proxy_app
+from epd_lab.serving import (BadRequest, Conflict, GatewayTimeout, Metric, Unavailable, from_argv, json_response,
+                             parser, read_body, read_struct, role_app, to_argv)
+from epd_lab.trace import Recorder
+
+NON_DEFAULT = [
+    EncoderSettings(port=1234, backend="zmq_to_scheduler", model="/models/x", dtype="bfloat16", timeout=2.5,
+                    embedding_ttl=7.0, cache_bytes=0),
+    PrefillSettings(encoders=("http://127.0.0.1:1", "http://127.0.0.1:2"), backend="zmq_to_tokenizer",
+                    transport="tcp", kv_blocks=64, block_size=8, timeout=3.0, kv_free_timeout=4.0, workers=2),
+    DecodeSettings(transport="shm", kv_blocks=32, kv_quarantine=0.0, max_batch=1),
+    ProxySettings(prefills=("http://127.0.0.1:3",), decodes=("http://127.0.0.1:4", "http://127.0.0.1:5"),
+                  policy="least_loaded", retry_after=0.5, model="m", pipelined=True),
+    Topology(encoders=3, backend="zmq_to_scheduler", prefills=1, decodes=2, proxy=True, trace=False),
+]
+
+
+@pytest.mark.parametrize("settings", NON_DEFAULT, ids=lambda s: type(s).__name__)
+def test_settings_survive_their_command_line(settings) -> None:
+    argv = to_argv(settings)
+    assert from_argv(type(settings), argv) == settings
+    # only what differs from the defaults is written
+    assert len([a for a in argv if a.startswith("--")]) == sum(
+        getattr(settings, f.name) != f.default for f in dataclasses.fields(settings) if f.metadata.get("cli", True))
+
+
+def test_every_setting_has_its_option_with_help() -> None:
+    for _, cls, _ in ROLES.values():
+        text = parser(cls).format_help()
+        for field in dataclasses.fields(cls):
+            flag = field.metadata["flag"] or "--" + field.name.replace("_", "-")
+            assert flag in text and field.metadata["help"], (cls.__name__, field.name)
+    assert "--no-trace" in parser(Topology).format_help()
+
+
+def test_values_the_settings_refuse_exit_with_the_usage(capsys) -> None:
+    for argv, words in ((["--dtype", "float16"], "invalid choice"), (["--workers", "0"], "workers must be >= 1"),
+                        (["--timeout", "soon"], "invalid float value")):
+        with pytest.raises(SystemExit) as info:
+            from_argv(PrefillSettings, argv)
+        assert info.value.code == 2 and words in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        from_argv(ProxySettings, ["--decode", "http://127.0.0.1:1"])  # --prefill is required
+    assert "--prefill" in capsys.readouterr().err
+
+
+def test_a_command_line_that_cannot_carry_a_value_is_refused() -> None:
+    with pytest.raises(ValueError, match="model=None"):
+        to_argv(dataclasses.replace(NON_DEFAULT[3], model=None))
+    with pytest.raises(ValueError, match="comma"):
+        to_argv(dataclasses.replace(NON_DEFAULT[3], prefills=("http://a:1/x,y",)))
+
+
+def test_topology_settings_reach_the_role_command_line() -> None:
+    topology = Topology(encoders=1, prefills=1, decodes=1, proxy=True, timeout=20, dtype="bfloat16",
+                        settings={"decode": {"max_batch": 2}, "proxy": {"policy": "least_loaded"}})
+    cluster = object.__new__(Cluster)  # only its command lines: nothing is started
+    cluster.topology, cluster.procs = topology, []
+    decode = cluster.command("decode")
+    assert decode[decode.index("-m") + 1] == "epd_lab.pd.decode_server"
+    assert from_argv(DecodeSettings, decode[3:]) == DecodeSettings(dtype="bfloat16", timeout=20, max_batch=2)
+    proxy = from_argv(ProxySettings, cluster.command("proxy", prefills=("http://p:1",), decodes=("http://d:1",))[3:])
+    assert (proxy.policy, proxy.timeout, proxy.model) == ("least_loaded", 20, MODEL_ID)  # not the model directory
+    with pytest.raises(ValueError, match="decode has no setting batch"):
+        Topology(settings={"decode": {"batch": 2}})
+    with pytest.raises(ValueError, match="unknown role"):
+        Topology(settings={"decoder": {}})
+
+
+# ---- role_app ----
+class Role:
+    """A role as the floor sees one: routes raise what the real roles raise."""
+
+    def __init__(self) -> None:
+        self.recorder = Recorder(node="test:0")
+        self.status = "ok"
+        self.closed = threading.Event()
+        self.ran = threading.Event()
+
+    def health(self) -> dict:
+        return {"status": self.status}
+
+    def metric_families(self) -> list[Metric]:
+        return [Metric.of("things", "gauge", "things held", 3), Metric.of("by_kind_total", "counter", "things by kind",
+                                                                           {"a\"b": 1, "c": 2}, "kind")]
+
+    async def run(self) -> None:
+        self.ran.set()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+@pytest.fixture()
+def role() -> tuple[TestClient, Role]:
+    it = Role()
+    app = role_app("test", lambda: it, ("/raise/{status}", "/body", "/struct"))
+
+    @app.post("/raise/{status}")
+    async def raise_(status: int) -> None:
+        raise {400: BadRequest, 409: Conflict, 503: Unavailable, 504: GatewayTimeout}.get(status, RuntimeError)(
+            f"raised {status}")
+
+    @app.post("/body")
+    async def body(request: Request):
+        return json_response({"n": len(await read_body(request, limit=10))})
+
+    @app.post("/struct")
+    async def struct(request: Request):
+        return json_response(await read_struct(request, dict[str, int]))
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, it
+    assert it.closed.is_set()
+
+
+def test_typed_errors_answer_their_status_and_detail(role) -> None:
+    client, _ = role
+    for status in (400, 409, 503, 504):
+        r = client.post(f"/raise/{status}")
+        assert (r.status_code, r.json()) == (status, {"detail": f"raised {status}"})
+    r = client.post("/raise/500")  # a bug: 500 with its type, the server keeps serving
+    assert r.status_code == 500 and r.json() == {"detail": "RuntimeError: raised 500"}
+    r = client.get("/no/such/route")
+    assert r.status_code == 404 and set(r.json()) == {"detail"}
+    r = client.get("/raise/400")
+    assert r.status_code == 405 and set(r.json()) == {"detail"}
+
+
+def test_one_body_limit_and_one_decoder(role) -> None:
+    client, _ = role
+    assert client.post("/body", content=b"x" * 10).json() == {"n": 10}
+    r = client.post("/body", content=b"x" * 11)
+    assert r.status_code == 413 and "larger than 10 bytes" in r.json()["detail"]
+    assert client.post("/struct", content=b'{"a": 1}').json() == {"a": 1}
+    for bad in (b"{", b'{"a": "one"}', b"[]"):
+        r = client.post("/struct", content=bad)
+        assert r.status_code == 400 and r.json()["detail"].startswith("malformed"), bad
+
+
+def test_health_metrics_and_the_request_counter(role) -> None:
+    client, it = role
+    assert it.ran.is_set()
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["http"]["keepalive_s"] > 0
+    it.status = "degraded"
+    assert client.get("/health").status_code == 503
+    client.post("/raise/400")
+    client.post("/raise/500")
+    client.get("/no/such/route")
+    text = client.get("/metrics").text
+    for line in ('epd_test_requests_total{route="/health",status="200"} 1',
+                 'epd_test_requests_total{route="/health",status="503"} 1',
+                 'epd_test_requests_total{route="/raise/{status}",status="400"} 0',  # templates are not paths
+                 'epd_test_requests_total{route="other",status="400"} 1',
+                 'epd_test_requests_total{route="other",status="500"} 1',
+                 'epd_test_requests_total{route="other",status="404"} 1',
+                 "# TYPE epd_test_things gauge", "epd_test_things 3",
+                 'epd_test_by_kind_total{kind="a\\"b"} 1', 'epd_test_by_kind_total{kind="c"} 2'):
+        assert (line in text) != line.endswith(" 0"), line
+
+
+def test_the_proxy_answers_openai_error_objects_on_the_floor() -> None:
+    app = proxy_app(ProxySettings(prefills=("http://127.0.0.1:9",), decodes=("http://127.0.0.1:9",)))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", content=b"{")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.json()["error"]["code"] == "invalid_request"
+        r = client.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        assert 'epd_proxy_requests_total{route="/v1/completions",status="400"} 1' in client.get("/metrics").text
