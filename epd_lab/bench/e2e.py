@@ -1,7 +1,8 @@
 """`epd-lab bench e2e`: TTFT, TPOT and requests/s, monolithic vs E→P→D through the proxy.
 
-- ``monolithic``: one process, the same model; TTFT = preprocessing + one forward with `pixel_values`
-  (the first token), TPOT = one decode step on that cache. No HTTP: this is the floor.
+- ``monolithic``: one process, the same model, the same prompt (the chat template the proxy renders, so the
+  same 140 tokens); TTFT = PNG decode + preprocessing + the ViT + one forward (the first token), TPOT = one
+  decode step on that cache. No HTTP: this is the floor.
 - ``epd/<backend>``: 2 encoders + a prefill server + a decode server + the proxy, on loopback; requests
   go through the official `openai` client, streamed; TTFT = until the first content chunk, TPOT = the
   rest divided by the remaining tokens. Concurrency 1, 4, 16 (threads), `--requests` per level.
@@ -40,9 +41,13 @@ from epd_lab.models import (
     load_model,
     preprocess,
 )
+from epd_lab.pd.text import messages_to_prompt
 from epd_lab.trace import critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"
+# the text around the image as the proxy renders the chat request (`messages_to_prompt`): the floor prefills it too
+PROMPT, _ = messages_to_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}},
+                                                             {"type": "text", "text": TEXT}]}])
 CONCURRENCY = (1, 4, 16)
 
 
@@ -67,7 +72,7 @@ def monolithic(requests: int, max_tokens: int) -> dict:
         raw = _image(1000 + r)
         t0 = time.perf_counter()
         pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)).convert("RGB")])
-        result = prefill.prefill(build_input_ids(TEXT, grid.tolist()), vision.encode(pixel_values, grid), grid)
+        result = prefill.prefill(build_input_ids(PROMPT, grid.tolist()), vision.encode(pixel_values, grid), grid)
         token = int(result.logits.argmax(-1))
         t1 = time.perf_counter()
         for i in range(max_tokens - 1):

@@ -5,7 +5,7 @@ make them: a ~200 B JSON body (``small``) and a ~200 KB one (``image``: a base64
 answered with ~200 B of JSON. The server is a FastAPI app served by `epd_lab.serving` (the path every role
 starts through) in its own process, one per stack: uvicorn's parser (h11 or httptools) on its event loop
 (asyncio or uvloop). The clients: ``httpx.Client``, ``http.client`` (HTTPConnection),
-``httpx.AsyncClient`` and ``aiohttp`` (where installed; not a dependency), the async ones on each loop.
+``httpx.AsyncClient`` and ``aiohttp`` (the proxy's client), the async ones on each loop.
 Every client holds one connection to each server for the whole run.
 
 The machine is shared and noisy (2 vCPUs), so the cells are interleaved: each round runs a batch of

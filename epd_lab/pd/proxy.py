@@ -58,7 +58,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -112,13 +112,18 @@ class ProxySettings:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
 
 
-def _detail(response: httpx.Response) -> str:
+JSON_HEADERS = {"content-type": "application/json"}
+# what a failed exchange with a backend raises: aiohttp's errors, and its timeouts (asyncio's TimeoutError)
+EXCHANGE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def _detail(raw: bytes, reason: str | None) -> str:
     """A backend's error detail: its JSON ``detail``, else the start of its body."""
-    with contextlib.suppress(ValueError):
-        body = response.json()
+    with contextlib.suppress(msgspec.DecodeError):
+        body = msgspec.json.decode(raw)
         if isinstance(body, dict) and "detail" in body:
             return str(body["detail"])
-    return response.text[:500] or response.reason_phrase
+    return raw[:500].decode(errors="replace") or reason or ""
 
 
 def _backend_error(backend: Backend, status: int, detail: str) -> ServingError:
@@ -135,10 +140,10 @@ def _backend_error(backend: Backend, status: int, detail: str) -> ServingError:
     return BadGateway(message)
 
 
-def _transport_error(backend: Backend, exc: httpx.HTTPError) -> ServingError:
+def _transport_error(backend: Backend, exc: BaseException) -> ServingError:
     """A failed exchange with a backend (after connecting) as the client's error."""
     what = f"{backend.role} {backend.url}"
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, asyncio.TimeoutError):
         return GatewayTimeout(f"{what} timed out ({type(exc).__name__})")
     return BadGateway(f"{what} failed: {type(exc).__name__}: {exc}")
 
@@ -180,9 +185,7 @@ class Proxy:
         self.settings = settings
         self.prefills = Pool("prefill", settings.prefills, settings.policy, settings.retry_after)
         self.decodes = Pool("decode", settings.decodes, settings.policy, settings.retry_after)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                                            keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self._session: aiohttp.ClientSession | None = None
         self.recorder = Recorder(node=f"proxy:{settings.port}")
         self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
         self.prefill_aborts: collections.Counter[str] = collections.Counter()  # by result
@@ -190,28 +193,48 @@ class Proxy:
         self.latency_count: collections.Counter[str] = collections.Counter()
         self.started = int(time.time())
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The HTTP client to the backends, made on first use (it must be made on the event loop): aiohttp, at
+        half httpx's round trip (`data/bench/http.json`); kept-alive connections, TCP_NODELAY; `timeout` is an
+        idle timeout (connecting, and each read)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.timeout,
+                                              sock_read=self.settings.timeout),
+                skip_auto_headers=("User-Agent",))
+        return self._session
+
     async def close(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _short(self, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes] | None:
+        """A short exchange (a probe, an abort): (status, body), or None when the backend does not answer
+        within `PROBE_TIMEOUT`."""
+        try:
+            async with self.session.request(method, url, data=body, headers=JSON_HEADERS if body else None,
+                                            timeout=aiohttp.ClientTimeout(total=min(self.settings.timeout,
+                                                                                    PROBE_TIMEOUT))) as response:
+                return response.status, await response.read()
+        except EXCHANGE_ERRORS:
+            return None
 
     # ---- backends ----
     async def _probe(self, backend: Backend) -> dict[str, Any] | None:
         """GET the backend's /health; its JSON (or {}) when it answers 200, else None. Updates the circuit."""
         pool = self.prefills if backend.role == "prefill" else self.decodes
-        try:
-            response = await self.client.get(backend.url + "/health",
-                                             timeout=min(self.settings.timeout, PROBE_TIMEOUT))
-        except httpx.HTTPError:
-            pool.mark_down(backend)
-            return None
-        if response.status_code != 200:
+        answer = await self._short("GET", backend.url + "/health")
+        if answer is None or answer[0] != 200:
             pool.mark_down(backend)
             return None
         pool.mark_up(backend)
         backend.probed = True
         body: dict[str, Any] = {}
-        with contextlib.suppress(ValueError):
-            answer = response.json()
-            body = answer if isinstance(answer, dict) else {}
+        with contextlib.suppress(msgspec.DecodeError):
+            decoded = msgspec.json.decode(answer[1])
+            body = decoded if isinstance(decoded, dict) else {}
         if backend.role == "prefill" and isinstance(body.get("kv_url"), str):
             backend.kv_url = body["kv_url"]
         return body
@@ -228,39 +251,51 @@ class Proxy:
             backend = pool.choose(tried)
         return backend
 
-    async def _post(self, pool: Pool, path: str, body: dict[str, Any], stream: bool,
-                    only: Backend | None = None) -> tuple[Backend, httpx.Response]:
+    async def _call(self, pool: Pool, path: str, body: dict[str, Any],
+                    only: Backend | None = None) -> tuple[Backend, bytes]:
+        """`_post`, then its answer read: (the backend, the 200 answer's body), the connection back in the pool
+        and the backend's ``inflight`` counted down again."""
+        backend, response = await self._post(pool, path, body, only)
+        try:
+            return backend, await response.read()
+        except EXCHANGE_ERRORS as exc:
+            raise _transport_error(backend, exc) from None
+        finally:
+            response.release()
+            backend.inflight -= 1
+
+    async def _post(self, pool: Pool, path: str, body: dict[str, Any],
+                    only: Backend | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
         """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
         refused.
 
-        Returns a 200 response (its body not yet read when `stream`) with the backend's ``inflight`` counted
-        up: the caller counts it down and closes the response. Raises `ServingError`.
+        Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
+        counts it down and reads the body, then releases the response (or closes it, to stop the backend).
+        Raises `ServingError`.
         """
+        payload = msgspec.json.encode(body)  # msgspec: the body carries the images' data: URIs (~0.2 MB each)
         tried: set[str] = set()
         while (backend := await self._choose(pool, tried, only)) is not None:
             tried.add(backend.url)
             backend.inflight += 1
             ok = False
             try:
-                # msgspec, not httpx's json.dumps: the body carries the images' data: URIs (~0.2 MB each)
-                request = self.client.build_request("POST", backend.url + path, content=msgspec.json.encode(body),
-                                                    headers={"content-type": "application/json"})
                 try:
-                    response = await self.client.send(request, stream=stream)
-                except (httpx.ConnectError, httpx.ConnectTimeout):
+                    response = await self.session.post(backend.url + path, data=payload, headers=JSON_HEADERS)
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                     pool.mark_down(backend)  # the request never reached it: the next one may take it
                     continue
-                except httpx.HTTPError as exc:
+                except EXCHANGE_ERRORS as exc:
                     raise _transport_error(backend, exc) from None
                 pool.mark_up(backend)
-                if response.status_code != 200:
+                if response.status != 200:
                     try:
-                        await response.aread()
-                    except httpx.HTTPError as exc:
+                        raw = await response.read()
+                    except EXCHANGE_ERRORS as exc:
                         raise _transport_error(backend, exc) from None
                     finally:
-                        await response.aclose()
-                    raise _backend_error(backend, response.status_code, _detail(response))
+                        response.release()
+                    raise _backend_error(backend, response.status, _detail(raw, response.reason))
                 backend.served += 1
                 ok = True
                 return backend, response
@@ -272,12 +307,11 @@ class Proxy:
 
     async def _prefill(self, job: Job, prompt: str, images: list[str],
                        only: Backend | None = None) -> tuple[Backend, PrefillResponse]:
-        backend, response = await self._post(self.prefills, "/v1/prefill", {
+        backend, raw = await self._call(self.prefills, "/v1/prefill", {
             "request_id": job.rid, "prompt": prompt, "images": images,
-            "kv_transfer_params": {"do_remote_decode": True}}, stream=False, only=only)
-        backend.inflight -= 1
+            "kv_transfer_params": {"do_remote_decode": True}}, only=only)
         try:
-            prefill = _decode_json(backend, response.content, PrefillResponse)
+            prefill = _decode_json(backend, raw, PrefillResponse)
         except ServingError:
             await self._abort(backend, job.rid)  # it answered 200, so it may hold KV we cannot hand on
             raise
@@ -288,17 +322,15 @@ class Proxy:
     async def _abort(self, backend: Backend, rid: str) -> None:
         """Have the prefill `backend` drop `rid`'s KV now (no decode will ask for it). Best effort and short:
         a prefill that does not answer still frees the blocks after its own free timeout."""
-        try:
-            response = await self.client.post(backend.url + "/v1/abort", json={"request_id": rid},
-                                              timeout=min(self.settings.timeout, PROBE_TIMEOUT))
-        except httpx.HTTPError:
+        answer = await self._short("POST", backend.url + "/v1/abort", msgspec.json.encode({"request_id": rid}))
+        if answer is None:
             self.prefill_aborts["unreachable"] += 1
             return
-        if response.status_code != 200:  # e.g. 404 from a prefill without /v1/abort
-            self.prefill_aborts[f"status_{response.status_code}"] += 1
+        if answer[0] != 200:  # e.g. 404 from a prefill without /v1/abort
+            self.prefill_aborts[f"status_{answer[0]}"] += 1
             return
         try:
-            freed = msgspec.json.decode(response.content, type=AbortResponse).freed_blocks
+            freed = msgspec.json.decode(answer[1], type=AbortResponse).freed_blocks
         except (msgspec.ValidationError, msgspec.DecodeError):
             self.prefill_aborts["malformed"] += 1
             return
@@ -320,7 +352,7 @@ class Proxy:
         if backend is None or backend.kv_url is None:
             return None
         kv = {"remote_url": backend.kv_url, "remote_request_id": job.rid}
-        decode = asyncio.create_task(self._post(self.decodes, "/v1/decode", self._decode_body(job, kv), stream=True))
+        decode = asyncio.create_task(self._post(self.decodes, "/v1/decode", self._decode_body(job, kv)))
         try:
             _, prefill = await self._prefill(job, prompt, images, only=backend)
         except BaseException as exc:
@@ -350,15 +382,14 @@ class Proxy:
                 stream = _TokenStream(self, job, prefill_backend, prefill, decode)
                 return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache"})
-            backend, response = await self._post(self.decodes, "/v1/decode",
-                                                 self._decode_body(job, prefill.kv_transfer_params), stream=False)
+            backend, raw = await self._call(self.decodes, "/v1/decode",
+                                            self._decode_body(job, prefill.kv_transfer_params))
         except BaseException:  # cancellation included: no decode will ask for the KV, so free it now
             if decode is not None:
                 await _discard(decode)
             await asyncio.shield(self._abort(prefill_backend, job.rid))
             raise
-        backend.inflight -= 1
-        decoded = _decode_json(backend, response.content, DecodeResponse)
+        decoded = _decode_json(backend, raw, DecodeResponse)
         self.recorder.extend(decoded.spans)
         self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
         return json_response(completion(job, self.settings.model, detokenize(decoded.tokens), decoded.finish_reason,
@@ -434,7 +465,7 @@ class _TokenStream:
         self.prefill = prefill
         self.decode = decode  # decode asked already (pipelined): its (backend, response) to come
         self.backend: Backend | None = None  # the decode server, once it took the request
-        self.response: httpx.Response | None = None
+        self.response: aiohttp.ClientResponse | None = None
         self.outcome = "client_disconnect"  # unless the stream ends otherwise
         self.tokens = 0  # sent to the client, prefill's first token included
         self.received = 0  # tokens from decode, whose 0 is prefill's
@@ -459,16 +490,13 @@ class _TokenStream:
             yield (self._event("", role=True) if job.kind == "chat" else b"") + (self._event(text) if text else b"")
             if self.decode is None:
                 self.decode = asyncio.create_task(self.proxy._post(
-                    self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill.kv_transfer_params),
-                    stream=True))
+                    self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill.kv_transfer_params)))
             self.backend, self.response = await self.decode
             backend = self.backend
             finish_reason = None
             try:
-                async for line in self.response.aiter_lines():
-                    if not line:
-                        continue
-                    msg = _decode_json(backend, line.encode(), StreamLine)
+                async for line in _lines(self.response.content):
+                    msg = _decode_json(backend, line, StreamLine)
                     if isinstance(msg, StreamToken):
                         due, self.received = self.received, self.received + 1
                         if msg.index != due:
@@ -489,7 +517,7 @@ class _TokenStream:
                         break
                     else:
                         raise BadGateway(f"decode {backend.url} failed mid-stream: {msg.detail}")
-            except httpx.HTTPError as exc:
+            except EXCHANGE_ERRORS as exc:
                 raise _transport_error(backend, exc) from None
             if finish_reason is None:
                 raise BadGateway(f"decode {backend.url} ended its stream before its done line")
@@ -518,7 +546,11 @@ class _TokenStream:
                     await _discard(self.decode)
                 await asyncio.shield(self.proxy._abort(self.prefill_backend, self.job.rid))
             else:
-                await self.response.aclose()
+                # a stream read to its end goes back to the pool; one cut short is closed: decode stops
+                if self.outcome == "ok":
+                    self.response.release()
+                else:
+                    self.response.close()
         finally:
             if self.backend is not None:
                 self.backend.inflight -= 1
@@ -531,6 +563,19 @@ class _TokenStream:
                 proxy.streams_aborted[self.outcome] += 1
 
 
+async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The non-empty NDJSON lines of a stream, however long (aiohttp's own line reader stops at 64 KiB, and a
+    done line carries a span per decode step)."""
+    pending = b""
+    async for piece in stream.iter_any():
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+    if pending.strip():
+        yield pending
+
+
 async def _discard(decode: asyncio.Task) -> None:
     """Drop a decode request the proxy no longer wants: cancel it, or close the response it got."""
     if not decode.done():
@@ -538,7 +583,7 @@ async def _discard(decode: asyncio.Task) -> None:
     with contextlib.suppress(BaseException):  # its failure or cancellation is moot now
         backend, response = await decode
         backend.inflight -= 1
-        await response.aclose()
+        response.close()
 
 
 def create_app(settings: ProxySettings) -> FastAPI:
