@@ -52,8 +52,8 @@ from epd_lab.pd.messages import (
     PrefillResponse,
     encode,
 )
-from epd_lab.serving import (BadRequest, Conflict, Metric, Unavailable, error_for_status, from_argv, option,
-                             read_struct, role_app, run_server)
+from epd_lab.serving import (BadRequest, Conflict, Metric, Unavailable, decode_body, error_for_status, from_argv,
+                             option, read_body, read_struct, role_app, run_server)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -282,9 +282,13 @@ def create_app(settings: PrefillSettings) -> FastAPI:
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
         server: PrefillServer = app.state.server
-        req = await read_struct(request, PrefillRequest)
-        resp = await asyncio.get_running_loop().run_in_executor(server.pool, server.prefill, req)
-        return Response(encode(resp), media_type="application/json")
+        body = await read_body(request)
+
+        def run() -> bytes:  # one hop off the loop: the body (data: URIs, MiBs) decodes in the worker too
+            return encode(server.prefill(decode_body(body, PrefillRequest)))
+
+        answer = await asyncio.get_running_loop().run_in_executor(server.pool, run)
+        return Response(answer, media_type="application/json")
 
     @app.post("/v1/abort")
     async def abort(request: Request) -> Response:

@@ -105,8 +105,10 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
         report.setdefault("http", http_info())
         return json_response(report, 200 if report.get("status") == "ok" else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    # routes are annotated `Any` (a module-level name): an annotation naming a class imported inside this
+    # function cannot be resolved by FastAPI, and /openapi.json would answer 500
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Any:
         text = metrics_text(f"epd_{role}", requests, app.state.server.metric_families())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -39,11 +39,12 @@ async def read_body(request: Any, limit: int = MAX_BODY_BYTES) -> bytearray:
 
 
 def decode_body(body: bytes | bytearray, typ: type[T] = Any) -> T:  # type: ignore[assignment]
-    """`typ` from a JSON body (any JSON without one); `BadRequest` naming the type when it is not one."""
+    """`typ` from a JSON body (any JSON without one); `BadRequest` naming the type when it is not one, or when
+    it nests deeper than the decoder recurses."""
     try:
         return msgspec.json.decode(body, type=typ)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        what = getattr(typ, "__name__", "JSON body")
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+        what = "JSON body" if typ is Any else getattr(typ, "__name__", "JSON body")
         raise BadRequest(f"malformed {what}: {exc}") from None
 
 
