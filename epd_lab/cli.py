@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return importlib.import_module(f"epd_lab.bench.{args.what}").main(rest)
     if args.cmd == "encoder":
-        from epd_lab.epd import encoder
+        from epd_lab.ep import encoder
 
         return encoder.main(rest) or 0
     if args.cmd == "launch":
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("prefill-server", "decode-server", "proxy"):
         import importlib
 
-        module = importlib.import_module(f"epd_lab.pd.{args.cmd.replace('-', '_')}")
+        module = importlib.import_module(f"epd_lab.servers.{args.cmd.removesuffix('-server')}")
         return module.main(rest) or 0
     if args.cmd == "demo":
         from epd_lab import demo

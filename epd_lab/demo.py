@@ -111,7 +111,7 @@ def run_epd(encoders: int = 2, backend: str = "mooncake") -> dict[str, Any]:
     import torch
     from PIL import Image
 
-    from epd_lab.epd.prefill import EPDPrefill, reference_prefill
+    from epd_lab.ep.prefill import EPDPrefill, reference_prefill
     from epd_lab.launch import Cluster, Topology
     from epd_lab.models import configure_torch, load_model
     from epd_lab.trace import STAGES, request_breakdown
@@ -164,7 +164,7 @@ def run_e2e(max_tokens: int = 16) -> dict[str, Any]:
 
     from epd_lab.launch import Cluster, Topology
     from epd_lab.models import configure_torch, load_model
-    from epd_lab.pd.reference import monolithic_chat
+    from epd_lab.servers.reference import monolithic_chat
     from epd_lab.trace import Span
 
     configure_torch()

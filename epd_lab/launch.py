@@ -4,7 +4,7 @@
         with cluster.receiver() as receiver:
             got = receiver.receive(["photo.png"])
 
-Each role is a plain process with a CLI (`python -m epd_lab.epd.encoder ...`), started with port 0:
+Each role is a plain process with a CLI (`python -m epd_lab.servers.encoder ...`), started with port 0:
 it prints one JSON line with its URL once it serves, and the cluster then waits for its /health. Its command
 line is its settings dataclass written back (`epd_lab.serving.to_argv`): the `Topology` fills the shared
 options, ``Topology(settings={"decode": {"max_batch": 4}})`` any other one of a role.
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import httpx
 
-from epd_lab.epd.encoder import EncoderSettings
-from epd_lab.epd.messages import BACKENDS
-from epd_lab.epd.receiver import EmbeddingReceiver, ReceiverConfig
-from epd_lab.pd.decode_server import DecodeSettings
-from epd_lab.pd.prefill_server import PrefillSettings
-from epd_lab.pd.proxy import ProxySettings
+from epd_lab.servers.encoder import EncoderSettings
+from epd_lab.ep.messages import BACKENDS
+from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
+from epd_lab.servers.decode import DecodeSettings
+from epd_lab.servers.prefill import PrefillSettings
+from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
 from epd_lab.trace import Recorder, Span, collect
 from epd_lab.transfer.engine import ENGINES
@@ -47,11 +47,11 @@ _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 # each role: the module its process runs, the settings its command line is written from, and the `Topology`
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
-    "encoder": ("epd_lab.epd.encoder", EncoderSettings, ("model", "dtype", "timeout", "transport", "backend")),
-    "prefill": ("epd_lab.pd.prefill_server", PrefillSettings,
+    "encoder": ("epd_lab.servers.encoder", EncoderSettings, ("model", "dtype", "timeout", "transport", "backend")),
+    "prefill": ("epd_lab.servers.prefill", PrefillSettings,
                 ("model", "dtype", "timeout", "transport", "backend", "kv_blocks")),
-    "decode": ("epd_lab.pd.decode_server", DecodeSettings, ("model", "dtype", "timeout", "transport", "kv_blocks")),
-    "proxy": ("epd_lab.pd.proxy", ProxySettings, ("timeout", "pipelined")),
+    "decode": ("epd_lab.servers.decode", DecodeSettings, ("model", "dtype", "timeout", "transport", "kv_blocks")),
+    "proxy": ("epd_lab.servers.proxy", ProxySettings, ("timeout", "pipelined")),
 }
 
 

@@ -25,9 +25,9 @@ import plotly.graph_objects as go
 import torch
 from PIL import Image
 
-from epd_lab.epd.media import decode_image
-from epd_lab.epd.messages import BACKENDS, DTYPES
-from epd_lab.epd.prefill import EPDPrefill, EPDResult, reference_prefill
+from epd_lab.ep.media import decode_image
+from epd_lab.ep.messages import BACKENDS, DTYPES
+from epd_lab.ep.prefill import EPDPrefill, EPDResult, reference_prefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
 from epd_lab.trace import STAGES, request_breakdown, spans_frame

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from epd_lab.bench.epd import make_images
-from epd_lab.epd.prefill import EPDPrefill, EPDResult, reference_prefill
+from epd_lab.ep.prefill import EPDPrefill, EPDResult, reference_prefill
 from epd_lab.trace import STAGES, request_breakdown, save_frame, to_chrome_trace
 
 

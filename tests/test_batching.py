@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from epd_lab.epd.messages import DTYPES
+from epd_lab.ep.messages import DTYPES
 from epd_lab.models import (
     DecodeRunner,
     PrefillResult,
@@ -27,8 +27,8 @@ from epd_lab.models import (
     monolithic_generate,
     preprocess,
 )
-from epd_lab.pd.decode_server import _DONE, DecodeServer, DecodeSettings
-from epd_lab.pd.messages import DecodeRequest, KVTransferParams
+from epd_lab.servers.decode import _DONE, DecodeServer, DecodeSettings
+from epd_lab.servers.messages import DecodeRequest, KVTransferParams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 

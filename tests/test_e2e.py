@@ -14,7 +14,7 @@ from PIL import Image
 
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
-from epd_lab.pd.reference import monolithic_chat
+from epd_lab.servers.reference import monolithic_chat
 
 MAX_TOKENS = 16
 

@@ -32,10 +32,10 @@ import zmq
 from PIL import Image
 
 from epd_lab import models
-from epd_lab.epd import media
-from epd_lab.epd.encoder import EmbeddingCache, EncoderSettings
-from epd_lab.epd.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
-from epd_lab.epd.receiver import PartPlan, encode_request, send_request
+from epd_lab.ep import media
+from epd_lab.servers.encoder import EmbeddingCache, EncoderSettings
+from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
+from epd_lab.ep.receiver import PartPlan, encode_request, send_request
 from epd_lab.serving import MAX_BODY_BYTES
 from epd_lab.transfer import TransferEngine
 
@@ -76,7 +76,7 @@ class Server:
 
 def _start(backend: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "epd_lab.epd.encoder", "--port", "0", "--backend", backend,
+        [sys.executable, "-m", "epd_lab.servers.encoder", "--port", "0", "--backend", backend,
          "--timeout", str(TIMEOUT), "--embedding-ttl", str(TTL), "--cache-bytes", str(4 << 20)],
         stdout=subprocess.PIPE, text=True)
 

@@ -38,9 +38,9 @@ import pytest
 import torch
 from PIL import Image
 
-from epd_lab.epd.messages import part_req_id
-from epd_lab.epd.prefill import EPDPrefill
-from epd_lab.epd.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
+from epd_lab.ep.messages import part_req_id
+from epd_lab.ep.prefill import EPDPrefill
+from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
 from procs import freeze
@@ -81,7 +81,7 @@ def _all_pids() -> list[int]:
 
 def _encoder_alive(pid: int) -> bool:
     """The encoder `pid` still exists (as a process or a zombie); a reused pid running something else is not it."""
-    return _proc_stat(pid) is not None and "epd_lab.epd.encoder" in _cmdline(pid)
+    return _proc_stat(pid) is not None and "epd_lab.servers.encoder" in _cmdline(pid)
 
 
 def _group_members(pgid: int) -> list[int]:

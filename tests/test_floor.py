@@ -15,12 +15,12 @@ import pytest
 from fastapi import Request
 from fastapi.testclient import TestClient
 
-from epd_lab.epd.encoder import EncoderSettings
+from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.launch import ROLES, Cluster, Topology
-from epd_lab.pd.decode_server import DecodeSettings
-from epd_lab.pd.openai_api import MODEL_ID
-from epd_lab.pd.prefill_server import PrefillSettings
-from epd_lab.pd.proxy import ProxySettings, create_app as proxy_app
+from epd_lab.servers.decode import DecodeSettings
+from epd_lab.servers.openai_api import MODEL_ID
+from epd_lab.servers.prefill import PrefillSettings
+from epd_lab.servers.proxy import ProxySettings, create_app as proxy_app
 from epd_lab.serving import (BadRequest, Conflict, GatewayTimeout, Metric, Unavailable, from_argv, json_response,
                              parser, read_body, read_struct, role_app, to_argv)
 from epd_lab.trace import Recorder
@@ -79,7 +79,7 @@ def test_topology_settings_reach_the_role_command_line() -> None:
     cluster = object.__new__(Cluster)  # only its command lines: nothing is started
     cluster.topology, cluster.procs = topology, []
     decode = cluster.command("decode")
-    assert decode[decode.index("-m") + 1] == "epd_lab.pd.decode_server"
+    assert decode[decode.index("-m") + 1] == "epd_lab.servers.decode"
     assert from_argv(DecodeSettings, decode[3:]) == DecodeSettings(dtype="bfloat16", timeout=20, max_batch=2)
     proxy = from_argv(ProxySettings, cluster.command("proxy", prefills=("http://p:1",), decodes=("http://d:1",))[3:])
     assert (proxy.policy, proxy.timeout, proxy.model) == ("least_loaded", 20, MODEL_ID)  # not the model directory

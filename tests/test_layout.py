@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epd_lab.epd.receiver import PartPlan, ReceivedEmbeddings
+from epd_lab.ep.receiver import PartPlan, ReceivedEmbeddings
 from epd_lab.kv import BlockManager, PagedKVCache, block_copies, group_concurrent_contiguous
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import tiny_config

@@ -140,12 +140,12 @@ def stack():
     servers: list[Server] = []
     cluster = None
     try:
-        servers.append(Server("decode", "epd_lab.pd.decode_server", "--kv-blocks", str(KV_BLOCKS),
+        servers.append(Server("decode", "epd_lab.servers.decode", "--kv-blocks", str(KV_BLOCKS),
                               "--timeout", str(DECODE_TIMEOUT), "--kv-quarantine", "0.5", log_dir=log_dir))
-        servers.append(Server("aux", "epd_lab.pd.prefill_server", "--kv-blocks", "32", "--timeout", str(AUX_TIMEOUT),
+        servers.append(Server("aux", "epd_lab.servers.prefill", "--kv-blocks", "32", "--timeout", str(AUX_TIMEOUT),
                               "--kv-free-timeout", str(AUX_FREE_TIMEOUT), log_dir=log_dir))
         cluster = Cluster(Topology(encoders=1, timeout=10.0))  # boots while the two above do
-        servers.append(Server("main", "epd_lab.pd.prefill_server", "--encoders", ",".join(cluster.encoder_urls),
+        servers.append(Server("main", "epd_lab.servers.prefill", "--encoders", ",".join(cluster.encoder_urls),
                               "--kv-blocks", str(KV_BLOCKS), "--timeout", "30", log_dir=log_dir))
         for server in servers:
             server.wait_ready()

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible proxy (`epd_lab.pd.proxy`) and its prompt glue (`epd_lab.pd.text`), driven by the
+"""The OpenAI-compatible proxy (`epd_lab.servers.proxy`) and its prompt glue (`epd_lab.servers.text`), driven by the
 official `openai` client.
 
 The prefill and decode servers here are **test doubles** (`StandIn`): small FastAPI apps, served by uvicorn in
@@ -6,7 +6,7 @@ threads of this process on OS-chosen ports, that implement the HTTP contract of 
 servers deterministically (prefill: the first token from the prompt's length; decode: that token, then a
 fixed sequence), with slow, failing and truncating variants. They stand in for components that exist
 elsewhere; the end-to-end test through the real servers is separate. The proxy runs in a thread too, except
-in the CLI test, which starts ``python -m epd_lab.pd.proxy`` as a process.
+in the CLI test, which starts ``python -m epd_lab.servers.proxy`` as a process.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from epd_lab.pd.openai_api import MODEL_ID
-from epd_lab.pd.proxy import ProxySettings, create_app
-from epd_lab.pd.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
+from epd_lab.servers.openai_api import MODEL_ID
+from epd_lab.servers.proxy import ProxySettings, create_app
+from epd_lab.servers.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
 
 TAIL = [*"é ok".encode(), 1025]  # after the first token: a 2-byte character split over two tokens, a special id
 PNG_URI = "data:image/png;base64,iVBORw0KGgo="  # the proxy passes media through; the stand-in never decodes it
@@ -512,7 +512,7 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 
 def test_cli(rig: Rig) -> None:
     p, d = rig.prefill(), rig.decode()
-    cmd = [sys.executable, "-m", "epd_lab.pd.proxy", "--port", "0", "--prefill", p.url, "--decode", f"{d.url},{d.url}",
+    cmd = [sys.executable, "-m", "epd_lab.servers.proxy", "--port", "0", "--prefill", p.url, "--decode", f"{d.url},{d.url}",
            "--policy", "least_loaded", "--timeout", "5"]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         try:
@@ -527,7 +527,7 @@ def test_cli(rig: Rig) -> None:
         finally:
             proc.terminate()
             assert proc.wait(10) == -signal.SIGTERM  # uvicorn shuts down, then re-raises the signal
-    bad = subprocess.run([sys.executable, "-m", "epd_lab.pd.proxy", "--prefill", p.url, "--decode", d.url,
+    bad = subprocess.run([sys.executable, "-m", "epd_lab.servers.proxy", "--prefill", p.url, "--decode", d.url,
                           "--policy", "random"], capture_output=True, text=True, timeout=30, check=False)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import zmq
 
-from epd_lab.epd.messages import EmbeddingData, encode_zmq, part_req_id
-from epd_lab.epd.receiver import (
+from epd_lab.ep.messages import EmbeddingData, encode_zmq, part_req_id
+from epd_lab.ep.receiver import (
     EmbeddingReceiver,
     EPDError,
     PartPlan,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from epd_lab.epd.prefill import EPDPrefill
+from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
 from epd_lab.trace import (COLUMNS, Recorder, Span, estimate_clock_offset, frame_spans, load_frame, request_of,

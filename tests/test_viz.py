@@ -22,8 +22,8 @@ import pytest
 from PIL import Image
 from plotly.offline import get_plotlyjs
 
-from epd_lab.epd.messages import part_req_id
-from epd_lab.epd.prefill import EPDPrefill
+from epd_lab.ep.messages import part_req_id
+from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
 from epd_lab.trace import Recorder, Span, critical_path, spans_frame

@@ -37,7 +37,7 @@ from epd_lab.kv.connector import RequestAborted
 from epd_lab.kv.messages import decode_reply, encode
 from epd_lab.launch import Cluster, Topology, _die_with_parent
 from epd_lab.models import configure_torch, load_model
-from epd_lab.pd.reference import monolithic_chat
+from epd_lab.servers.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
 
 pytestmark = pytest.mark.timeout(240)
@@ -223,8 +223,8 @@ def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai
 
 
 def _start_proxy(prefills: list[str], decodes: list[str]) -> tuple[subprocess.Popen, str]:
-    """``python -m epd_lab.pd.proxy`` as a process; (process, URL)."""
-    cmd = [sys.executable, "-m", "epd_lab.pd.proxy", "--port", "0", "--prefill", ",".join(prefills),
+    """``python -m epd_lab.servers.proxy`` as a process; (process, URL)."""
+    cmd = [sys.executable, "-m", "epd_lab.servers.proxy", "--port", "0", "--prefill", ",".join(prefills),
            "--decode", ",".join(decodes), "--timeout", str(TIMEOUT)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
     deadline = time.monotonic() + 30

@@ -30,7 +30,7 @@ from PIL import Image
 
 from epd_lab.bench import write_json
 from epd_lab.bench.transfer import machine_info
-from epd_lab.epd.messages import BACKENDS
+from epd_lab.ep.messages import BACKENDS
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import (
     DecodeRunner,
@@ -41,7 +41,7 @@ from epd_lab.models import (
     load_model,
     preprocess,
 )
-from epd_lab.pd.text import messages_to_prompt
+from epd_lab.servers.text import messages_to_prompt
 from epd_lab.trace import critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"

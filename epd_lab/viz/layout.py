@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from epd_lab.epd.receiver import ReceivedEmbeddings
+from epd_lab.ep.receiver import ReceivedEmbeddings
 from epd_lab.kv.transfer import group_concurrent_contiguous
 
 COLORS = qualitative.Plotly

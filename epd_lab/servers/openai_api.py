@@ -1,7 +1,7 @@
 """OpenAI's request and response shapes, as the proxy reads and writes them.
 
 `parse_request` turns a ``/v1/chat/completions`` or ``/v1/completions`` body into a `Job` (prompt rendering is
-`epd_lab.pd.text`'s); `completion`, `chunk` and `usage` build the answers; `error_body` is an error object
+`epd_lab.servers.text`'s); `completion`, `chunk` and `usage` build the answers; `error_body` is an error object
 ``{"error": {"message", "type", "code"}}`` for any `ServingError`.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from epd_lab.pd.text import PromptError, completion_prompt, messages_to_prompt
+from epd_lab.servers.text import PromptError, completion_prompt, messages_to_prompt
 from epd_lab.serving import BadRequest, ServingError
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MODEL_ID", "UNSUPPORTED", "Job", "chunk", "completion", "error_body",

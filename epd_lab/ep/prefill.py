@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 from PIL import Image
 
-from epd_lab.epd.receiver import EmbeddingReceiver, ReceivedEmbeddings
+from epd_lab.ep.receiver import EmbeddingReceiver, ReceivedEmbeddings
 from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids, monolithic_prefill, preprocess
 from epd_lab.trace import Span
 

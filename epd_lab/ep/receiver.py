@@ -35,7 +35,7 @@ import msgspec
 import torch
 import zmq
 
-from epd_lab.epd.messages import (
+from epd_lab.ep.messages import (
     BACKENDS,
     DTYPES,
     EmbeddingNotify,

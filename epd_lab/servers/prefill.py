@@ -21,7 +21,7 @@ request_id whose KV is still waiting for decode, or that was aborted, 409.
 
 ``GET /health`` (JSON: blocks free/used, the producer's counters), ``GET /metrics`` (Prometheus text).
 
-Run: ``python -m epd_lab.pd.prefill_server --port 0 --encoders URL,URL`` prints ``{"url": ..., "pid": ...}``.
+Run: ``python -m epd_lab.servers.prefill --port 0 --encoders URL,URL`` prints ``{"url": ..., "pid": ...}``.
 """
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from epd_lab import models
-from epd_lab.epd.messages import BACKENDS, DTYPES
-from epd_lab.epd.prefill import EPDPrefill
-from epd_lab.epd.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
+from epd_lab.ep.messages import BACKENDS, DTYPES
+from epd_lab.ep.prefill import EPDPrefill
+from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import AlreadyReady, RequestAborted
 from epd_lab.kv.messages import KVAux
-from epd_lab.pd.messages import (
+from epd_lab.servers.messages import (
     AbortRequest,
     AbortResponse,
     KVTransferParams,
@@ -301,7 +301,7 @@ def create_app(settings: PrefillSettings) -> FastAPI:
 
 def parse_args(argv: list[str] | None = None) -> PrefillSettings:
     """`PrefillSettings` from the command line (errors exit with the usage)."""
-    return from_argv(PrefillSettings, argv, "python -m epd_lab.pd.prefill_server", "the EPD prefill server")
+    return from_argv(PrefillSettings, argv, "python -m epd_lab.servers.prefill", "the EPD prefill server")
 
 
 def main(argv: list[str] | None = None) -> int:

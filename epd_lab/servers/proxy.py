@@ -6,7 +6,7 @@ the response's), ``GET /v1/clock``, ``GET /health``, ``GET /metrics`` (Prometheu
 
 One request, as vLLM's disaggregated proxy does it:
 
-1. Render the prompt (`epd_lab.pd.text`: chat template, ``image_url`` parts → media items).
+1. Render the prompt (`epd_lab.servers.text`: chat template, ``image_url`` parts → media items).
 2. Choose a prefill and ``POST /v1/prefill`` with ``kv_transfer_params = {"do_remote_decode": true}``. The
    prefill always produces exactly one token (OpenAI's ``max_tokens=1``), so no length is sent.
 3. Choose a decode and ``POST /v1/decode`` with the prefill's ``kv_transfer_params`` unchanged and the
@@ -44,7 +44,7 @@ requests, and ``e2e`` for all; ``/metrics`` gives them as summaries. With them t
 backends return (prefill: the E→P stages, ``prefill``, ``kv_write``; decode: ``kv_transfer``, ``decode_step``).
 All share one host's CLOCK_MONOTONIC, so ``/v1/spans`` lines them up as one timeline.
 
-Run: ``python -m epd_lab.pd.proxy --port 0 --prefill URL[,URL] --decode URL[,URL]`` prints
+Run: ``python -m epd_lab.servers.proxy --port 0 --prefill URL[,URL] --decode URL[,URL]`` prints
 ``{"url": ..., "pid": ...}``.
 """
 from __future__ import annotations
@@ -64,10 +64,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from epd_lab.pd.messages import AbortResponse, DecodeResponse, PrefillResponse, StreamDone, StreamLine, StreamToken
-from epd_lab.pd.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
-from epd_lab.pd.routing import POLICIES, Backend, Pool
-from epd_lab.pd.text import Detokenizer, detokenize
+from epd_lab.servers.messages import AbortResponse, DecodeResponse, PrefillResponse, StreamDone, StreamLine, StreamToken
+from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
+from epd_lab.servers.routing import POLICIES, Backend, Pool
+from epd_lab.servers.text import Detokenizer, detokenize
 from epd_lab.serving import (CLIENT_KEEPALIVE_S, BadGateway, BadRequest, ClientClosed, GatewayTimeout, Metric,
                              PayloadTooLarge, ServingError, Unavailable, from_argv, json_response, option,
                              read_body, decode_body, role_app, run_server)

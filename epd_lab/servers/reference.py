@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from epd_lab.epd.media import MAX_MEDIA_BYTES, load_image
+from epd_lab.ep.media import MAX_MEDIA_BYTES, load_image
 from epd_lab.models import build_input_ids, monolithic_generate, preprocess
-from epd_lab.pd.text import detokenize, messages_to_prompt
+from epd_lab.servers.text import detokenize, messages_to_prompt
 
 
 def monolithic_chat(model: Any, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 10.0) -> str:

@@ -40,7 +40,7 @@ thread; the zmq backends build and push their message in one thread.
 Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang): the server reads any file
 its user may, which is why it binds 127.0.0.1 unless told otherwise.
 
-Run: ``python -m epd_lab.epd.encoder --port 0 --backend mooncake`` prints ``{"url": ..., "pid": ...}``.
+Run: ``python -m epd_lab.servers.encoder --port 0 --backend mooncake`` prints ``{"url": ..., "pid": ...}``.
 """
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ from fastapi.responses import Response
 from PIL import Image
 
 from epd_lab import models
-from epd_lab.epd.cache import EmbeddingCache
-from epd_lab.epd.media import MAX_MEDIA_BYTES, MediaError, content_hash, fetch_media, load_rgb, open_image
-from epd_lab.epd.messages import (
+from epd_lab.ep.cache import EmbeddingCache
+from epd_lab.ep.media import MAX_MEDIA_BYTES, MediaError, content_hash, fetch_media, load_rgb, open_image
+from epd_lab.ep.messages import (
     BACKENDS,
     DTYPES,
     EmbeddingData,
@@ -77,7 +77,7 @@ from epd_lab.epd.messages import (
     receive_url_endpoint,
     zmq_url,
 )
-from epd_lab.epd.push import PushSockets
+from epd_lab.ep.push import PushSockets
 from epd_lab.serving import (BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
                              ServingError, decode_body, from_argv, json_response, option, read_body, read_struct,
                              role_app, run_server)

@@ -26,7 +26,7 @@ KV pool exhausted 503, TRANS_ERROR 502, timeout 504. An error after streaming be
 ``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
 batched steps, so ``tokens_generated`` over it is about the mean batch), ``GET /metrics`` (Prometheus).
 
-Run: ``python -m epd_lab.pd.decode_server --port 0`` prints ``{"url": ..., "pid": ...}``.
+Run: ``python -m epd_lab.servers.decode --port 0`` prints ``{"url": ..., "pid": ...}``.
 """
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ from fastapi.responses import Response, StreamingResponse
 from transformers import DynamicCache
 
 from epd_lab import models
-from epd_lab.epd.messages import DTYPES
+from epd_lab.ep.messages import DTYPES
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
-from epd_lab.pd.messages import (
+from epd_lab.servers.messages import (
     DecodeRequest,
     DecodeResponse,
     KVTransferParams,
@@ -451,7 +451,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
 
 def parse_args(argv: list[str] | None = None) -> DecodeSettings:
     """`DecodeSettings` from the command line (errors exit with the usage)."""
-    return from_argv(DecodeSettings, argv, "python -m epd_lab.pd.decode_server", "the EPD decode server")
+    return from_argv(DecodeSettings, argv, "python -m epd_lab.servers.decode", "the EPD decode server")
 
 
 def main(argv: list[str] | None = None) -> int:
