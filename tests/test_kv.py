@@ -241,7 +241,7 @@ def test_refused_write_is_trans_error_and_frees_prefill_blocks():
           PagedKVCache(2, 2, 64, num_blocks=8, engine=d_engine) as d_cache):
         blocks = BlockManager(8)
         with KVProducer(p_engine, p_cache, free_blocks=blocks.free, timeout=1.0) as producer:
-            producer.ready("r", blocks.allocate(2))
+            producer.request_finished("r", blocks.allocate(2))
             meta = KVConsumer(d_engine, d_cache).metadata("r", [4, 5])
             meta.rkeys = meta.rkeys[1:] + meta.rkeys[:1]  # each run names another region's key
             reply = ask(producer.url, encode(meta))
@@ -268,7 +268,7 @@ def test_seed_metadata_is_served():
         host, port = d_engine.session_id.rsplit(":", 1)
         seed = SeedAgentMetadata(host, int(port), ["r"], d_cache.base_addrs, [dst])
         with KVProducer(p_engine, p_cache, free_blocks=blocks.free, timeout=1.0) as producer:
-            producer.ready("r", src)
+            producer.request_finished("r", src)
             assert ask(producer.url, msgspec.msgpack.encode(seed)) == TransDone(["r"])
         for i in range(2):
             for p_region, d_region in zip(p_cache.layer(i), d_cache.layer(i), strict=True):
@@ -337,7 +337,7 @@ def producer_main(argv: list[str]) -> None:
                     ids = blocks.allocate(blocks_needed(result.prompt_len, cache.block_size))
                     cache.write_from(result.past_key_values, ids, result.prompt_len)
                     aux = KVAux(int(result.logits.argmax(-1)), result.rope_delta)
-                    producer.ready(msg["request_id"], ids, aux)
+                    producer.request_finished(msg["request_id"], ids, aux)
                     reply = {"block_ids": ids, "prompt_len": result.prompt_len, "rope_delta": result.rope_delta}
                 elif msg["cmd"] == "announce":
                     producer.announce(msg["request_id"], msg["prompt_len"], msg["num_blocks"])

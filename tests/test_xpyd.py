@@ -67,7 +67,7 @@ def test_producer_abort_frees_blocks_and_answers_trans_error() -> None:
         blocks = BlockManager(8)
         consumer = KVConsumer(d_engine, d_cache)
         with KVProducer(p_engine, p_cache, free_blocks=blocks.free, timeout=5.0, free_timeout=60.0) as producer:
-            producer.ready("r", blocks.allocate(2))
+            producer.request_finished("r", blocks.allocate(2))
             assert producer.abort("r") == 2 and blocks.num_free_blocks == 8  # now, not after free_timeout
             assert producer.abort("r") == 0  # idempotent
             start = time.monotonic()
@@ -75,7 +75,7 @@ def test_producer_abort_frees_blocks_and_answers_trans_error() -> None:
             assert isinstance(reply, TransError) and "aborted" in reply.error
             assert time.monotonic() - start < 1.0  # at once, not after the ask's 5 s wait
             with pytest.raises(RequestAborted):
-                producer.ready("r", [3])  # a prefill that finishes after its abort keeps nothing
+                producer.request_finished("r", [3])  # a prefill that finishes after its abort keeps nothing
             # an abort of a request not yet readied answers an ask already waiting for it at once
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 waiting = pool.submit(_ask, producer, consumer, "late")

@@ -1,10 +1,12 @@
 """P→D: the paged KV cache and its transfer from prefill to decode (seed 003, Mooncake's vLLM v1 connector).
 
 - `block_manager`: `BlockManager`, the free list of a cache's blocks.
-- `paged_cache`: `PagedKVCache`, per layer K and V as blocks, registered with the engine once.
+- `paged_cache`: `PagedKVCache`, per layer K and V as blocks, registered with the engine once
+  (`register_kv_caches`).
 - `transfer`: block ids → merged (src, dst, length) runs (`group_concurrent_contiguous`, `block_copies`).
 - `messages`: `MooncakeAgentMetadata`, `TransDone`, `TransError` and their codec.
-- `connector`: `KVProducer` (prefill, ZMQ ROUTER) and `KVConsumer` (decode, REQ).
+- `connector`: `KVProducer` (prefill, ZMQ ROUTER: `request_finished`, `_handle_handshake`, `send_kv_to_decode`,
+  `_send_blocks`) and `KVConsumer` (decode, REQ: `receive_kv`), under the seed's names.
 """
 from epd_lab.kv.block_manager import BlockManager, OutOfBlocks, blocks_needed
 from epd_lab.kv.connector import KVConsumer, KVProducer, KVTransferError

@@ -2,19 +2,40 @@
 over REQ, the producer writes the blocks with one batch write and answers ``TRANS_DONE`` / ``TRANS_ERROR``.
 
     producer = KVProducer(engine, cache, free_blocks=blocks.free)      # prefill
-    producer.ready(request_id, block_ids)                              # after its prefill wrote the KV
+    producer.request_finished(request_id, block_ids)                   # after its prefill wrote the KV
     producer.abort(request_id)                                         # decode will never ask: free now
     consumer = KVConsumer(engine, cache)                               # decode
     consumer.receive_kv(producer.url, request_id, block_ids)           # returns once the KV is in place
 
-Bounded everywhere, so no request waits forever (vLLM #35943): the producer answers ``TRANS_ERROR`` for a
-request not readied within `timeout`, and frees a readied request's blocks once it is answered or after
-`free_timeout` if decode never asks; the consumer raises `KVTransferError` on ``TRANS_ERROR``, after
-`timeout` without an answer (producer dead or stuck), or on a reply it cannot decode.
+Seed 003's names for the same jobs (Mooncake's vLLM connector):
 
-Abort (what vLLM's proxy does when decode fails): `abort` frees a readied request's blocks at once instead of
+- ``request_finished()`` (producer, scheduler side): `KVProducer.request_finished`. The blocks are held (the
+  seed's ``delay_free_blocks``) until decode's ``TRANS_DONE`` / ``TRANS_ERROR`` or `free_timeout`; the prefill
+  server answers the ``kv_transfer_params`` decode calls back with.
+- ``register_kv_caches()`` (worker side): `PagedKVCache.register_kv_caches`, which registers every K and V
+  region once and gives `base_addrs`, the seed's ``kv_caches_base_addr``.
+- ``_handle_handshake()``: `KVProducer._handle_handshake` decodes the `MooncakeAgentMetadata` decode sent. The
+  seed hands it to a thread pool (``_handshake_executor``) that calls ``send_kv_to_decode()``; here the ask
+  waits in the one serving thread until every request it names is finished, then
+  `KVProducer.send_kv_to_decode` writes and answers.
+- ``_send_blocks()``: `KVProducer._send_blocks`, the addresses ``base + block_id * block_len`` of the runs that
+  ``group_concurrent_contiguous()`` (`epd_lab.kv.transfer`) merges, in one ``batch_transfer_sync_write``.
+- ``receive_kv()`` (consumer, worker side): `KVConsumer.receive_kv`. The seed's ``start_load_kv()``, which
+  starts one ``receive_kv`` thread per remote host, has no counterpart: the decode server calls `receive_kv`
+  per request from its own threads.
+
+This project's extensions, not in the seed: `KVProducer.announce` and `KVConsumer.query` (the pipelined
+handshake), and `KVProducer.abort`.
+
+Bounded everywhere, so no request waits forever (vLLM #35943): the producer answers ``TRANS_ERROR`` for a
+request not finished (`request_finished`) within `timeout`, and frees a finished request's blocks once it is
+answered or after `free_timeout` if decode never asks; the consumer raises `KVTransferError` on
+``TRANS_ERROR``, after `timeout` without an answer (producer dead or stuck), or on a reply it cannot decode.
+
+Abort (what vLLM's proxy does when decode fails): `abort` frees a finished request's blocks at once instead of
 after `free_timeout`, and for `free_timeout` afterwards an ask for that request is answered
-``TRANS_ERROR`` "aborted" at once, and `ready` for it is refused (a prefill still running when the abort came).
+``TRANS_ERROR`` "aborted" at once, and `request_finished` for it is refused (a prefill still running when the
+abort came).
 
 Limit kept from the seed: after a consumer timed out, a producer that was only slow may still write into
 the blocks it named. Decode should not hand those blocks to another request before the producer's
@@ -60,15 +81,17 @@ class KVTransferTimeout(KVTransferError):
 
 
 class RequestAborted(ValueError):
-    """`KVProducer.ready` for a request that was aborted first."""
+    """`KVProducer.request_finished` (or `announce`) for a request that was aborted first."""
 
 
 class AlreadyReady(ValueError):
-    """`KVProducer.ready` for a request whose KV is already waiting for decode."""
+    """`KVProducer.request_finished` (or `announce`) for a request whose KV is already waiting for decode."""
 
 
 @dataclass(slots=True)
-class _Ready:
+class _Held:
+    """A finished request's blocks, held for decode (the seed's delay_free_blocks)."""
+
     block_ids: list[int]
     expires: float  # monotonic time after which the blocks are freed unasked
     aux: KVAux | None = None  # sent with TRANS_DONE (a pipelined decode learns the first token there)
@@ -85,7 +108,7 @@ class _Query:
 class _Ask:
     envelope: list[bytes]  # ROUTER identity and REQ delimiter: where the reply goes
     metadata: MooncakeAgentMetadata
-    deadline: float  # monotonic time after which a request still not ready is an error
+    deadline: float  # monotonic time after which a request still not finished is an error
 
 
 class KVProducer:
@@ -95,10 +118,11 @@ class KVProducer:
         engine: the transfer engine the cache is registered with (the writes' source).
         cache: the prefill's registered `PagedKVCache`.
         free_blocks: called with a request's block ids once the producer is done with them (after its
-            answer, or after `free_timeout` unasked, or at `close`); typically `BlockManager.free`.
+            answer, or after `free_timeout` unasked, or at `close`): the seed's delayed free; typically
+            `BlockManager.free`.
         host, port: where the ROUTER binds; port 0 lets the OS choose (`url` tells).
-        timeout: seconds an ask waits for its requests to be readied before ``TRANS_ERROR``.
-        free_timeout: seconds a readied request waits to be asked before its blocks are freed.
+        timeout: seconds an ask waits for its requests' `request_finished` before ``TRANS_ERROR``.
+        free_timeout: seconds a finished request waits to be asked before its blocks are freed.
     """
 
     def __init__(self, engine: Any, cache: PagedKVCache, *, free_blocks: Callable[[list[int]], None],
@@ -109,7 +133,7 @@ class KVProducer:
             raise ValueError("the cache is not registered with a transfer engine")
         self.engine, self.cache, self.free_blocks = engine, cache, free_blocks
         self.timeout, self.free_timeout = timeout, free_timeout
-        self._ready: dict[str, _Ready] = {}
+        self._held: dict[str, _Held] = {}
         self._plans: dict[str, tuple[KVPlan, float]] = {}  # announced: (plan, when it is forgotten unasked)
         self._aborted: dict[str, float] = {}  # request id → monotonic time its abort is forgotten
         self._asks: list[_Ask] = []  # touched by the serving thread only
@@ -126,7 +150,8 @@ class KVProducer:
             self._socket.close()
             raise
         self.url: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        # ready() and close() wake the serving thread through this pipe; the thread owns the socket.
+        # request_finished(), announce(), abort() and close() wake the serving thread through this pipe; the
+        # thread owns the socket.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closed = False
@@ -136,42 +161,48 @@ class KVProducer:
     # ---- the scheduler side ----
     def announce(self, request_id: str, prompt_len: int, num_blocks: int) -> None:
         """Tell a pipelined decode, before the forward, how long `request_id`'s prompt is and how many blocks
-        its KV takes: its `KVQuery` is answered now (or when it comes). Raises `ValueError` when the producer
-        is closed, `AlreadyReady` when the request's KV already waits, `RequestAborted` when it was aborted."""
+        its KV takes: its `KVQuery` is answered now (or when it comes). This project's extension (the pipelined
+        handshake), not in seed 003, whose decode learns this from ``kv_transfer_params`` after prefill.
+
+        Raises `ValueError` when the producer is closed, `AlreadyReady` when the request's KV already waits,
+        `RequestAborted` when it was aborted."""
         with self._lock:
             self._check_new(request_id)
             plan = KVPlan(request_id, prompt_len, num_blocks)
             self._plans[request_id] = (plan, time.monotonic() + self.free_timeout)
         self._wake()
 
-    def ready(self, request_id: str, block_ids: Sequence[int], aux: KVAux | None = None) -> None:
-        """Mark `request_id`'s prefill KV as written into `block_ids`: it may now be sent (with `aux`, prefill's
-        first token and rope delta, in its ``TRANS_DONE``).
+    def request_finished(self, request_id: str, block_ids: Sequence[int], aux: KVAux | None = None) -> None:
+        """`request_id`'s prefill is done and its KV written into `block_ids`: hold the blocks for decode (the
+        seed's ``delay_free_blocks``) and send them when decode asks (with `aux`, prefill's first token and rope
+        delta, in its ``TRANS_DONE``). From here on the producer frees the blocks: after it answers decode's
+        ``TRANS_DONE`` / ``TRANS_ERROR``, after `free_timeout` unasked, at `abort`, or at `close`.
 
-        Raises `ValueError` when the producer is closed, `AlreadyReady` when the request is already ready, or
+        Raises `ValueError` when the producer is closed, `AlreadyReady` when the request's KV already waits, or
         `RequestAborted` when it was aborted first; the blocks then stay the caller's to free."""
         with self._lock:
             self._check_new(request_id)
-            self._ready[request_id] = _Ready(list(block_ids), time.monotonic() + self.free_timeout, aux)
+            self._held[request_id] = _Held(list(block_ids), time.monotonic() + self.free_timeout, aux)
         self._wake()
 
     def _check_new(self, request_id: str) -> None:
         # under the lock: the producer is open, and the request neither waits already nor was aborted
         if self._closed:
             raise ValueError("the producer is closed")
-        if request_id in self._ready:
-            raise AlreadyReady(f"request {request_id!r} is already ready")
+        if request_id in self._held:
+            raise AlreadyReady(f"request {request_id!r}: its KV already waits for decode")
         if request_id in self._aborted:
             raise RequestAborted(f"request {request_id!r} was aborted")
 
     def abort(self, request_id: str) -> int:
-        """Drop `request_id`: free its blocks now if it is ready, and answer its asks (waiting or to come
+        """Drop `request_id`: free its blocks now if it is finished, and answer its asks (waiting or to come
         within `free_timeout`) ``TRANS_ERROR`` "aborted". Returns the number of blocks freed: 0 when it was not
-        ready (unknown, not yet readied, or its transfer already taken up: that one frees its blocks itself)."""
+        waiting (unknown, not yet finished, or its transfer already taken up: that one frees its blocks itself).
+        This project's extension (vLLM's proxy aborts on the scheduler side), not in seed 003."""
         with self._lock:
             if self._closed:
                 return 0
-            entry = self._ready.pop(request_id, None)
+            entry = self._held.pop(request_id, None)
             self._plans.pop(request_id, None)
             self._aborted[request_id] = time.monotonic() + self.free_timeout
             if entry is not None:
@@ -183,12 +214,12 @@ class KVProducer:
         return len(entry.block_ids)
 
     def stats(self) -> dict[str, int]:
-        """Counters: ``requests_ready`` (readied, not yet asked), ``transfers_done`` / ``transfers_failed``
+        """Counters: ``requests_ready`` (finished, not yet asked), ``transfers_done`` / ``transfers_failed``
         (asks answered ``TRANS_DONE`` / ``TRANS_ERROR``), ``requests_done`` / ``requests_failed``,
         ``requests_expired`` (freed unasked), ``requests_aborted`` (freed by `abort`), ``malformed``
         (frames that were not metadata), ``blocks_freed``, ``bytes_sent``."""
         with self._lock:
-            return {"requests_ready": len(self._ready), **self._counters}
+            return {"requests_ready": len(self._held), **self._counters}
 
     # ---- the worker side (serving thread) ----
     def _serve(self) -> None:
@@ -200,10 +231,10 @@ class KVProducer:
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             while self._socket.poll(0, zmq.POLLIN):
-                self._on_frames(self._socket.recv_multipart(copy=False))
+                self._handle_handshake(self._socket.recv_multipart(copy=False))
             self._serve_queries()
             self._serve_asks()
-            self._expire_ready()
+            self._expire_held()
         for ask in self._asks:  # answered, not left waiting for the consumer's timeout
             self._reply(ask.envelope, TransError(ask.metadata.request_ids, "the producer is shutting down"))
         for query in self._queries:
@@ -214,12 +245,14 @@ class KVProducer:
     def _poll_ms(self) -> int:
         with self._lock:
             deadlines = ([a.deadline for a in self._asks] + [q.deadline for q in self._queries]
-                         + [r.expires for r in self._ready.values()] + [until for _, until in self._plans.values()])
+                         + [r.expires for r in self._held.values()] + [until for _, until in self._plans.values()])
         if not deadlines:
             return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
 
-    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+    def _handle_handshake(self, frames: list[zmq.Frame]) -> None:
+        """Decode the `MooncakeAgentMetadata` (or a pipelined `KVQuery`) a consumer sent and queue it: an ask is
+        served by `send_kv_to_decode` once every request it names is finished, or answered ``TRANS_ERROR``."""
         # ROUTER put the sender's identity first; a REQ sender adds an empty delimiter. The reply goes
         # back with whatever envelope came, so even a frame without the delimiter is answered.
         envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
@@ -258,16 +291,16 @@ class KVProducer:
         for ask in self._asks:
             with self._lock:
                 aborted = [rid for rid in ask.metadata.request_ids if rid in self._aborted]
-                entries = [self._ready.get(rid) for rid in ask.metadata.request_ids]
+                entries = [self._held.get(rid) for rid in ask.metadata.request_ids]
                 if all(entries) and not aborted:
                     for rid in ask.metadata.request_ids:
-                        del self._ready[rid]
+                        del self._held[rid]
                         self._plans.pop(rid, None)
-            if aborted:  # the other requests of the ask stay ready: they may be asked for again
+            if aborted:  # the other requests of the ask stay held: they may be asked for again
                 self._count("transfers_failed")
                 self._reply(ask.envelope, TransError(ask.metadata.request_ids, f"request(s) {aborted} aborted"))
             elif all(entries):
-                self._send(ask, entries)
+                self.send_kv_to_decode(ask, entries)
             elif now >= ask.deadline:
                 missing = [rid for rid, e in zip(ask.metadata.request_ids, entries) if e is None]
                 self._count("transfers_failed")
@@ -277,23 +310,27 @@ class KVProducer:
                 waiting.append(ask)
         self._asks = waiting
 
-    def _send(self, ask: _Ask, entries: list[_Ready]) -> None:
+    def send_kv_to_decode(self, ask: _Ask, entries: list[_Held]) -> None:
+        """Write the finished requests of `ask` into decode's blocks (`_send_blocks`), answer ``TRANS_DONE``
+        (``TRANS_ERROR`` on any failure) and free the blocks. Called on the serving thread only."""
         meta = ask.metadata
         try:
-            copies = self._copies(meta, entries)
-            self.engine.batch_transfer_sync_write(meta.session_id, *copies)
+            nbytes = self._send_blocks(meta, entries)
         except Exception as exc:  # any failure is the consumer's TRANS_ERROR, never a crash of this thread
             reply: TransDone | TransError = TransError(meta.request_ids, f"{type(exc).__name__}: {exc}")
             self._count("transfers_failed", requests_failed=len(entries))
         else:
             auxes = [entry.aux for entry in entries]
             reply = TransDone(meta.request_ids, auxes if all(a is not None for a in auxes) else [])
-            self._count("transfers_done", requests_done=len(entries), bytes_sent=sum(copies.lengths))
+            self._count("transfers_done", requests_done=len(entries), bytes_sent=nbytes)
         self._reply(ask.envelope, reply)
         for entry in entries:  # answered either way: decode will not ask again
             self._free(entry.block_ids)
 
-    def _copies(self, meta: MooncakeAgentMetadata, entries: list[_Ready]) -> BlockCopies:
+    def _send_blocks(self, meta: MooncakeAgentMetadata, entries: list[_Held]) -> int:
+        """One ``batch_transfer_sync_write`` of every request's blocks into decode's, in the runs contiguous on
+        both sides (`block_copies`, `group_concurrent_contiguous`); returns the bytes written. Raises
+        `ValueError` when decode's cache or block tables do not match prefill's."""
         if (meta.block_len not in (None, self.cache.block_len)  # None: the seed's, which never says
                 or len(meta.kv_caches_base_addr) != len(self.cache.base_addrs)):
             raise ValueError(f"decode's cache ({len(meta.kv_caches_base_addr)} regions, block_len {meta.block_len}) "
@@ -307,13 +344,14 @@ class KVProducer:
                                 self.cache.block_len, meta.rkeys or None)
             for mine, theirs in zip(out, part):
                 mine.extend(theirs)
-        return out
+        self.engine.batch_transfer_sync_write(meta.session_id, *out)
+        return sum(out.lengths)
 
-    def _expire_ready(self) -> None:
+    def _expire_held(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [rid for rid, r in self._ready.items() if now >= r.expires]
-            entries = [self._ready.pop(rid) for rid in expired]
+            expired = [rid for rid, r in self._held.items() if now >= r.expires]
+            entries = [self._held.pop(rid) for rid in expired]
             self._plans = {rid: p for rid, p in self._plans.items() if now < p[1] and rid not in expired}
             self._aborted = {rid: until for rid, until in self._aborted.items() if now < until}
         for rid, entry in zip(expired, entries):
@@ -348,7 +386,7 @@ class KVProducer:
 
     # ---- lifetime ----
     def close(self) -> None:
-        """Answer waiting asks with ``TRANS_ERROR``, free the blocks of readied requests, stop. Idempotent."""
+        """Answer waiting asks with ``TRANS_ERROR``, free the blocks of finished requests, stop. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -359,7 +397,7 @@ class KVProducer:
         os.close(self._wake_r)
         os.close(self._wake_w)
         with self._lock:
-            entries, self._ready = list(self._ready.values()), {}
+            entries, self._held = list(self._held.values()), {}
         for entry in entries:
             self._free(entry.block_ids)
 
@@ -457,7 +495,8 @@ class KVConsumer:
 
     def query(self, producer_url: str, request_id: str) -> KVPlan:
         """The pipelined handshake's first step: ask the producer how long `request_id`'s prompt is and how many
-        blocks its KV takes; returns when prefill has announced it. Raises `KVTransferError` otherwise."""
+        blocks its KV takes; returns when prefill has announced it (`KVProducer.announce`). Raises
+        `KVTransferError` otherwise. This project's extension, not in seed 003."""
         reply = self._round_trip(producer_url, request_id, encode(KVQuery(request_id)))
         if not isinstance(reply, KVPlan) or reply.request_id != request_id:
             raise KVTransferError(f"request {request_id!r}: {type(reply).__name__} from {producer_url} where its "

@@ -5,8 +5,9 @@ FlashAttention layout with K and V apart), so block `b` of a layer's K is one co
 bytes at ``base + b * block_len``: the seed's ``block_address = layer_base_addr + block_id * block_len``.
 
 With an engine, all tensors are carved out of ONE managed buffer (a same-host peer writes into it with a
-memcpy) and every tensor is registered as its own region, whose key (the rkey's role) a writer names.
-`base_addrs` and `keys` list the regions in the order ``[K0, V0, K1, V1, ...]``: layer by layer, K before V.
+memcpy) and every tensor is registered as its own region (`register_kv_caches`, the seed's name), whose key
+(the rkey's role) a writer names. `base_addrs` (the seed's ``kv_caches_base_addr``) and `keys` list the regions
+in the order ``[K0, V0, K1, V1, ...]``: layer by layer, K before V.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class PagedKVCache:
         block_size: tokens per block.
         dtype: the model's dtype.
         engine: allocate from this engine's managed memory and register with it; None: ``torch.empty``,
-            unregistered (`register` can register it later).
+            unregistered (`register_kv_caches` can register it later).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_blocks: int,
@@ -59,7 +60,7 @@ class PagedKVCache:
         self._regions = regions  # [K0, V0, K1, V1, ...]
         if engine is not None:
             try:
-                self.register(engine)
+                self.register_kv_caches(engine)
             except BaseException:
                 self.close()
                 raise
@@ -87,9 +88,9 @@ class PagedKVCache:
         """Address of every region, ``[K0, V0, K1, V1, ...]`` (the seed's `kv_caches_base_addr`)."""
         return [t.data_ptr() for t in self._regions]
 
-    def register(self, engine: Any) -> list[int]:
-        """Register every region with `engine` once; returns (and keeps in `keys`) their keys, in
-        `base_addrs` order. Raises if already registered."""
+    def register_kv_caches(self, engine: Any) -> list[int]:
+        """Register every region with `engine` once (seed 003's worker-side ``register_kv_caches()``); returns
+        (and keeps in `keys`) their keys, in `base_addrs` order. Raises if already registered."""
         if self._engine is not None:
             raise ValueError("this cache is already registered")
         keys: list[int] = []

@@ -5,7 +5,7 @@
 1. Images go through an `EmbeddingReceiver` to the encoders (`EPDPrefill`); a text-only prompt runs
    `PrefillRunner` directly. Without ``--encoders`` images are refused (400).
 2. The prompt's KV is written into blocks of the paged cache (`BlockManager` + `PagedKVCache`, registered with
-   the transfer engine once at start), and ``producer.ready(request_id, block_ids)`` lets decode ask for it
+   the transfer engine once at start), and ``producer.request_finished(request_id, block_ids)`` lets decode ask for it
    over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` / ``TRANS_ERROR``, or after
    ``--kv-free-timeout`` if decode never asks.
 3. The answer carries the first token (greedy argmax of the last logits) and the `KVTransferParams` decode needs.
@@ -126,7 +126,7 @@ class _KeptKV:
         with server.recorder.span("kv_write", self.rid, nbytes=server.cache.nbytes(len(ids))):
             server.cache.write_from(result.past_key_values, ids, result.prompt_len)
         try:
-            server.producer.ready(self.rid, ids, KVAux(first_token, result.rope_delta))
+            server.producer.request_finished(self.rid, ids, KVAux(first_token, result.rope_delta))
         except RequestAborted:
             raise self._aborted() from None
         self.readied = True  # the producer frees the blocks from here on
