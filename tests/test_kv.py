@@ -505,7 +505,7 @@ def test_producer_frees_blocks_decode_never_asks_for(producer):
     producer.call("prefill", request_id="orphan", text=TEXT, image_sizes=[])
     assert producer.call("stats")["free_blocks"] == NUM_BLOCKS - 4
     stats = producer.wait_for(lambda s: s["free_blocks"] == NUM_BLOCKS)  # after --free-timeout 1.5 s
-    assert stats["requests_expired"] == before + 1 and stats["requests_ready"] == 0
+    assert stats["requests_expired"] == before + 1 and stats["requests_held"] == 0
 
 
 def test_malformed_frames_get_trans_error_and_the_producer_keeps_serving(producer, decode):

@@ -83,7 +83,7 @@ def test_producer_abort_frees_blocks_and_answers_trans_error() -> None:
                 assert producer.abort("late") == 0
                 assert "aborted" in waiting.result(2).error
             stats = producer.stats()
-            assert stats["requests_aborted"] == 1 and stats["requests_ready"] == 0 and stats["blocks_freed"] == 2
+            assert stats["requests_aborted"] == 1 and stats["requests_held"] == 0 and stats["blocks_freed"] == 2
 
 
 # ---- the cluster ----

@@ -84,7 +84,7 @@ class RequestAborted(ValueError):
     """`KVProducer.request_finished` (or `announce`) for a request that was aborted first."""
 
 
-class AlreadyReady(ValueError):
+class AlreadyHeld(ValueError):
     """`KVProducer.request_finished` (or `announce`) for a request whose KV is already waiting for decode."""
 
 
@@ -164,7 +164,7 @@ class KVProducer:
         its KV takes: its `KVQuery` is answered now (or when it comes). This project's extension (the pipelined
         handshake), not in seed 003, whose decode learns this from ``kv_transfer_params`` after prefill.
 
-        Raises `ValueError` when the producer is closed, `AlreadyReady` when the request's KV already waits,
+        Raises `ValueError` when the producer is closed, `AlreadyHeld` when the request's KV already waits,
         `RequestAborted` when it was aborted."""
         with self._lock:
             self._check_new(request_id)
@@ -178,7 +178,7 @@ class KVProducer:
         delta, in its ``TRANS_DONE``). From here on the producer frees the blocks: after it answers decode's
         ``TRANS_DONE`` / ``TRANS_ERROR``, after `free_timeout` unasked, at `abort`, or at `close`.
 
-        Raises `ValueError` when the producer is closed, `AlreadyReady` when the request's KV already waits, or
+        Raises `ValueError` when the producer is closed, `AlreadyHeld` when the request's KV already waits, or
         `RequestAborted` when it was aborted first; the blocks then stay the caller's to free."""
         with self._lock:
             self._check_new(request_id)
@@ -190,7 +190,7 @@ class KVProducer:
         if self._closed:
             raise ValueError("the producer is closed")
         if request_id in self._held:
-            raise AlreadyReady(f"request {request_id!r}: its KV already waits for decode")
+            raise AlreadyHeld(f"request {request_id!r}: its KV already waits for decode")
         if request_id in self._aborted:
             raise RequestAborted(f"request {request_id!r} was aborted")
 
@@ -214,12 +214,12 @@ class KVProducer:
         return len(entry.block_ids)
 
     def stats(self) -> dict[str, int]:
-        """Counters: ``requests_ready`` (finished, not yet asked), ``transfers_done`` / ``transfers_failed``
+        """Counters: ``requests_held`` (finished, not yet asked), ``transfers_done`` / ``transfers_failed``
         (asks answered ``TRANS_DONE`` / ``TRANS_ERROR``), ``requests_done`` / ``requests_failed``,
         ``requests_expired`` (freed unasked), ``requests_aborted`` (freed by `abort`), ``malformed``
         (frames that were not metadata), ``blocks_freed``, ``bytes_sent``."""
         with self._lock:
-            return {"requests_ready": len(self._held), **self._counters}
+            return {"requests_held": len(self._held), **self._counters}
 
     # ---- the worker side (serving thread) ----
     def _serve(self) -> None:

@@ -42,7 +42,7 @@ from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
-from epd_lab.kv.connector import AlreadyReady, RequestAborted
+from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
 from epd_lab.servers.messages import (
     AbortRequest,
@@ -115,7 +115,7 @@ class _KeptKV:
             server.producer.announce(self.rid, prompt_len, n)
         except RequestAborted:
             raise self._aborted() from None
-        except AlreadyReady:
+        except AlreadyHeld:
             self.conflict = True
             raise Conflict(f"request_id {self.rid!r}: its KV is still waiting for decode") from None
 
@@ -254,7 +254,7 @@ class PrefillServer:
             ("inflight", "gauge", len(self._inflight), "prefills running"),
             ("prompt_tokens_total", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
             ("kv_pool_exhausted_total", "counter", self.counters["kv_pool_exhausted"], "requests refused with 503"),
-            ("kv_requests_ready", "gauge", p["requests_ready"], "requests whose KV waits for decode"),
+            ("kv_requests_held", "gauge", p["requests_held"], "requests whose KV waits for decode"),
             ("kv_transfers_done_total", "counter", p["transfers_done"], "side-channel asks answered TRANS_DONE"),
             ("kv_transfers_failed_total", "counter", p["transfers_failed"], "side-channel asks answered TRANS_ERROR"),
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
