@@ -284,8 +284,17 @@ def test_bad_requests_are_4xx_or_503_with_detail(stack):
     assert r.status_code == 400 and "mm_items[0]" in r.json()["detail"]  # the encoder's message
     r = stack.prefill(stack.aux, "no-encoders", "a", ["/nonexistent.png"])
     assert r.status_code == 400 and "no encoders" in r.json()["detail"]
-    r = stack.prefill(stack.aux, "too-long", "x" * (33 * 16))  # 33 blocks, aux has 32
+    # found before any compute: a prompt past the model's positions, or whose KV outgrows the whole cache
+    r = stack.prefill(stack.main, "too-long", "x" * 72_000)
+    assert r.status_code == 400 and "max_position_embeddings 4096" in r.json()["detail"]
+    r = stack.prefill(stack.aux, "too-big", "x" * (33 * 16))  # 33 blocks, aux has 32
+    assert r.status_code == 400 and "more than the 32 blocks" in r.json()["detail"]
+    # a pool that is only full now is a 503: the same request fits once the held KV is gone
+    assert stack.prefill(stack.aux, "holds-20", "x" * (20 * 16 - 1)).status_code == 200  # KV held for decode
+    r = stack.prefill(stack.aux, "needs-20", "x" * (20 * 16 - 1))
     assert r.status_code == 503 and "KV pool exhausted" in r.json()["detail"]
+    assert stack.http.post(stack.aux.url + "/v1/abort", json={"request_id": "holds-20"}).json()["freed_blocks"] == 20
+    assert stack.http.post(stack.aux.url + "/v1/abort", json={"request_id": "needs-20"}).status_code == 200
     kv = {"remote_url": "tcp://127.0.0.1:1", "remote_request_id": "r", "prompt_len": 40, "rope_delta": 0,
           "first_token": 1, "num_blocks": 3}
     r = stack.http.post(d, json=stack.decode_body("x", {**kv, "num_blocks": 2}))

@@ -310,7 +310,7 @@ def test_chat_non_streaming_text_and_images(basic: tuple) -> None:
     (pre,), (dec,) = p.requests, d.requests
     assert pre["prompt"] == prompt and pre["images"] == [PNG_URI, "/tmp/x.png"]
     assert dec == {"request_id": pre["request_id"], "max_tokens": 7, "temperature": 0.0, "seed": 7,
-                   "stream": False, "kv_transfer_params": {"remote_url": "tcp://p0:5557",
+                   "stream": True, "kv_transfer_params": {"remote_url": "tcp://p0:5557",
                                                            "remote_request_id": pre["request_id"],
                                                            "prompt_len": prompt_len, "rope_delta": 0,
                                                            "first_token": first_token(prompt), "num_blocks": 1}}
@@ -413,6 +413,16 @@ def test_timeout_is_504(rig: Rig) -> None:
         client.completions.create(model=MODEL_ID, prompt="slow")
     assert info.value.status_code == 504 and time.monotonic() - t0 < 2.0
     assert d.requests == []
+
+
+def test_a_long_non_streamed_answer_is_not_cut_at_the_timeout(rig: Rig) -> None:
+    """The timeout bounds progress: a decode that keeps sending tokens, 0.1 s apart, for 1.5 s in all, serves a
+    non-streamed request through a proxy whose timeout is 0.3 s (it once answered 504 at the timeout)."""
+    p, d = rig.prefill(), rig.decode(delay=0.1)
+    client = rig.client(rig.proxy([p.url], [d.url], timeout=0.3)[0])
+    out = client.completions.create(model=MODEL_ID, prompt="long", max_tokens=15)
+    assert out.usage.completion_tokens == 15 and out.choices[0].text == detokenize(decode_tokens(first_token("long"), 15))
+    assert d.requests[0]["stream"] is True  # the proxy streams from decode for a non-streamed client too
 
 
 def test_backend_errors(rig: Rig) -> None:

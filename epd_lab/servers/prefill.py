@@ -159,6 +159,7 @@ class PrefillServer:
         dtype = DTYPES[settings.dtype]
         self.model = models.load_model(settings.model, dtype=dtype)
         self.runner = models.PrefillRunner(self.model)
+        self.max_positions = self.model.config.text_config.max_position_embeddings
         self.recorder = Recorder(node=f"prefill:{settings.port}")
         self.counters: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -198,14 +199,20 @@ class PrefillServer:
     def _prefill(self, req: PrefillRequest, rid: str) -> PrefillResponse:
         t0 = time.monotonic_ns()
         kv = _KeptKV(self, rid) if req.kv_transfer_params.do_remote_decode else None
+
+        def before_forward(input_ids: torch.Tensor) -> None:  # the whole prompt is known: check, then hold KV
+            self._check_length(input_ids.shape[1])
+            if kv:
+                kv.announce(input_ids)
+
         try:
+            self._check_length(models.build_input_ids(req.prompt, []).shape[1])  # the text alone, before E→P
             if req.images:
                 if self.epd is None:
                     raise BadRequest("this prefill server has no encoders (started without --encoders): "
-                                         "images are not allowed, text-only prompts are")
+                                     "images are not allowed, text-only prompts are")
                 try:
-                    result = self.epd.prefill(req.prompt, req.images, rid,
-                                              before_forward=kv.announce if kv else None).prefill
+                    result = self.epd.prefill(req.prompt, req.images, rid, before_forward=before_forward).prefill
                 except EPDError as exc:
                     # an encoder that refused the input (an image that does not decode, ...) is the client's error
                     status = exc.status if exc.status in (400, 409, 413) else 502
@@ -216,8 +223,7 @@ class PrefillServer:
                 input_ids = models.build_input_ids(req.prompt, [])
                 if input_ids.shape[1] == 0:
                     raise BadRequest("empty prompt and no images: nothing to prefill")
-                if kv:
-                    kv.announce(input_ids)
+                before_forward(input_ids)
                 with self.recorder.span("prefill", rid):
                     result = self.runner.prefill(input_ids, None, None)
             first_token = int(result.logits.argmax(-1))
@@ -230,6 +236,16 @@ class PrefillServer:
         self.counters["prompt_tokens"] += result.prompt_len
         spans = [s for s in self.recorder.spans(rid) if s.t_start_ns >= t0]
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
+
+    def _check_length(self, prompt_len: int) -> None:
+        """A prompt the model cannot hold with one generated token, or whose KV outgrows the whole cache, is the
+        client's error, found before any compute (a 72k-byte prompt once took a worker 64 s before its 503)."""
+        if prompt_len >= self.max_positions:
+            raise BadRequest(f"the prompt is {prompt_len} tokens; this model takes at most {self.max_positions - 1} "
+                             f"(max_position_embeddings {self.max_positions}, one token to generate)")
+        if blocks_needed(prompt_len, self.cache.block_size) > self.blocks.num_blocks:
+            raise BadRequest(f"the prompt's KV ({prompt_len} tokens) needs more than the "
+                             f"{self.blocks.num_blocks} blocks of {self.cache.block_size} tokens this server has")
 
     def abort(self, req: AbortRequest) -> AbortResponse:
         """Drop a request's KV: decode will never ask for it."""

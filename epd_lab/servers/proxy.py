@@ -14,6 +14,10 @@ One request, as vLLM's disaggregated proxy does it:
    (its first is the prefill's token, which reached it in ``kv_transfer_params``); they reach the client as
    detokenized text, streamed as they come when the client streams.
 
+This module is the orchestration; OpenAI's shapes are `epd_lab.servers.openai_api`'s, the backend pools
+`epd_lab.servers.routing`'s, the backends' bodies `epd_lab.servers.messages`'s. Backends are called through
+aiohttp (kept-alive connections).
+
 Choice (``--policy``): ``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts
 them; ties in round-robin order). A backend that refuses connections is marked down and skipped for
 ``--retry-after`` seconds; the request goes on to the next one (it never reached the failed one). When every
@@ -28,9 +32,11 @@ backend failure (its ``detail`` passed on). After a stream has begun, a failure 
 ``--timeout`` is an idle timeout, as the transfer engine's: connecting, and each read of an answer, a long
 stream of tokens is not cut short while tokens keep coming.
 
-A client that goes away mid-stream: the upstream decode stream is closed at once, so the decode server stops
-generating and frees the request's blocks (the prefill freed its blocks when decode pulled them). A
-non-streaming request runs to its end.
+The proxy asks decode for a stream whether or not its client streams, so that ``--timeout`` bounds each token
+rather than the whole generation (a long non-streamed answer is not cut at the timeout). A client that goes
+away mid-stream: the upstream decode stream is closed at once, so the decode server stops generating and frees
+the request's blocks (the prefill freed its blocks when decode pulled them). A non-streaming request runs to
+its end.
 
 Abort (vLLM's proxy does the same): when no decode takes a prefilled request (every decode down, a decode's
 error or timeout, the proxy's handler cancelled) or its client is gone before decode begins (answered 499), the
@@ -64,7 +70,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from epd_lab.servers.messages import AbortResponse, DecodeResponse, PrefillResponse, StreamDone, StreamLine, StreamToken
+from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
 from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
 from epd_lab.servers.routing import POLICIES, Backend, Pool
 from epd_lab.servers.text import Detokenizer, detokenize
@@ -338,7 +344,7 @@ class Proxy:
 
     def _decode_body(self, job: Job, kv_transfer_params: Any) -> dict[str, Any]:
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
-                "seed": job.seed, "stream": job.stream, "kv_transfer_params": kv_transfer_params}
+                "seed": job.seed, "stream": True, "kv_transfer_params": kv_transfer_params}
 
     async def _pipelined(self, job: Job, prompt: str,
                          images: list[str]) -> tuple[Backend, PrefillResponse, asyncio.Task] | None:
@@ -382,18 +388,31 @@ class Proxy:
                 stream = _TokenStream(self, job, prefill_backend, prefill, decode)
                 return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache"})
-            backend, raw = await self._call(self.decodes, "/v1/decode",
-                                            self._decode_body(job, prefill.kv_transfer_params))
+            backend, response = await self._post(self.decodes, "/v1/decode",
+                                                 self._decode_body(job, prefill.kv_transfer_params))
         except BaseException:  # cancellation included: no decode will ask for the KV, so free it now
             if decode is not None:
                 await _discard(decode)
             await asyncio.shield(self._abort(prefill_backend, job.rid))
             raise
-        decoded = _decode_json(backend, raw, DecodeResponse)
-        self.recorder.extend(decoded.spans)
+        # decode streams to the proxy here too: the idle timeout bounds each token, not the whole generation,
+        # and a proxy that gives up closes the stream, which stops decode
+        tokens, finish_reason, done = [prefill.first_token], "length", False
+        try:
+            async for msg in _decode_stream(backend, response, prefill.first_token, self.recorder):
+                if isinstance(msg, StreamToken):
+                    tokens.append(msg.token)
+                else:
+                    finish_reason = msg.finish_reason
+            done = True
+        finally:
+            if done:
+                response.release()
+            else:
+                response.close()
+            backend.inflight -= 1
         self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
-        return json_response(completion(job, self.settings.model, detokenize(decoded.tokens), decoded.finish_reason,
-                                        len(decoded.tokens)))
+        return json_response(completion(job, self.settings.model, detokenize(tokens), finish_reason, len(tokens)))
 
     def record(self, span: Span) -> None:
         self.recorder.add(span)
@@ -468,7 +487,6 @@ class _TokenStream:
         self.response: aiohttp.ClientResponse | None = None
         self.outcome = "client_disconnect"  # unless the stream ends otherwise
         self.tokens = 0  # sent to the client, prefill's first token included
-        self.received = 0  # tokens from decode, whose 0 is prefill's
         self.t_first = 0
         self.t_last = 0
         self.closed = False
@@ -492,35 +510,17 @@ class _TokenStream:
                 self.decode = asyncio.create_task(self.proxy._post(
                     self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill.kv_transfer_params)))
             self.backend, self.response = await self.decode
-            backend = self.backend
-            finish_reason = None
-            try:
-                async for line in _lines(self.response.content):
-                    msg = _decode_json(backend, line, StreamLine)
-                    if isinstance(msg, StreamToken):
-                        due, self.received = self.received, self.received + 1
-                        if msg.index != due:
-                            raise BadGateway(f"decode {backend.url} sent token {msg.index} where {due} was due")
-                        if due == 0:  # prefill's token, already sent: decode must agree, and it is not resent
-                            if msg.token != self.prefill.first_token:
-                                raise BadGateway(f"decode {backend.url} began with token {msg.token}, "
-                                                 f"prefill answered {self.prefill.first_token}")
-                            continue
-                        self.t_last = time.monotonic_ns()
-                        self.tokens += 1
-                        text = detok.feed(msg.token)
-                        if text:
-                            yield self._event(text)
-                    elif isinstance(msg, StreamDone):
-                        finish_reason = msg.finish_reason
-                        self.proxy.recorder.extend(msg.spans)
-                        break
-                    else:
-                        raise BadGateway(f"decode {backend.url} failed mid-stream: {msg.detail}")
-            except EXCHANGE_ERRORS as exc:
-                raise _transport_error(backend, exc) from None
-            if finish_reason is None:
-                raise BadGateway(f"decode {backend.url} ended its stream before its done line")
+            finish_reason = "length"
+            async for msg in _decode_stream(self.backend, self.response, self.prefill.first_token,
+                                            self.proxy.recorder):
+                if isinstance(msg, StreamToken):
+                    self.t_last = time.monotonic_ns()
+                    self.tokens += 1
+                    text = detok.feed(msg.token)
+                    if text:
+                        yield self._event(text)
+                else:
+                    finish_reason = msg.finish_reason
             tail = detok.flush()
             if tail:
                 yield self._event(tail)
@@ -561,6 +561,35 @@ class _TokenStream:
             proxy.record(Span(job.rid, -1, "e2e", node, job.t0, time.monotonic_ns()))
             if self.outcome != "ok":
                 proxy.streams_aborted[self.outcome] += 1
+
+
+async def _decode_stream(backend: Backend, response: aiohttp.ClientResponse, first_token: int,
+                         recorder: Recorder) -> AsyncIterator[StreamToken | StreamDone]:
+    """Decode's NDJSON stream, checked: its tokens after prefill's first (decode's token 0 must be that one, and is
+    not yielded), then its `StreamDone` (whose spans go to `recorder`). A `StreamError` line, a token out of order,
+    a malformed line or a stream that ends without its done line raise `ServingError`."""
+    due = 0
+    try:
+        async for line in _lines(response.content):
+            msg = _decode_json(backend, line, StreamLine)
+            if isinstance(msg, StreamDone):
+                recorder.extend(msg.spans)
+                yield msg
+                return
+            if isinstance(msg, StreamError):
+                raise BadGateway(f"decode {backend.url} failed mid-stream: {msg.detail}")
+            if msg.index != due:
+                raise BadGateway(f"decode {backend.url} sent token {msg.index} where {due} was due")
+            due += 1
+            if msg.index == 0:
+                if msg.token != first_token:
+                    raise BadGateway(f"decode {backend.url} began with token {msg.token}, prefill answered "
+                                     f"{first_token}")
+                continue
+            yield msg
+    except EXCHANGE_ERRORS as exc:
+        raise _transport_error(backend, exc) from None
+    raise BadGateway(f"decode {backend.url} ended its stream before its done line")
 
 
 async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:
