@@ -28,6 +28,11 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
 class HTTPError(Exception):
     """A request got no answer: the connection failed or timed out (`__cause__` says how)."""
 
+    @property
+    def refused(self) -> bool:
+        """The server refused the connection: the request never reached it (another server may take it)."""
+        return isinstance(self.__cause__, ConnectionRefusedError)
+
 
 class KeepAliveClient:
     """Thread-safe POSTs over pooled, kept-alive HTTP/1.1 connections.

@@ -29,7 +29,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import torch
@@ -57,9 +57,10 @@ class EPDError(RuntimeError):
     """A request could not be served: which part, which encoder and why. `status` is the encoder's HTTP status
     where an encoder answered one (a 4xx is the request's fault), else None."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, refused: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.refused = refused  # the encoder refused the connection: it never heard of the part
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ class ReceiverConfig:
         host: the address encoders push notifications to (and the engine listens on).
         transport: the transfer engine's protocol for this side.
         seed: seeds the shuffle of encoders (None: random).
+        retry_after: seconds an encoder that refused a connection is left out of the plans (its parts go to
+            the others meanwhile; after that it is tried again).
     """
 
     encoder_urls: list[str]
@@ -144,8 +147,11 @@ class ReceiverConfig:
     host: str = "127.0.0.1"
     transport: str = "auto"
     seed: int | None = None
+    retry_after: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.retry_after < 0:
+            raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
         if not self.encoder_urls:
             raise ValueError("need at least one encoder URL")
         if self.backend not in BACKENDS:
@@ -205,6 +211,7 @@ class EmbeddingReceiver:
         self._http = KeepAliveClient(config.timeout)
         self._io = ThreadPoolExecutor(max_workers=32, thread_name_prefix="epd-receiver")
         self._pending: dict[str, Future] = {}
+        self._down_until = [0.0] * len(config.encoder_urls)  # time.monotonic(): an encoder that refused
         self._lock = threading.Lock()
         self.counters = collections.Counter()
         self._ctx = zmq.Context()
@@ -252,16 +259,16 @@ class EmbeddingReceiver:
             Modality.from_str(modality)
         rid = rid or uuid.uuid4().hex
         deadline = time.monotonic() + self.config.timeout
-        plans = assign_items_by_modality(items_by_modality, len(self.config.encoder_urls), self._rng)
+        up = self._up_encoders()
+        plans = [replace(p, encoder=up[p.encoder])
+                 for p in assign_items_by_modality(items_by_modality, len(up), self._rng)]
         if not plans:
             raise EPDError(f"request {rid} has no media items")
         futures = {part_req_id(rid, p.part_idx): Future() for p in plans}
         with self._lock:
             self._pending.update(futures)
         try:
-            if self.config.backend == "zmq_to_scheduler":
-                self._parallel(plans, lambda p: self._scheduler_receive_url(rid, p))
-            responses = self._parallel(plans, lambda p: self._encode(rid, len(plans), p))
+            plans, responses = map(list, zip(*self._parallel(plans, lambda p: self._start_part(rid, len(plans), p))))
             if self.config.backend == "mooncake":
                 return self._receive_mooncake(rid, plans, responses, futures, deadline)
             messages = self._wait(rid, plans, futures, deadline)
@@ -334,6 +341,34 @@ class EmbeddingReceiver:
             out.append(msg)
         return out
 
+    # ---- encoders ----
+    def _up_encoders(self) -> list[int]:
+        """The encoders the plans may use: those not left out after a refused connection (all of them when every
+        one was: they are tried again rather than failing the request unasked)."""
+        now = time.monotonic()
+        up = [i for i, until in enumerate(self._down_until) if until <= now]
+        return up or list(range(len(self._down_until)))
+
+    def _start_part(self, rid: str, num_parts: int, plan: PartPlan) -> tuple[PartPlan, EncodeResponse]:
+        """Hand a part to its encoder (zmq_to_scheduler: its receive URL, then /encode); an encoder that refuses
+        the connection never heard of the part, so it goes to the next encoder that is up, and that one is left
+        out for `retry_after`. Returns the plan as it was served, and the /encode answer."""
+        tried: list[int] = []
+        while True:
+            tried.append(plan.encoder)
+            try:
+                if self.config.backend == "zmq_to_scheduler":
+                    self._scheduler_receive_url(rid, plan)
+                return plan, self._encode(rid, num_parts, plan)
+            except EPDError as exc:
+                if not exc.refused:
+                    raise
+                spare = [i for i in self._up_encoders() if i not in tried]
+                if not spare:
+                    raise
+                self.counters["encoder_failovers"] += 1
+                plan = replace(plan, encoder=self._rng.choice(spare))
+
     # ---- HTTP ----
     def _url(self, plan: PartPlan) -> str:
         return self.config.encoder_urls[plan.encoder]
@@ -347,7 +382,9 @@ class EmbeddingReceiver:
         try:
             status, content = self._http.post(url, msgspec.json.encode(body))
         except HTTPError as exc:
-            raise EPDError(f"{route} to {url} failed: {exc}") from exc
+            if exc.refused:  # left out of the plans for a while: its parts go to the other encoders
+                self._down_until[plan.encoder] = time.monotonic() + self.config.retry_after
+            raise EPDError(f"{route} to {url} failed: {exc}", refused=exc.refused) from exc
         if status != 200:
             raise EPDError(f"{route} to {url} answered {status}: {content[:300].decode(errors='replace')}", status)
         return content
