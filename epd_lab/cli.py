@@ -25,10 +25,6 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(f"epd_lab.bench.{args.what}").main(rest)
-    if args.cmd == "encoder":
-        from epd_lab.ep import encoder
-
-        return encoder.main(rest) or 0
     if args.cmd == "launch":
         from epd_lab import launch
 
@@ -37,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         from epd_lab import sweep
 
         return sweep.main(rest)
-    if args.cmd in ("prefill-server", "decode-server", "proxy"):
+    if args.cmd in ("encoder", "prefill-server", "decode-server", "proxy"):
         import importlib
 
         module = importlib.import_module(f"epd_lab.servers.{args.cmd.removesuffix('-server')}")

@@ -205,3 +205,13 @@ def test_every_role_serves_its_openapi_schema(role) -> None:
     r = TestClient(app).get("/openapi.json")
     assert r.status_code == 200, r.text[:300]
     assert {"/health", "/metrics", "/v1/spans", "/v1/clock"} <= set(r.json()["paths"])
+
+
+@pytest.mark.parametrize("command", ["encoder", "prefill-server", "decode-server", "proxy", "launch"])
+def test_every_role_has_its_command_line(command, capsys) -> None:
+    """``epd-lab <role> --help`` reaches the role's settings parser (the CLI imports the right module)."""
+    from epd_lab import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, "--help"])
+    assert info.value.code == 0 and "--timeout" in capsys.readouterr().out

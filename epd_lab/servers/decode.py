@@ -60,8 +60,8 @@ from epd_lab.servers.messages import (
     StreamToken,
     encode,
 )
-from epd_lab.serving import (BadGateway, BadRequest, GatewayTimeout, Metric, ServingError, Unavailable, from_argv,
-                             option, read_struct, role_app, run_server)
+from epd_lab.serving import (BadGateway, BadRequest, GatewayTimeout, Metric, ServingError, Unavailable,
+                             option, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -449,14 +449,10 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     return app
 
 
-def parse_args(argv: list[str] | None = None) -> DecodeSettings:
-    """`DecodeSettings` from the command line (errors exit with the usage)."""
-    return from_argv(DecodeSettings, argv, "python -m epd_lab.servers.decode", "the EPD decode server")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGINT/SIGTERM."""
-    return run_server(parse_args(argv), create_app)
+    return serve_main(DecodeSettings, create_app, argv, "python -m epd_lab.servers.decode",
+                      "the EPD decode server")
 
 
 if __name__ == "__main__":

@@ -79,8 +79,8 @@ from epd_lab.ep.messages import (
 )
 from epd_lab.ep.push import PushSockets
 from epd_lab.serving import (BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
-                             ServingError, decode_body, from_argv, json_response, option, read_body, read_struct,
-                             role_app, run_server)
+                             ServingError, decode_body, json_response, option, read_body, read_struct,
+                             role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -537,14 +537,10 @@ def create_app(settings: EncoderSettings) -> FastAPI:
     return app
 
 
-def parse_args(argv: list[str] | None = None) -> EncoderSettings:
-    """`EncoderSettings` from the command line (errors exit with the usage)."""
-    return from_argv(EncoderSettings, argv, "epd-lab encoder", "the EPD encode server (ViT → embeddings)")
-
-
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab encoder``: serve until SIGINT/SIGTERM."""
-    return run_server(parse_args(argv), create_app)
+    return serve_main(EncoderSettings, create_app, argv, "epd-lab encoder",
+                      "the EPD encode server (ViT → embeddings)")
 
 
 if __name__ == "__main__":

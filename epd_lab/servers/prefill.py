@@ -52,8 +52,8 @@ from epd_lab.servers.messages import (
     PrefillResponse,
     encode,
 )
-from epd_lab.serving import (BadRequest, Conflict, Metric, Unavailable, decode_body, error_for_status, from_argv,
-                             option, read_body, read_struct, role_app, run_server)
+from epd_lab.serving import (BadRequest, Conflict, Metric, Unavailable, decode_body, error_for_status,
+                             option, read_body, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -315,14 +315,10 @@ def create_app(settings: PrefillSettings) -> FastAPI:
     return app
 
 
-def parse_args(argv: list[str] | None = None) -> PrefillSettings:
-    """`PrefillSettings` from the command line (errors exit with the usage)."""
-    return from_argv(PrefillSettings, argv, "python -m epd_lab.servers.prefill", "the EPD prefill server")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGINT/SIGTERM."""
-    return run_server(parse_args(argv), create_app)
+    return serve_main(PrefillSettings, create_app, argv, "python -m epd_lab.servers.prefill",
+                      "the EPD prefill server")
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_b
 from epd_lab.servers.routing import POLICIES, Backend, Pool
 from epd_lab.servers.text import Detokenizer, detokenize
 from epd_lab.serving import (CLIENT_KEEPALIVE_S, BadGateway, BadRequest, ClientClosed, GatewayTimeout, Metric,
-                             PayloadTooLarge, ServingError, Unavailable, from_argv, json_response, option,
-                             read_body, decode_body, role_app, run_server)
+                             PayloadTooLarge, ServingError, Unavailable, json_response, option,
+                             read_body, decode_body, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -637,15 +637,10 @@ def create_app(settings: ProxySettings) -> FastAPI:
     return app
 
 
-def parse_args(argv: list[str] | None = None) -> ProxySettings:
-    """`ProxySettings` from the command line (errors exit with the usage)."""
-    return from_argv(ProxySettings, argv, "epd-lab proxy", "the OpenAI-compatible proxy over prefill and decode "
-                                                            "servers")
-
-
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab proxy``: serve until SIGINT/SIGTERM."""
-    return run_server(parse_args(argv), create_app)
+    return serve_main(ProxySettings, create_app, argv, "epd-lab proxy",
+                      "the OpenAI-compatible proxy over prefill and decode servers")
 
 
 if __name__ == "__main__":

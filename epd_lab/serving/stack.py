@@ -19,7 +19,7 @@ import socket
 from typing import Any, Callable
 
 __all__ = ["CLIENT_KEEPALIVE_S", "KEEPALIVE_S", "LOOPS", "PARSERS", "bind_tcp", "http_info", "http_stack",
-           "run_server", "serve_and_announce", "url_of"]
+           "run_server", "serve_and_announce", "serve_main", "url_of"]
 
 LOOPS = ("uvloop", "asyncio")  # preferred first
 PARSERS = ("httptools", "h11")
@@ -138,6 +138,15 @@ def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: floa
 
         return 0 if uvloop.run(run()) else 1
     return 0 if asyncio.run(run()) else 1
+
+
+def serve_main(cls: type, create_app: Callable[[Any], Any], argv: list[str] | None, prog: str,
+               description: str) -> int:
+    """A role's ``main``: its settings `cls` from the command line (errors exit with the usage), then
+    `run_server`."""
+    from epd_lab.serving.settings import from_argv
+
+    return run_server(from_argv(cls, argv, prog, description), create_app)
 
 
 def run_server(settings: Any, create_app: Callable[[Any], Any]) -> int:
