@@ -71,6 +71,7 @@ class StandIn:
     active: int = 0
     closed_early: list[str] = dataclasses.field(default_factory=list)  # decode streams closed by the client
     closed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    aborts: list[str] = dataclasses.field(default_factory=list)  # prefill: /v1/abort's request ids
 
 
 class ClosingStream(StreamingResponse):
@@ -84,8 +85,14 @@ class ClosingStream(StreamingResponse):
 
 
 def prefill_app(state: StandIn) -> FastAPI:
-    """Stand-in prefill: ``POST /v1/prefill``, ``GET /health``."""
+    """Stand-in prefill: ``POST /v1/prefill``, ``POST /v1/abort`` (recorded), ``GET /health``."""
     app = FastAPI()
+
+    @app.post("/v1/abort")
+    async def abort(request: Request) -> Response:
+        rid = (await request.json())["request_id"]
+        state.aborts.append(rid)
+        return JSONResponse({"request_id": rid, "freed_blocks": 0})
 
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
@@ -413,6 +420,8 @@ def test_timeout_is_504(rig: Rig) -> None:
         client.completions.create(model=MODEL_ID, prompt="slow")
     assert info.value.status_code == 504 and time.monotonic() - t0 < 2.0
     assert d.requests == []
+    # the prefill took the request and may still finish it: the proxy aborts it there, so no KV is left held
+    assert p.aborts == [p.requests[0]["request_id"]]
 
 
 def test_a_long_non_streamed_answer_is_not_cut_at_the_timeout(rig: Rig) -> None:

@@ -257,23 +257,26 @@ class Proxy:
             backend = pool.choose(tried)
         return backend
 
-    async def _call(self, pool: Pool, path: str, body: dict[str, Any],
-                    only: Backend | None = None) -> tuple[Backend, bytes]:
+    async def _call(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
+                    lost: list[Backend] | None = None) -> tuple[Backend, bytes]:
         """`_post`, then its answer read: (the backend, the 200 answer's body), the connection back in the pool
         and the backend's ``inflight`` counted down again."""
-        backend, response = await self._post(pool, path, body, only)
+        backend, response = await self._post(pool, path, body, only, lost)
         try:
             return backend, await response.read()
         except EXCHANGE_ERRORS as exc:
+            if lost is not None:
+                lost.append(backend)
             raise _transport_error(backend, exc) from None
         finally:
             response.release()
             backend.inflight -= 1
 
-    async def _post(self, pool: Pool, path: str, body: dict[str, Any],
-                    only: Backend | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
+    async def _post(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
+                    lost: list[Backend] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
         """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
-        refused.
+        refused. `lost` collects a backend the request reached whose answer was lost (timed out, cut): it may
+        still be working on it.
 
         Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
         counts it down and reads the body, then releases the response (or closes it, to stop the backend).
@@ -292,6 +295,8 @@ class Proxy:
                     pool.mark_down(backend)  # the request never reached it: the next one may take it
                     continue
                 except EXCHANGE_ERRORS as exc:
+                    if lost is not None:
+                        lost.append(backend)
                     raise _transport_error(backend, exc) from None
                 pool.mark_up(backend)
                 if response.status != 200:
@@ -313,9 +318,15 @@ class Proxy:
 
     async def _prefill(self, job: Job, prompt: str, images: list[str],
                        only: Backend | None = None) -> tuple[Backend, PrefillResponse]:
-        backend, raw = await self._call(self.prefills, "/v1/prefill", {
-            "request_id": job.rid, "prompt": prompt, "images": images,
-            "kv_transfer_params": {"do_remote_decode": True}}, only=only)
+        lost: list[Backend] = []
+        try:
+            backend, raw = await self._call(self.prefills, "/v1/prefill", {
+                "request_id": job.rid, "prompt": prompt, "images": images,
+                "kv_transfer_params": {"do_remote_decode": True}}, only=only, lost=lost)
+        except ServingError:  # a prefill whose answer was lost may still finish the request and hold its KV:
+            for backend in lost:  # aborted, it frees the KV at once, or keeps nothing when it finishes later
+                await asyncio.shield(self._abort(backend, job.rid))
+            raise
         try:
             prefill = _decode_json(backend, raw, PrefillResponse)
         except ServingError:
