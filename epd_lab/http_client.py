@@ -33,6 +33,11 @@ class HTTPError(Exception):
         """The server refused the connection: the request never reached it (another server may take it)."""
         return isinstance(self.__cause__, ConnectionRefusedError)
 
+    @property
+    def timed_out(self) -> bool:
+        """No answer within the timeout (the server may be alive and still working on the request)."""
+        return isinstance(self.__cause__, TimeoutError)
+
 
 class KeepAliveClient:
     """Thread-safe POSTs over pooled, kept-alive HTTP/1.1 connections.

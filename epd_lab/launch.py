@@ -47,7 +47,8 @@ _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 # each role: the module its process runs, the settings its command line is written from, and the `Topology`
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
-    "encoder": ("epd_lab.servers.encoder", EncoderSettings, ("model", "dtype", "timeout", "transport", "backend")),
+    "encoder": ("epd_lab.servers.encoder", EncoderSettings,
+                ("model", "dtype", "timeout", "transport", "backend", "media_roots")),
     "prefill": ("epd_lab.servers.prefill", PrefillSettings,
                 ("model", "dtype", "timeout", "transport", "backend", "kv_blocks")),
     "decode": ("epd_lab.servers.decode", DecodeSettings, ("model", "dtype", "timeout", "transport", "kv_blocks")),
@@ -76,6 +77,9 @@ class Topology:
                                     "prefill answered, which gave the lower TTFT on 2 vCPUs (README, bench e2e)")
     kv_blocks: int = option(512, "KV-cache blocks per prefill and decode server")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
+    media_roots: tuple[str, ...] = option((tempfile.gettempdir(),), "folders whose files the encoders serve as "
+                                          "media items: the workbench writes its images to the temp folder; () "
+                                          "for none")
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:

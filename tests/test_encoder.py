@@ -15,8 +15,10 @@ import http.server
 import io
 import json
 import select
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -77,7 +79,8 @@ class Server:
 def _start(backend: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "epd_lab.servers.encoder", "--port", "0", "--backend", backend,
-         "--timeout", str(TIMEOUT), "--embedding-ttl", str(TTL), "--cache-bytes", str(4 << 20)],
+         "--timeout", str(TIMEOUT), "--embedding-ttl", str(TTL), "--cache-bytes", str(4 << 20),
+         "--media-roots", tempfile.gettempdir()],  # pytest's tmp_path lies there
         stdout=subprocess.PIPE, text=True)
 
 
@@ -714,6 +717,48 @@ def test_media_sources(http_media, tmp_path):
             media.fetch_media(item, 2.0, 4096)
     with pytest.raises(media.MediaError, match="not an image"):
         media.load_image(data_uri(b"GIF89a broken"), 2.0, 4096)
+
+
+def test_the_media_policy_says_no_more_than_no(http_media, tmp_path):
+    """A server fetching for a client: local paths only inside its roots (links resolved, regular files only,
+    a FIFO refused without blocking), http(s) to private addresses only when allowed; a refusal reads the same
+    whether or not the file or port exists."""
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "a.png").write_bytes(IMG_A)
+    (root / "escape.png").symlink_to("/etc/hostname")
+    os.mkfifo(root / "fifo.png")
+    policy = media.MediaPolicy(roots=(str(root),))
+    assert media.fetch_media(str(root / "a.png"), 2.0, 1 << 20, policy) == IMG_A
+    outside = [str(tmp_path / "missing.png"), "/etc/hostname", "/proc/self/fd/1", str(root / "escape.png"),
+               f"file://{root}/../media/../../etc/passwd"]
+    messages = set()
+    for item in outside:
+        with pytest.raises(media.MediaError) as info:
+            media.fetch_media(item, 2.0, 1 << 20, policy)
+        messages.add(str(info.value).replace(item, "ITEM").split(" is outside")[1])
+    assert messages == {" the folders this server serves media from"}
+    with pytest.raises(media.MediaError, match="not a regular file"):
+        media.fetch_media(str(root / "fifo.png"), 2.0, 1 << 20, policy)  # returns: O_NONBLOCK, then refused
+    with pytest.raises(media.MediaError, match="local paths are not served here"):
+        media.fetch_media(str(root / "a.png"), 2.0, 1 << 20, media.MediaPolicy())
+    closed_port = "http://127.0.0.1:1/a.png"
+    for url in (f"{http_media}/a.png", closed_port, "http://localhost:9/x", "http://[::1]:9/x", "http://10.0.0.1/x"):
+        with pytest.raises(media.MediaError, match="public addresses only"):
+            media.fetch_media(url, 2.0, 1 << 20, policy)
+    assert media.fetch_media(f"{http_media}/a.png", 2.0, 1 << 20, media.MediaPolicy(private_hosts=True)) == IMG_A
+
+
+def test_an_encoder_is_no_file_or_port_oracle(servers, http_media):
+    """Through a real encoder (roots: the temp folder only): a file that exists and one that does not, outside
+    its roots, and an open and a closed loopback port, each get the same 400."""
+    client = servers["mooncake"].client
+    answers = []
+    for item in ("/etc/hostname", "/etc/no-such-file", f"{http_media}/a.png", "http://127.0.0.1:1/a.png"):
+        resp = client.post("/encode", json=encode_body("oracle", [item]))
+        assert resp.status_code == 400
+        answers.append(resp.json()["detail"].replace(item, "ITEM"))
+    assert answers[0] == answers[1] and answers[2] == answers[3], answers
 
 
 def test_header_opens_without_decoding():

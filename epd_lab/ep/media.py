@@ -6,6 +6,12 @@ the ViT). `decode_image` does both.
 An item that cannot be fetched or decoded raises `MediaError` (a `ValueError`), whose message names the
 item, so the encoder can answer 400 with it. Pixel data that is corrupt or truncated behind a sound header
 is only found by `load_rgb`.
+
+A server fetches for its clients under a `MediaPolicy`: local paths only inside the folders it names (after
+resolving links; regular files only, so never ``/proc``, devices or pipes), http(s) only to public addresses
+unless it allows private ones. A refusal says what the policy is, never whether the thing exists, so a
+client cannot probe the server's files or network. Without a policy (`fetch_media`'s default) the caller is
+trusted: the driver reading its own files.
 """
 from __future__ import annotations
 
@@ -13,10 +19,14 @@ import base64
 import binascii
 import hashlib
 import io
+import ipaddress
 import os
+import socket
+import stat
 import time
 import warnings
-from urllib.parse import unquote, urlsplit
+from dataclasses import dataclass
+from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
 from PIL import Image
@@ -24,6 +34,42 @@ from PIL import Image
 
 class MediaError(ValueError):
     """A media item that could not be fetched or decoded."""
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    """What a server fetches when a client names a media item.
+
+    Args:
+        roots: folders whose regular files may be read (empty: no local paths at all).
+        private_hosts: fetch http(s) from loopback, private, link-local and other non-public addresses.
+    """
+
+    roots: tuple[str, ...] = ()
+    private_hosts: bool = False
+
+    def local_path(self, path: str) -> str:
+        """`path` resolved, if it lies inside one of `roots`; `MediaError` (the same whether or not it exists)
+        otherwise."""
+        real = os.path.realpath(path)
+        for root in self.roots:
+            top = os.path.realpath(root)
+            if os.path.commonpath([real, top]) == top:
+                return real
+        raise MediaError("local paths are not served here" if not self.roots
+                         else f"{_short(path)} is outside the folders this server serves media from")
+
+    def check_host(self, url: str) -> None:
+        """`MediaError` unless every address `url`'s host resolves to is public (or private ones are allowed)."""
+        if self.private_hosts:
+            return
+        host = urlsplit(url).hostname or ""
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except (socket.gaierror, UnicodeError):
+            raise MediaError(f"cannot resolve the host of {_short(url)}") from None
+        if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):
+            raise MediaError(f"{_short(url)}: this server fetches media from public addresses only")
 
 
 def _short(item: str, limit: int = 80) -> str:
@@ -48,37 +94,61 @@ def _from_data_uri(item: str, max_bytes: int) -> bytes:
     return raw
 
 
-def _from_url(item: str, timeout: float, max_bytes: int) -> bytes:
+MAX_REDIRECTS = 3
+
+
+def _from_url(item: str, timeout: float, max_bytes: int, policy: MediaPolicy | None) -> bytes:
     # httpx's timeout bounds each operation; the deadline bounds the whole download (a slow trickle)
     deadline = time.monotonic() + timeout
     try:
-        with (httpx.Client(timeout=timeout, follow_redirects=True, max_redirects=3) as client,
-              client.stream("GET", item) as resp):
-            if resp.status_code != 200:
-                raise MediaError(f"GET {_short(item)} answered {resp.status_code}")
-            length = resp.headers.get("content-length", "")
-            if length.isdigit() and int(length) > max_bytes:
-                raise MediaError(f"GET {_short(item)}: {length} bytes, more than {max_bytes}")
-            chunks, got = [], 0
-            for chunk in resp.iter_bytes():
-                got += len(chunk)
-                if got > max_bytes:
-                    raise MediaError(f"GET {_short(item)}: more than {max_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise MediaError(f"GET {_short(item)}: not complete within {timeout} s")
-                chunks.append(chunk)
-            return b"".join(chunks)
+        with httpx.Client(timeout=timeout, follow_redirects=False) as client:
+            url = item
+            for _ in range(MAX_REDIRECTS + 1):  # each hop is checked, so a redirect cannot reach a private host
+                if policy is not None:
+                    policy.check_host(url)
+                with client.stream("GET", url) as resp:
+                    if resp.is_redirect and "location" in resp.headers:
+                        url = urljoin(url, resp.headers["location"])
+                        if not url.startswith(("http://", "https://")):
+                            raise MediaError(f"GET {_short(item)} redirects out of http(s)")
+                        continue
+                    return _read_answer(item, resp, max_bytes, timeout, deadline)
+            raise MediaError(f"GET {_short(item)}: more than {MAX_REDIRECTS} redirects")
     except httpx.HTTPError as exc:
         raise MediaError(f"GET {_short(item)} failed: {type(exc).__name__}: {exc}") from None
 
 
-def _from_file(item: str, max_bytes: int) -> bytes:
+def _read_answer(item: str, resp: httpx.Response, max_bytes: int, timeout: float, deadline: float) -> bytes:
+    """The body of a GET's final answer, within `max_bytes` and the whole download's `deadline`."""
+    if resp.status_code != 200:
+        raise MediaError(f"GET {_short(item)} answered {resp.status_code}")
+    length = resp.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise MediaError(f"GET {_short(item)}: {length} bytes, more than {max_bytes}")
+    chunks, got = [], 0
+    for chunk in resp.iter_bytes():
+        got += len(chunk)
+        if got > max_bytes:
+            raise MediaError(f"GET {_short(item)}: more than {max_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise MediaError(f"GET {_short(item)}: not complete within {timeout} s")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _from_file(item: str, max_bytes: int, policy: MediaPolicy | None) -> bytes:
     path = unquote(urlsplit(item).path) if item.startswith("file://") else item
+    if policy is not None:
+        path = policy.local_path(path)
     try:
-        size = os.stat(path).st_size
-        if size > max_bytes:
-            raise MediaError(f"file {_short(path)}: {size} bytes, more than {max_bytes}")
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO or a device opens without waiting for a writer; only regular files are read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise MediaError(f"{_short(path)} is not a regular file")
+            if info.st_size > max_bytes:
+                raise MediaError(f"file {_short(path)}: {info.st_size} bytes, more than {max_bytes}")
             raw = f.read(max_bytes + 1)  # the file may have grown since stat
     except OSError as exc:
         raise MediaError(f"cannot read {_short(path)}: {exc.strerror or exc}") from None
@@ -87,16 +157,17 @@ def _from_file(item: str, max_bytes: int) -> bytes:
     return raw
 
 
-def fetch_media(item: str, timeout: float, max_bytes: int) -> bytes:
+def fetch_media(item: str, timeout: float, max_bytes: int, policy: MediaPolicy | None = None) -> bytes:
     """The raw bytes of a media item: a ``data:<type>;base64,`` URI, an ``http(s)://`` URL (fetched within
-    `timeout` seconds in all), or a file path (or ``file://`` URI). At most `max_bytes` are accepted."""
+    `timeout` seconds in all), or a file path (or ``file://`` URI). At most `max_bytes` are accepted. With a
+    `policy` (a server fetching for a client), what it does not allow is refused."""
     if not isinstance(item, str) or not item:
         raise MediaError("empty media item")
     if item.startswith("data:"):
         return _from_data_uri(item, max_bytes)
     if item.startswith(("http://", "https://")):
-        return _from_url(item, timeout, max_bytes)
-    return _from_file(item, max_bytes)
+        return _from_url(item, timeout, max_bytes, policy)
+    return _from_file(item, max_bytes, policy)
 
 
 def open_image(raw: bytes, name: str = "image") -> Image.Image:

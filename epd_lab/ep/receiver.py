@@ -57,10 +57,12 @@ class EPDError(RuntimeError):
     """A request could not be served: which part, which encoder and why. `status` is the encoder's HTTP status
     where an encoder answered one (a 4xx is the request's fault), else None."""
 
-    def __init__(self, message: str, status: int | None = None, refused: bool = False) -> None:
+    def __init__(self, message: str, status: int | None = None, refused: bool = False,
+                 lost: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.refused = refused  # the encoder refused the connection: it never heard of the part
+        self.lost = lost  # no answer, and not for want of time: refused, reset or cut (the encoder died)
 
 
 @dataclass(frozen=True)
@@ -350,9 +352,11 @@ class EmbeddingReceiver:
         return up or list(range(len(self._down_until)))
 
     def _start_part(self, rid: str, num_parts: int, plan: PartPlan) -> tuple[PartPlan, EncodeResponse]:
-        """Hand a part to its encoder (zmq_to_scheduler: its receive URL, then /encode); an encoder that refuses
-        the connection never heard of the part, so it goes to the next encoder that is up, and that one is left
-        out for `retry_after`. Returns the plan as it was served, and the /encode answer."""
+        """Hand a part to its encoder (zmq_to_scheduler: its receive URL, then /encode). When the exchange gets no
+        answer, and not for want of time (the encoder refused the connection, or died with the request in
+        flight), the part goes to the next encoder that is up; one that refused is left out for `retry_after`. A
+        late message from the first encoder is dropped as a stray. An encoder that answers an error, or does not
+        answer in time, fails the request. Returns the plan as it was served, and the /encode answer."""
         tried: list[int] = []
         while True:
             tried.append(plan.encoder)
@@ -361,7 +365,7 @@ class EmbeddingReceiver:
                     self._scheduler_receive_url(rid, plan)
                 return plan, self._encode(rid, num_parts, plan)
             except EPDError as exc:
-                if not exc.refused:
+                if not exc.lost:
                     raise
                 spare = [i for i in self._up_encoders() if i not in tried]
                 if not spare:
@@ -384,7 +388,7 @@ class EmbeddingReceiver:
         except HTTPError as exc:
             if exc.refused:  # left out of the plans for a while: its parts go to the other encoders
                 self._down_until[plan.encoder] = time.monotonic() + self.config.retry_after
-            raise EPDError(f"{route} to {url} failed: {exc}", refused=exc.refused) from exc
+            raise EPDError(f"{route} to {url} failed: {exc}", refused=exc.refused, lost=not exc.timed_out) from exc
         if status != 200:
             raise EPDError(f"{route} to {url} answered {status}: {content[:300].decode(errors='replace')}", status)
         return content

@@ -37,8 +37,9 @@ in as few hops as the work allows: /encode parses its body (megabytes with data:
 hashes and opens the media in one thread; the worker decodes and runs the ViT; /send writes and notifies in one
 thread; the zmq backends build and push their message in one thread.
 
-Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang): the server reads any file
-its user may, which is why it binds 127.0.0.1 unless told otherwise.
+Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang), under a `MediaPolicy`:
+local paths only inside ``--media-roots`` (none by default), http(s) only to public addresses unless
+``--media-private-hosts``; a refusal never says whether the file or port exists.
 
 Run: ``python -m epd_lab.servers.encoder --port 0 --backend mooncake`` prints ``{"url": ..., "pid": ...}``.
 """
@@ -61,7 +62,8 @@ from PIL import Image
 
 from epd_lab import models
 from epd_lab.ep.cache import EmbeddingCache
-from epd_lab.ep.media import MAX_MEDIA_BYTES, MediaError, content_hash, fetch_media, load_rgb, open_image
+from epd_lab.ep.media import (MAX_MEDIA_BYTES, MediaError, MediaPolicy, content_hash, fetch_media, load_rgb,
+                              open_image)
 from epd_lab.ep.messages import (
     BACKENDS,
     DTYPES,
@@ -113,6 +115,9 @@ class EncoderSettings:
                                   "ZMQ send")
     embedding_ttl: float = option(60.0, "seconds a held embedding waits for /send before it is released")
     cache_bytes: int = option(256 << 20, "embedding cache capacity in bytes (0: off)")
+    media_roots: tuple[str, ...] = option((), "folders whose files clients may name as media items (none: no "
+                                              "local paths)")
+    media_private_hosts: bool = option(False, "fetch http(s) media items from loopback and private addresses too")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -184,6 +189,7 @@ class MMEncoder:
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.recorder = Recorder(node=f"encoder:{settings.port}")
         self.cache = EmbeddingCache(settings.cache_bytes)
+        self.media_policy = MediaPolicy(settings.media_roots, settings.media_private_hosts)
         self.engine = (open_engine(settings.transport, settings.host, settings.timeout)
                        if settings.backend == "mooncake" else None)
         self.pushers = PushSockets(settings.timeout)
@@ -227,7 +233,7 @@ class MMEncoder:
         items, nbytes = [], 0
         for idx, name in enumerate(req.mm_items):
             try:
-                raw = fetch_media(name, self.settings.timeout, MAX_MEDIA_BYTES)
+                raw = fetch_media(name, self.settings.timeout, MAX_MEDIA_BYTES, self.media_policy)
                 items.append(_Item(idx, name, self._cache_key(content_hash(raw)), open_image(raw, name)))
             except MediaError as exc:
                 raise _item_error(idx, exc) from None
