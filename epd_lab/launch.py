@@ -101,7 +101,8 @@ class Topology:
             names = {f.name for f in fields(ROLES[role][1])}
             unknown = set(values) - names
             if unknown:
-                raise ValueError(f"{role} has no setting {', '.join(sorted(unknown))}; it has {', '.join(sorted(names))}")
+                raise ValueError(f"{role} has no setting {', '.join(sorted(unknown))}; "
+                                 f"it has {', '.join(sorted(names))}")
 
     def role_settings(self, role: str, **wiring: Any) -> Any:
         """The settings a `role` process starts with: this topology's shared options, the `wiring` the cluster

@@ -310,6 +310,33 @@ def test_bad_requests_are_4xx_or_503_with_detail(stack):
     assert "epd_decode_kv_blocks_free 64" in stack.http.get(stack.decode.url + "/metrics").text
 
 
+def test_a_prefill_at_capacity_refuses_at_once_with_retry_after(tmp_path):
+    """workers 1 + max_queued 1: of a burst of 8 concurrent prefills, those beyond the two admitted are refused
+    with 503 and Retry-After at once (before their body is read), none waits in a queue to time out, and the
+    admitted ones are served."""
+    tight = Server("tight", "epd_lab.servers.prefill", "--workers", "1", "--max-queued", "1", "--kv-blocks", "64",
+                   log_dir=tmp_path).wait_ready()
+    try:
+        body = {"prompt": "slow " * 100, "kv_transfer_params": {"do_remote_decode": False}}
+
+        def post(i: int) -> tuple[int, float, str | None]:
+            t0 = time.monotonic()
+            r = httpx.post(tight.url + "/v1/prefill", json={"request_id": f"burst-{i}", **body}, timeout=60)
+            return r.status_code, time.monotonic() - t0, r.headers.get("retry-after")
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(post, range(8)))
+        statuses = sorted(status for status, _, _ in answers)
+        assert set(statuses) == {200, 503} and statuses.count(200) >= 2, answers
+        refused = [(elapsed, retry) for status, elapsed, retry in answers if status == 503]
+        assert all(retry == "1" and elapsed < 2.0 for elapsed, retry in refused), refused
+        metrics = httpx.get(tight.url + "/metrics").text
+        assert f"epd_prefill_refused_at_capacity_total {len(refused)}" in metrics
+        assert "epd_prefill_capacity 2" in metrics and "epd_prefill_admitted 0" in metrics
+    finally:
+        tight.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -100,7 +100,8 @@ def prefill_app(state: StandIn) -> FastAPI:
         state.requests.append(body)
         await asyncio.sleep(state.delay)
         if state.status != 200:
-            return JSONResponse({"detail": f"{state.name} failed on purpose"}, status_code=state.status)
+            return JSONResponse({"detail": f"{state.name} failed on purpose"}, status_code=state.status,
+                                headers={"Retry-After": "2"} if state.status == 503 else None)
         assert body["kv_transfer_params"] == {"do_remote_decode": True}
         token = first_token(body["prompt"])
         prompt_len = len(body["prompt"].encode()) + 66 * len(body["images"])
@@ -430,8 +431,23 @@ def test_a_long_non_streamed_answer_is_not_cut_at_the_timeout(rig: Rig) -> None:
     p, d = rig.prefill(), rig.decode(delay=0.1)
     client = rig.client(rig.proxy([p.url], [d.url], timeout=0.3)[0])
     out = client.completions.create(model=MODEL_ID, prompt="long", max_tokens=15)
-    assert out.usage.completion_tokens == 15 and out.choices[0].text == detokenize(decode_tokens(first_token("long"), 15))
+    assert out.usage.completion_tokens == 15
+    assert out.choices[0].text == detokenize(decode_tokens(first_token("long"), 15))
     assert d.requests[0]["stream"] is True  # the proxy streams from decode for a non-streamed client too
+
+
+def test_a_busy_backend_passes_the_request_on_and_503_comes_back_with_retry_after(rig: Rig) -> None:
+    """A prefill at capacity answers 503 at once, holding nothing: the proxy offers the request to the next one;
+    when every one is busy the client gets 503 with the backend's Retry-After, at once."""
+    busy, free, d = rig.prefill("busy", status=503), rig.prefill("free"), rig.decode()
+    client = rig.client(rig.proxy([busy.url, free.url], [d.url])[0])
+    for _ in range(2):
+        assert client.completions.create(model=MODEL_ID, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert len(free.requests) == 2 and len(busy.requests) == 2  # each offered to the busy one first, by the rotation
+    url, _ = rig.proxy([busy.url], [d.url])
+    raw = httpx.post(url + "/v1/completions", json={"model": MODEL_ID, "prompt": "x"}, timeout=10)
+    assert raw.status_code == 503 and raw.headers["retry-after"] == "2"
+    assert raw.json()["error"]["code"] == "backend_unavailable"
 
 
 def test_backend_errors(rig: Rig) -> None:

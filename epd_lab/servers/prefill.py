@@ -76,6 +76,8 @@ class PrefillSettings:
                                   "ready")
     kv_free_timeout: float = option(30.0, "seconds a prefilled KV waits for decode before its blocks are freed")
     workers: int = option(4, "prefills in flight at once")
+    max_queued: int = option(4, "requests waiting for a worker; beyond workers + max_queued a request is refused "
+                                "with 503 at once, never left to time out in the queue")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
@@ -83,6 +85,8 @@ class PrefillSettings:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         for name in ("kv_blocks", "block_size", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -181,6 +185,8 @@ class PrefillServer:
             raise
         self.epd = EPDPrefill(self.receiver, self.model) if self.receiver is not None else None
         self.pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefill")
+        self.admitted = 0  # requests running or waiting for a worker (touched only on the event loop)
+        self.capacity = settings.workers + settings.max_queued
 
     # ---- /v1/prefill ----
     def prefill(self, req: PrefillRequest) -> PrefillResponse:
@@ -268,6 +274,10 @@ class PrefillServer:
             ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
             ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
             ("inflight", "gauge", len(self._inflight), "prefills running"),
+            ("admitted", "gauge", self.admitted, "requests running or waiting for a worker"),
+            ("capacity", "gauge", self.capacity, "requests admitted at most (workers + max_queued)"),
+            ("refused_at_capacity_total", "counter", self.counters["refused_at_capacity"],
+             "requests refused with 503 at once: at capacity"),
             ("prompt_tokens_total", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
             ("kv_pool_exhausted_total", "counter", self.counters["kv_pool_exhausted"], "requests refused with 503"),
             ("kv_requests_held", "gauge", p["requests_held"], "requests whose KV waits for decode"),
@@ -298,6 +308,17 @@ def create_app(settings: PrefillSettings) -> FastAPI:
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
         server: PrefillServer = app.state.server
+        if server.admitted >= server.capacity:  # refused before its body is even read: it costs nothing more
+            server.counters["refused_at_capacity"] += 1
+            raise Unavailable(f"prefill at capacity: {server.admitted} requests admitted (workers "
+                              f"{server.settings.workers} + queue {server.settings.max_queued})", retry_after=1)
+        server.admitted += 1
+        try:
+            return await _prefill(server, request)
+        finally:
+            server.admitted -= 1
+
+    async def _prefill(server: PrefillServer, request: Request) -> Response:
         body = await read_body(request)
 
         def run() -> bytes:  # one hop off the loop: the body (data: URIs, MiBs) decodes in the worker too

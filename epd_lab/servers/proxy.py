@@ -132,8 +132,9 @@ def _detail(raw: bytes, reason: str | None) -> str:
     return raw[:500].decode(errors="replace") or reason or ""
 
 
-def _backend_error(backend: Backend, status: int, detail: str) -> ServingError:
-    """A backend's non-200 answer as the client's error (its input errors stay 4xx)."""
+def _backend_error(backend: Backend, status: int, detail: str, retry_after: str | None = None) -> ServingError:
+    """A backend's non-200 answer as the client's error (its input errors stay 4xx; its 503, with its
+    ``Retry-After``, stays a 503)."""
     message = f"{backend.role} {backend.url} answered {status}: {detail}"
     if status in (400, 422):
         return BadRequest(message)
@@ -142,7 +143,8 @@ def _backend_error(backend: Backend, status: int, detail: str) -> ServingError:
     if status == 504:
         return GatewayTimeout(message)
     if status == 503:
-        return Unavailable(message, code="backend_unavailable")
+        seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
+        return Unavailable(message, code="backend_unavailable", retry_after=seconds)
     return BadGateway(message)
 
 
@@ -275,8 +277,8 @@ class Proxy:
     async def _post(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
                     lost: list[Backend] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
         """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
-        refused. `lost` collects a backend the request reached whose answer was lost (timed out, cut): it may
-        still be working on it.
+        refused or answer 503 (at capacity: it did not take the request). `lost` collects a backend the request
+        reached whose answer was lost (timed out, cut): it may still be working on it.
 
         Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
         counts it down and reads the body, then releases the response (or closes it, to stop the backend).
@@ -284,6 +286,7 @@ class Proxy:
         """
         payload = msgspec.json.encode(body)  # msgspec: the body carries the images' data: URIs (~0.2 MB each)
         tried: set[str] = set()
+        busy: ServingError | None = None  # the last 503: what the client gets when every backend is busy
         while (backend := await self._choose(pool, tried, only)) is not None:
             tried.add(backend.url)
             backend.inflight += 1
@@ -306,13 +309,20 @@ class Proxy:
                         raise _transport_error(backend, exc) from None
                     finally:
                         response.release()
-                    raise _backend_error(backend, response.status, _detail(raw, response.reason))
+                    error = _backend_error(backend, response.status, _detail(raw, response.reason),
+                                           response.headers.get("Retry-After"))
+                    if response.status == 503:  # refused at once, so it holds nothing: the next one may take it
+                        busy = error
+                        continue
+                    raise error
                 backend.served += 1
                 ok = True
                 return backend, response
             finally:
                 if not ok:
                     backend.inflight -= 1
+        if busy is not None:
+            raise busy
         urls = ", ".join(b.url for b in pool.backends)
         raise Unavailable(f"no {pool.role} server is reachable ({urls})", code="no_backend")
 

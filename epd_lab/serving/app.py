@@ -5,7 +5,8 @@
 The role object the factory builds (off the event loop: model loads, engine start-up) is kept in
 ``app.state.server`` and must offer `Role`'s methods. `ServingError`s raised by a route are answered with
 their status and ``{"detail": ...}`` (or the role's own shape: the proxy's OpenAI error objects), and so are
-unknown routes and any other exception (500, with its type and message); ``GET /health``, ``GET /metrics``, ``GET /v1/spans`` and ``GET /v1/clock`` are added.
+unknown routes and any other exception (500, with its type and message); ``GET /health``, ``GET /metrics``,
+``GET /v1/spans`` and ``GET /v1/clock`` are added.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import inspect
+import math
 from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
@@ -89,7 +91,10 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
 
     @app.exception_handler(ServingError)
     async def serving_error(request: Request, exc: ServingError) -> Any:
-        return json_response(error_body(exc), exc.status)
+        response = json_response(error_body(exc), exc.status)
+        if getattr(exc, "retry_after", None) is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Any:  # a bug: answered, and logged by uvicorn

@@ -64,9 +64,14 @@ class BadGateway(ServingError):
 
 
 class Unavailable(ServingError):
-    """Refused now, without queueing (pool exhausted, no backend up); the client may retry."""
+    """Refused now, without queueing (at capacity, pool exhausted, no backend up); the client may retry, after
+    `retry_after` seconds when given (the answer's ``Retry-After``)."""
 
     status, code = 503, "service_unavailable"
+
+    def __init__(self, detail: str, *, code: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(detail, code=code)
+        self.retry_after = retry_after
 
 
 class GatewayTimeout(ServingError):
