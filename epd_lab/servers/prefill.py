@@ -76,7 +76,7 @@ class PrefillSettings:
                                   "ready")
     kv_free_timeout: float = option(30.0, "seconds a prefilled KV waits for decode before its blocks are freed")
     workers: int = option(4, "prefills in flight at once")
-    max_queued: int = option(4, "requests waiting for a worker; beyond workers + max_queued a request is refused "
+    max_queued: int = option(32, "requests waiting for a worker; beyond workers + max_queued a request is refused "
                                 "with 503 at once, never left to time out in the queue")
 
     def __post_init__(self) -> None:
