@@ -1,6 +1,7 @@
 """Wire messages of the prefill and decode servers (P→D), as msgspec structs with one JSON codec.
 
-Everything is validated on decode (`decode`); a malformed body or an unknown field is a 400 at the server.
+Everything is validated on decode (`epd_lab.serving.decode_body`); a malformed body or an unknown field is a
+400 at the server.
 
     PrefillRequest  → POST /v1/prefill → PrefillResponse   (its kv_transfer_params: `KVTransferParams`)
     DecodeRequest   → POST /v1/decode  → DecodeResponse, or NDJSON `StreamLine`s: `StreamToken`… then
@@ -13,19 +14,16 @@ positions are ``prompt_len + rope_delta + i``), the first token (prefill's greed
 """
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import msgspec
 
 from epd_lab.trace import Span
 
-MAX_BODY_BYTES = 8 << 20  # a /v1/prefill body carries data: URIs; larger bodies are refused with 413
 MAX_TOKENS = 4096  # the tiny model's max_position_embeddings bounds prompt + generated tokens anyway
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
-
-T = TypeVar("T", bound=msgspec.Struct)
 
 
 class PrefillKVParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -141,20 +139,9 @@ class StreamError(msgspec.Struct, tag="error"):
 StreamLine = StreamToken | StreamDone | StreamError  # tagged by "type": {"type": "token", ...}
 
 
-class ErrorResponse(msgspec.Struct):
-    """Every error answer: ``{"detail": "..."}`` (FastAPI's shape)."""
-
-    detail: str
-
-
 _encoder = msgspec.json.Encoder()
 
 
 def encode(msg: msgspec.Struct) -> bytes:
     """JSON bytes of a message."""
     return _encoder.encode(msg)
-
-
-def decode(body: bytes, typ: type[T]) -> T:
-    """Validate and decode a JSON body; raises `msgspec.ValidationError` / `msgspec.DecodeError`."""
-    return msgspec.json.decode(body, type=typ)

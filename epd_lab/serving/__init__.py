@@ -7,7 +7,7 @@
 - `metrics`: the request counter and the Prometheus text writer.
 - `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`).
 """
-from epd_lab.serving.app import Role, add_trace_routes, json_response, role_app
+from epd_lab.serving.app import Role, json_response, role_app
 from epd_lab.serving.body import MAX_BODY_BYTES, decode_body, read_body, read_struct
 from epd_lab.serving.errors import (BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                                     NotFound, PayloadTooLarge, ServingError, Unavailable, error_for_status)
@@ -18,6 +18,6 @@ from epd_lab.serving.stack import (CLIENT_KEEPALIVE_S, KEEPALIVE_S, LOOPS, PARSE
 
 __all__ = ["CLIENT_KEEPALIVE_S", "KEEPALIVE_S", "LOOPS", "MAX_BODY_BYTES", "PARSERS", "BadGateway", "BadRequest",
            "ClientClosed", "Conflict", "Forbidden", "GatewayTimeout", "Metric", "NotFound", "PayloadTooLarge", "Role",
-           "ServingError", "Unavailable", "add_trace_routes", "bind_tcp", "decode_body", "error_for_status",
+           "ServingError", "Unavailable", "bind_tcp", "decode_body", "error_for_status",
            "from_argv", "http_info", "http_stack", "json_response", "metrics_text", "option", "parser", "read_body",
            "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main", "to_argv", "url_of"]

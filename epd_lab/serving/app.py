@@ -23,7 +23,7 @@ from epd_lab.serving.errors import ServingError, error_for_status
 from epd_lab.serving.metrics import CountRequests, Metric, metrics_text
 from epd_lab.serving.stack import http_info
 
-__all__ = ["Role", "add_trace_routes", "json_response", "role_app"]
+__all__ = ["Role", "json_response", "role_app"]
 
 STATUS_ROUTES = ("/health", "/metrics", "/v1/spans", "/v1/clock")
 
@@ -117,11 +117,11 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
         text = metrics_text(f"epd_{role}", requests, app.state.server.metric_families())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    add_trace_routes(app, lambda: app.state.server.recorder)
+    _add_trace_routes(app, lambda: app.state.server.recorder)
     return app
 
 
-def add_trace_routes(app: Any, recorder: Callable[[], Any]) -> None:
+def _add_trace_routes(app: Any, recorder: Callable[[], Any]) -> None:
     """``GET /v1/spans`` (the role's spans, oldest first; ``request_id`` — a request's or an OpenAI
     response's id — and ``since_ns`` filter, an unknown request gives an empty list) and ``GET /v1/clock``
     (CLOCK_MONOTONIC and host, for `epd_lab.trace.collect`'s clock offsets). `recorder` returns the role's
