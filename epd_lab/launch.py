@@ -130,8 +130,11 @@ class Cluster:
                 self.encoder_urls.append(self._start(f"encoder{i}", "encoder"))
             for i in range(topology.prefills):
                 self.prefill_urls.append(self._start(f"prefill{i}", "prefill", encoders=tuple(self.encoder_urls)))
+            # decode asks only the side channels of this cluster's prefills (their /health names them)
+            kv_producers = tuple(httpx.get(url + "/health", timeout=topology.timeout).json()["kv_url"]
+                                 for url in self.prefill_urls)
             for i in range(topology.decodes):
-                self.decode_urls.append(self._start(f"decode{i}", "decode"))
+                self.decode_urls.append(self._start(f"decode{i}", "decode", kv_producers=kv_producers))
             if topology.proxy:
                 self.proxy_url = self._start("proxy", "proxy", prefills=tuple(self.prefill_urls),
                                              decodes=tuple(self.decode_urls))

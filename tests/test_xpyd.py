@@ -190,6 +190,25 @@ def test_xpyd_concurrent_chats_equal_the_monolithic_model(cluster: Cluster, clie
     assert all(served_p) and all(served_d), (served_p, served_d)  # round robin spread them over both of each
 
 
+def test_decode_asks_only_the_producers_it_was_told_about(cluster: Cluster) -> None:
+    """A /v1/decode naming a side channel that is not one of the cluster's prefills is refused (403) before any
+    socket opens: a listening ROUTER there hears nothing, so decode's cache addresses and keys never leave. (Before,
+    decode sent its MooncakeAgentMetadata to any URL a caller named.)"""
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as trap:
+        trap.setsockopt(zmq.LINGER, 0)
+        port = trap.bind_to_random_port("tcp://127.0.0.1")
+        for pipelined in (False, True):
+            kv = {"remote_url": f"tcp://127.0.0.1:{port}", "remote_request_id": "x"}
+            if not pipelined:
+                kv |= {"prompt_len": 16, "rope_delta": 0, "first_token": 1, "num_blocks": 1}
+            r = httpx.post(cluster.decode_urls[0] + "/v1/decode", timeout=10,
+                           json={"request_id": f"trap-{pipelined}", "max_tokens": 2, "kv_transfer_params": kv})
+            assert r.status_code == 403 and "not a producer" in r.json()["detail"]
+            assert str(port) not in r.json()["detail"]
+        assert not trap.poll(300), "decode wrote to a side channel it was never told about"
+    assert _health(cluster.decode_urls[0])["kv_producers_guarded"] is True
+
+
 def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai.OpenAI) -> None:
     response_id, _ = _chat(client, _messages("timeline", [(224, 224)], seed=99), stream=True)
     got = _wait(lambda: (r := httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id}))

@@ -60,7 +60,7 @@ from epd_lab.servers.messages import (
     StreamToken,
     encode,
 )
-from epd_lab.serving import (BadGateway, BadRequest, GatewayTimeout, Metric, ServingError, Unavailable,
+from epd_lab.serving import (BadGateway, BadRequest, Forbidden, GatewayTimeout, Metric, ServingError, Unavailable,
                              option, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
@@ -90,6 +90,8 @@ class DecodeSettings:
     kv_quarantine: float | None = option(None, "seconds the blocks of a timed-out transfer rest before reuse "
                                                "(default: --timeout)")
     max_batch: int = option(16, "requests per decode forward (1: round-robin single steps)")
+    kv_producers: tuple[str, ...] = option((), "the prefills' KV side channels (tcp://host:port) this decode may "
+                                               "ask; a request naming another is refused (none: any, unguarded)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -157,6 +159,10 @@ class DecodeServer:
         """Receive the request's KV (in a worker thread) and gather it; raises `ServingError`. Returns the cache,
         the spans and the parameters complete (a pipelined request's learnt from the producer)."""
         p = req.kv_transfer_params
+        if self.settings.kv_producers and p.remote_url not in self.settings.kv_producers:
+            # checked before any socket opens: decode never sends its cache's addresses and keys elsewhere
+            self._count("kv_producers_refused")
+            raise Forbidden("kv_transfer_params.remote_url is not a producer this decode server was told about")
         spans: list[Span] = []
         prompt_len, num_blocks = p.prompt_len, p.num_blocks
         if p.pipelined:  # the prompt's size comes from the producer, as soon as prefill knows it
@@ -340,7 +346,8 @@ class DecodeServer:
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
                 "block_size": self.cache.block_size, "active_requests": active,
-                "max_batch": self.settings.max_batch, "counters": counters}
+                "max_batch": self.settings.max_batch, "kv_producers_guarded": bool(self.settings.kv_producers),
+                "counters": counters}
 
     def metric_families(self) -> list[Metric]:
         """The decode's ``/metrics`` families: its KV blocks, requests and tokens, the consumer's counters."""
