@@ -29,7 +29,8 @@ STATUS_ROUTES = ("/health", "/metrics", "/v1/spans", "/v1/clock")
 
 
 class Role(Protocol):
-    """What a role's server object offers the floor."""
+    """What a role's server object offers the floor (and, optionally, ``async def run()``: work for the server's
+    life, run as a task and cancelled at shutdown, such as the encoder's TTL sweep)."""
 
     recorder: Any  # its `epd_lab.trace.Recorder`
 
