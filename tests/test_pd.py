@@ -337,6 +337,33 @@ def test_a_prefill_at_capacity_refuses_at_once_with_retry_after(tmp_path):
         tight.close()
 
 
+def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
+    """max_active 1: while one streamed request generates, a second is refused with 503 and Retry-After at once
+    (its KV stays with prefill, untouched); once the first stream ends, the second is admitted and served."""
+    tight = Server("tight-decode", "epd_lab.servers.decode", "--max-active", "1", "--kv-blocks", str(KV_BLOCKS),
+                   log_dir=tmp_path).wait_ready()
+    try:
+        kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in ("cap-a", "cap-b")}
+        body = stack.decode_body("cap-a", kv["cap-a"], 4000, stream=True)  # seconds of generating
+        with stack.http.stream("POST", tight.url + "/v1/decode", json=body) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped iterator, collected, would close the stream
+            next(lines)  # it is generating
+            t0 = time.monotonic()
+            r = stack.http.post(tight.url + "/v1/decode", json=stack.decode_body("cap-b", kv["cap-b"], 2))
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and time.monotonic() - t0 < 2.0
+            assert "at capacity" in r.json()["detail"]
+        deadline = time.monotonic() + 10  # the client hung up: decode drops the request and admits again
+        while "epd_decode_admitted 0" not in httpx.get(tight.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the closed stream was never released"
+            time.sleep(0.05)
+        r = stack.http.post(tight.url + "/v1/decode", json=stack.decode_body("cap-b", kv["cap-b"], 2))
+        assert r.status_code == 200 and len(r.json()["tokens"]) == 2
+        assert "epd_decode_refused_at_capacity_total 1" in httpx.get(tight.url + "/metrics").text
+    finally:
+        tight.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

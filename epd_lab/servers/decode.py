@@ -90,13 +90,15 @@ class DecodeSettings:
     kv_quarantine: float | None = option(None, "seconds the blocks of a timed-out transfer rest before reuse "
                                                "(default: --timeout)")
     max_batch: int = option(16, "requests per decode forward (1: round-robin single steps)")
+    max_active: int = option(64, "requests admitted at once (receiving their KV or generating); more are refused "
+                                 "with 503 at once, never left to time out")
     kv_producers: tuple[str, ...] = option((), "the prefills' KV side channels (tcp://host:port) this decode may "
                                                "ask; a request naming another is refused (none: any, unguarded)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        for name in ("kv_blocks", "block_size", "max_batch"):
+        for name in ("kv_blocks", "block_size", "max_batch", "max_active"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout > 0:
@@ -150,6 +152,7 @@ class DecodeServer:
         self._cond = threading.Condition(self._lock)
         self._active: list[_Generation] = []
         self._closed = False
+        self.admitted = 0  # requests receiving their KV or generating (touched only on the event loop)
         self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
         self._thread = threading.Thread(target=self._schedule, name="decode-scheduler", daemon=True)
         self._thread.start()
@@ -358,6 +361,9 @@ class DecodeServer:
             ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
             ("active_requests", "gauge", h["active_requests"], "requests generating"),
+            ("admitted", "gauge", self.admitted, "requests receiving their KV or generating"),
+            ("refused_at_capacity_total", "counter", c["refused_at_capacity"],
+             "requests refused with 503 at once: at capacity (max_active)"),
             ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
             ("requests_cancelled_total", "counter", c["requests_cancelled"], "requests whose client went away"),
             ("requests_failed_total", "counter", c["requests_failed"], "requests that failed while generating"),
@@ -391,15 +397,17 @@ class _GenerationStream(StreamingResponse):
     """A streaming response that cancels its generation however the response ends: also when the client went
     away before the body generator ever started (then the generator's own ``finally`` never runs)."""
 
-    def __init__(self, gen: _Generation, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+    def __init__(self, gen: _Generation, content: AsyncIterator[bytes], on_end: Callable[[], None],
+                 **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self._gen = gen
+        self._gen, self._on_end = gen, on_end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._gen.cancelled = True
+            self._on_end()
 
 
 def create_app(settings: DecodeSettings) -> FastAPI:
@@ -409,7 +417,23 @@ def create_app(settings: DecodeSettings) -> FastAPI:
 
     @app.post("/v1/decode")
     async def decode(request: Request) -> Response:
-        return await _decode(app.state.server, request)
+        server: DecodeServer = app.state.server
+        if server.admitted >= server.settings.max_active:  # refused before its body is read: at once
+            server._count("refused_at_capacity")
+            raise Unavailable(f"decode at capacity: {server.admitted} requests admitted "
+                              f"(max_active {server.settings.max_active})", retry_after=1)
+        server.admitted += 1
+        streaming = False
+        try:
+            response = await _decode(server, request)
+            streaming = isinstance(response, _GenerationStream)  # admitted until its stream ends
+            return response
+        finally:
+            if not streaming:
+                server.admitted -= 1
+
+    def _stream_ended() -> None:
+        app.state.server.admitted -= 1
 
     async def _decode(server: DecodeServer, request: Request) -> Response:
         req = await read_struct(request, DecodeRequest)
@@ -427,7 +451,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
         gen = server.admit(req, cache, kv_spans, emit)
         del cache
         if req.stream:
-            return _GenerationStream(gen, _stream(gen, queue), media_type="application/x-ndjson")
+            return _GenerationStream(gen, _stream(gen, queue), _stream_ended, media_type="application/x-ndjson")
         try:
             while (item := await queue.get()) is not _DONE:
                 if isinstance(item, Exception):
