@@ -60,8 +60,8 @@ from epd_lab.servers.messages import (
     StreamToken,
     encode,
 )
-from epd_lab.serving import (BadGateway, BadRequest, Forbidden, GatewayTimeout, Metric, ServingError, Unavailable,
-                             option, read_struct, role_app, serve_main)
+from epd_lab.serving import (Admission, BadGateway, BadRequest, Forbidden, GatewayTimeout, Metric, ServingError,
+                             Unavailable, option, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -152,7 +152,8 @@ class DecodeServer:
         self._cond = threading.Condition(self._lock)
         self._active: list[_Generation] = []
         self._closed = False
-        self.admitted = 0  # requests receiving their KV or generating (touched only on the event loop)
+        self.admission = Admission("decode", settings.max_active, f"max_active {settings.max_active}",
+                                   lambda: self._count("refused_at_capacity"))
         self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
         self._thread = threading.Thread(target=self._schedule, name="decode-scheduler", daemon=True)
         self._thread.start()
@@ -361,7 +362,7 @@ class DecodeServer:
             ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
             ("active_requests", "gauge", h["active_requests"], "requests generating"),
-            ("admitted", "gauge", self.admitted, "requests receiving their KV or generating"),
+            ("admitted", "gauge", self.admission.admitted, "requests receiving their KV or generating"),
             ("refused_at_capacity_total", "counter", c["refused_at_capacity"],
              "requests refused with 503 at once: at capacity (max_active)"),
             ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
@@ -418,11 +419,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     @app.post("/v1/decode")
     async def decode(request: Request) -> Response:
         server: DecodeServer = app.state.server
-        if server.admitted >= server.settings.max_active:  # refused before its body is read: at once
-            server._count("refused_at_capacity")
-            raise Unavailable(f"decode at capacity: {server.admitted} requests admitted "
-                              f"(max_active {server.settings.max_active})", retry_after=1)
-        server.admitted += 1
+        server.admission.enter()  # refused before its body is read: at once
         streaming = False
         try:
             response = await _decode(server, request)
@@ -430,10 +427,10 @@ def create_app(settings: DecodeSettings) -> FastAPI:
             return response
         finally:
             if not streaming:
-                server.admitted -= 1
+                server.admission.leave()
 
     def _stream_ended() -> None:
-        app.state.server.admitted -= 1
+        app.state.server.admission.leave()
 
     async def _decode(server: DecodeServer, request: Request) -> Response:
         req = await read_struct(request, DecodeRequest)

@@ -52,7 +52,7 @@ from epd_lab.servers.messages import (
     PrefillResponse,
     encode,
 )
-from epd_lab.serving import (BadRequest, Conflict, Metric, Unavailable, decode_body, error_for_status,
+from epd_lab.serving import (Admission, BadRequest, Conflict, Metric, Unavailable, decode_body, error_for_status,
                              option, read_body, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
@@ -185,8 +185,9 @@ class PrefillServer:
             raise
         self.epd = EPDPrefill(self.receiver, self.model) if self.receiver is not None else None
         self.pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefill")
-        self.admitted = 0  # requests running or waiting for a worker (touched only on the event loop)
-        self.capacity = settings.workers + settings.max_queued
+        self.admission = Admission("prefill", settings.workers + settings.max_queued,
+                                   f"workers {settings.workers} + queue {settings.max_queued}",
+                                   lambda: self.counters.update(["refused_at_capacity"]))
 
     # ---- /v1/prefill ----
     def prefill(self, req: PrefillRequest) -> PrefillResponse:
@@ -274,8 +275,8 @@ class PrefillServer:
             ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
             ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
             ("inflight", "gauge", len(self._inflight), "prefills running"),
-            ("admitted", "gauge", self.admitted, "requests running or waiting for a worker"),
-            ("capacity", "gauge", self.capacity, "requests admitted at most (workers + max_queued)"),
+            ("admitted", "gauge", self.admission.admitted, "requests running or waiting for a worker"),
+            ("capacity", "gauge", self.admission.capacity, "requests admitted at most (workers + max_queued)"),
             ("refused_at_capacity_total", "counter", self.counters["refused_at_capacity"],
              "requests refused with 503 at once: at capacity"),
             ("prompt_tokens_total", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
@@ -308,15 +309,11 @@ def create_app(settings: PrefillSettings) -> FastAPI:
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
         server: PrefillServer = app.state.server
-        if server.admitted >= server.capacity:  # refused before its body is even read: it costs nothing more
-            server.counters["refused_at_capacity"] += 1
-            raise Unavailable(f"prefill at capacity: {server.admitted} requests admitted (workers "
-                              f"{server.settings.workers} + queue {server.settings.max_queued})", retry_after=1)
-        server.admitted += 1
+        server.admission.enter()  # refused before its body is even read: it costs nothing more
         try:
             return await _prefill(server, request)
         finally:
-            server.admitted -= 1
+            server.admission.leave()
 
     async def _prefill(server: PrefillServer, request: Request) -> Response:
         body = await read_body(request)
