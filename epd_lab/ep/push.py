@@ -6,6 +6,8 @@ import threading
 
 import zmq
 
+from epd_lab.faults import failpoint
+
 
 class PushSockets:
     """ZMQ PUSH sockets, one per destination URL, from one context; ``LINGER=0`` so closing never hangs.
@@ -38,6 +40,7 @@ class PushSockets:
                 if len(self._sockets) > self._max_sockets:
                     self._sockets.popitem(last=False)[1].close()
             self._sockets.move_to_end(url)
+            failpoint("encoder.before_notify")
             sock.send(frame, copy=False)
 
     def close(self) -> None:

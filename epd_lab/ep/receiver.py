@@ -48,6 +48,7 @@ from epd_lab.ep.messages import (
     part_req_id,
     zmq_url,
 )
+from epd_lab.faults import failpoint
 from epd_lab.http_client import HTTPError, KeepAliveClient
 from epd_lab.trace import Recorder
 from epd_lab.transfer import TransferEngine, as_array, open_engine
@@ -298,6 +299,7 @@ class EmbeddingReceiver:
             with self.recorder.span("register", rid, nbytes=total):
                 rkey = self.engine.register(base, total)
             try:
+                failpoint("prefill.between_encode_and_send")
                 self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx],
                                                            responses[p.part_idx], rkey))
                 messages = self._wait(rid, plans, futures, deadline)

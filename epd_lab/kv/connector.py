@@ -67,6 +67,7 @@ from epd_lab.kv.messages import (
 )
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.kv.transfer import BlockCopies, block_copies
+from epd_lab.faults import failpoint
 from epd_lab.transfer.engine import parse_session_id
 
 log = logging.getLogger(__name__)
@@ -256,6 +257,7 @@ class KVProducer:
         # ROUTER put the sender's identity first; a REQ sender adds an empty delimiter. The reply goes
         # back with whatever envelope came, so even a frame without the delimiter is answered.
         envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
+        failpoint("prefill.kv_handshake")
         try:
             ask = decode_ask(payload)
         except (msgspec.DecodeError, ValueError) as exc:
@@ -344,6 +346,7 @@ class KVProducer:
                                 self.cache.block_len, meta.rkeys or None)
             for mine, theirs in zip(out, part):
                 mine.extend(theirs)
+        failpoint("prefill.kv_write")
         self.engine.batch_transfer_sync_write(meta.session_id, *out)
         return sum(out.lengths)
 

@@ -49,6 +49,7 @@ from transformers import DynamicCache
 
 from epd_lab import models
 from epd_lab.ep.messages import DTYPES
+from epd_lab.faults import failpoint
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.servers.messages import (
@@ -469,6 +470,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
                     yield _line(StreamError(f"decode failed: {type(item).__name__}: {item}"))
                     return
                 yield _line(StreamToken(item, index))
+                failpoint("decode.mid_stream")
                 index += 1
             yield _line(StreamDone("length", gen.spans))
         finally:

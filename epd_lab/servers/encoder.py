@@ -80,6 +80,7 @@ from epd_lab.ep.messages import (
     zmq_url,
 )
 from epd_lab.ep.push import PushSockets
+from epd_lab.faults import failpoint
 from epd_lab.serving import (BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
                              ServingError, decode_body, json_response, option, read_body, read_struct,
                              role_app, serve_main)
@@ -217,6 +218,7 @@ class MMEncoder:
         if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
             raise Conflict(f"req_id {req.req_id!r} is already held here, waiting for /send")
         future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, load_span)
+        failpoint("encoder.before_encode_reply")
         if self.settings.backend == "mooncake":
             self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
                                           time.monotonic())
@@ -399,6 +401,7 @@ class MMEncoder:
             path = engine.path_to(req.session_id)
             ptr, nbytes, _ = engine.register_buffer(embedding)
             try:
+                failpoint("encoder.write")
                 engine.transfer_sync_write(req.session_id, ptr, req.buffer_address, nbytes, req.rkey)
             finally:
                 engine.deregister(ptr)
