@@ -52,7 +52,7 @@ from epd_lab.servers.messages import (
     PrefillResponse,
     encode,
 )
-from epd_lab.serving import (Admission, BadRequest, Conflict, Metric, Unavailable, decode_body, error_for_status,
+from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body, error_for_status,
                              option, read_body, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
@@ -317,6 +317,8 @@ def create_app(settings: PrefillSettings) -> FastAPI:
 
     async def _prefill(server: PrefillServer, request: Request) -> Response:
         body = await read_body(request)
+        if await request.is_disconnected():  # e.g. read on waking from a freeze the proxy passed over: no compute
+            raise ClientClosed("the client closed the request before its prefill began")
 
         def run() -> bytes:  # one hop off the loop: the body (data: URIs, MiBs) decodes in the worker too
             return encode(server.prefill(decode_body(body, PrefillRequest)))

@@ -23,6 +23,12 @@ them; ties in round-robin order). A backend that refuses connections is marked d
 ``--retry-after`` seconds; the request goes on to the next one (it never reached the failed one). When every
 backend of a role is down, their ``/health`` is probed once before the request fails with 503.
 
+Frozen backends (`epd_lab.serving.liveness`): every backend's ``/health`` is probed each second; one that misses
+two probes in a row is *stalled* and skipped until it answers again. The exchanges waiting on it give up at
+once: a request not yet answered goes on to the next backend (a prefill is sent an abort, as it may take the
+request up when it wakes), a decode stream already begun ends with a 504 error event. A request reaches its
+client within seconds of a freeze instead of after ``--timeout``.
+
 Failures are OpenAI error objects ``{"error": {"message", "type", "code"}}``: 400 for bad input (including a
 backend's 400/413/422, whose ``detail`` is passed on: an image that does not decode is the client's error),
 503 when no backend of a role is reachable, 504 when a backend passes ``--timeout``, 502 for any other
@@ -62,7 +68,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
@@ -74,14 +80,14 @@ from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone,
 from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
 from epd_lab.servers.routing import POLICIES, Backend, Pool
 from epd_lab.servers.text import Detokenizer, detokenize
-from epd_lab.serving import (CLIENT_KEEPALIVE_S, BadGateway, BadRequest, ClientClosed, GatewayTimeout, Metric,
-                             PayloadTooLarge, ServingError, Unavailable, json_response, option,
-                             read_body, decode_body, role_app, serve_main)
+from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES, BadGateway, BadRequest,
+                             ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, ServingError, Unavailable,
+                             decode_body, json_response, option, read_body, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-PROBE_TIMEOUT = 1.0  # seconds, at most, for a /health probe of a backend
 QUANTILES = (0.5, 0.9, 0.99)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -148,12 +154,38 @@ def _backend_error(backend: Backend, status: int, detail: str, retry_after: str 
     return BadGateway(message)
 
 
+class _Stalled(Exception):
+    """The backend was found stalled while an exchange waited on it."""
+
+
+def _stalled_error(backend: Backend) -> GatewayTimeout:
+    return GatewayTimeout(f"{backend.role} {backend.url} stopped making progress (no answer to {STALL_MISSES} "
+                          f"/health probes in a row)", code="backend_stalled")
+
+
 def _transport_error(backend: Backend, exc: BaseException) -> ServingError:
     """A failed exchange with a backend (after connecting) as the client's error."""
     what = f"{backend.role} {backend.url}"
+    if backend.stall.is_set():  # its exchanges were cut because it stopped answering
+        return _stalled_error(backend)
     if isinstance(exc, asyncio.TimeoutError):
         return GatewayTimeout(f"{what} timed out ({type(exc).__name__})")
     return BadGateway(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+async def _progressing(backend: Backend, aw: Awaitable[T]) -> T:
+    """`aw`'s result, unless `backend` is found stalled first: then `aw` is cancelled and `_Stalled` raised."""
+    task = asyncio.ensure_future(aw)
+    stall = asyncio.ensure_future(backend.stall.wait())
+    try:
+        done, _ = await asyncio.wait((task, stall), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stall.cancel()
+        if not task.done():
+            task.cancel()  # stalled, or this caller cancelled
+    if task in done:
+        return task.result()
+    raise _Stalled()
 
 
 def _decode_json(backend: Backend, raw: bytes, typ: type[Any]) -> Any:
@@ -200,6 +232,7 @@ class Proxy:
         self.latency_sum: collections.Counter[str] = collections.Counter()  # seconds, by span stage
         self.latency_count: collections.Counter[str] = collections.Counter()
         self.started = int(time.time())
+        self._background: set[asyncio.Task] = set()  # aborts sent without waiting (held here against the GC)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -214,7 +247,23 @@ class Proxy:
                 skip_auto_headers=("User-Agent",))
         return self._session
 
+    async def run(self) -> None:
+        """For the server's life (the floor runs it): probe every backend's /health each `PROBE_INTERVAL`, one
+        probe in flight per backend (a frozen one is not piled with probes)."""
+        probes: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                for backend in self.prefills.backends + self.decodes.backends:
+                    if backend.url not in probes or probes[backend.url].done():
+                        probes[backend.url] = asyncio.create_task(self._probe(backend))
+                await asyncio.sleep(PROBE_INTERVAL)
+        finally:
+            for task in probes.values():
+                task.cancel()
+
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -232,12 +281,10 @@ class Proxy:
     # ---- backends ----
     async def _probe(self, backend: Backend) -> dict[str, Any] | None:
         """GET the backend's /health; its JSON (or {}) when it answers 200, else None. Updates the circuit."""
-        pool = self.prefills if backend.role == "prefill" else self.decodes
         answer = await self._short("GET", backend.url + "/health")
+        Pool.probed(backend, answer is not None and answer[0] == 200)
         if answer is None or answer[0] != 200:
-            pool.mark_down(backend)
             return None
-        pool.mark_up(backend)
         backend.probed = True
         body: dict[str, Any] = {}
         with contextlib.suppress(msgspec.DecodeError):
@@ -265,20 +312,22 @@ class Proxy:
         and the backend's ``inflight`` counted down again."""
         backend, response = await self._post(pool, path, body, only, lost)
         try:
-            return backend, await response.read()
-        except EXCHANGE_ERRORS as exc:
+            return backend, await _progressing(backend, response.read())
+        except (*EXCHANGE_ERRORS, _Stalled, asyncio.CancelledError) as exc:
             if lost is not None:
                 lost.append(backend)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise _transport_error(backend, exc) from None
         finally:
-            response.release()
-            backend.inflight -= 1
+            backend.finish(response, reuse=True)
 
     async def _post(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
                     lost: list[Backend] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
         """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
-        refused or answer 503 (at capacity: it did not take the request). `lost` collects a backend the request
-        reached whose answer was lost (timed out, cut): it may still be working on it.
+        refused, answer 503 (at capacity: it did not take the request) or the backend is found stalled before
+        it answered. `lost` collects a backend the request reached whose answer was lost (timed out, cut, stalled,
+        this caller cancelled): it may still be working on it.
 
         Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
         counts it down and reads the body, then releases the response (or closes it, to stop the backend).
@@ -286,22 +335,27 @@ class Proxy:
         """
         payload = msgspec.json.encode(body)  # msgspec: the body carries the images' data: URIs (~0.2 MB each)
         tried: set[str] = set()
-        busy: ServingError | None = None  # the last 503: what the client gets when every backend is busy
+        busy: ServingError | None = None  # the last 503 or stall: what the client gets when no backend takes it
         while (backend := await self._choose(pool, tried, only)) is not None:
             tried.add(backend.url)
             backend.inflight += 1
             ok = False
             try:
                 try:
-                    response = await self.session.post(backend.url + path, data=payload, headers=JSON_HEADERS)
+                    response = await _progressing(backend, self.session.post(backend.url + path, data=payload,
+                                                                             headers=JSON_HEADERS))
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                    pool.mark_down(backend)  # the request never reached it: the next one may take it
+                    backend.liveness.refused()  # the request never reached it: the next one may take it
                     continue
-                except EXCHANGE_ERRORS as exc:
+                except (*EXCHANGE_ERRORS, _Stalled, asyncio.CancelledError) as exc:
                     if lost is not None:
                         lost.append(backend)
+                    if isinstance(exc, _Stalled):  # it may wake and serve it later; the next one serves it now
+                        busy = _stalled_error(backend)
+                        continue
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
                     raise _transport_error(backend, exc) from None
-                pool.mark_up(backend)
                 if response.status != 200:
                     try:
                         raw = await response.read()
@@ -316,6 +370,7 @@ class Proxy:
                         continue
                     raise error
                 backend.served += 1
+                backend.streams.add(response)  # cut if the backend is found stalled
                 ok = True
                 return backend, response
             finally:
@@ -333,10 +388,10 @@ class Proxy:
             backend, raw = await self._call(self.prefills, "/v1/prefill", {
                 "request_id": job.rid, "prompt": prompt, "images": images,
                 "kv_transfer_params": {"do_remote_decode": True}}, only=only, lost=lost)
-        except ServingError:  # a prefill whose answer was lost may still finish the request and hold its KV:
-            for backend in lost:  # aborted, it frees the KV at once, or keeps nothing when it finishes later
-                await asyncio.shield(self._abort(backend, job.rid))
+        except BaseException:  # cancellation too: a prefill whose answer was lost may still finish the request
+            await asyncio.shield(self._abort_lost(lost, job.rid))  # and hold its KV: aborted, it frees it at once
             raise
+        await self._abort_lost(lost, job.rid)  # those passed over while stalled
         try:
             prefill = _decode_json(backend, raw, PrefillResponse)
         except ServingError:
@@ -346,22 +401,41 @@ class Proxy:
         self.recorder.extend(prefill.spans)
         return backend, prefill
 
-    async def _abort(self, backend: Backend, rid: str) -> None:
-        """Have the prefill `backend` drop `rid`'s KV now (no decode will ask for it). Best effort and short:
-        a prefill that does not answer still frees the blocks after its own free timeout."""
+    async def _abort(self, backend: Backend, rid: str) -> str:
+        """Have the prefill `backend` drop `rid`'s KV now (no decode will ask for it), or when it finishes the
+        request later. Best effort and short: a prefill that does not answer still frees the blocks after its
+        own free timeout. Returns the result, as counted in ``prefill_aborts``."""
         answer = await self._short("POST", backend.url + "/v1/abort", msgspec.json.encode({"request_id": rid}))
         if answer is None:
-            self.prefill_aborts["unreachable"] += 1
-            return
-        if answer[0] != 200:  # e.g. 404 from a prefill without /v1/abort
-            self.prefill_aborts[f"status_{answer[0]}"] += 1
-            return
-        try:
-            freed = msgspec.json.decode(answer[1], type=AbortResponse).freed_blocks
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            self.prefill_aborts["malformed"] += 1
-            return
-        self.prefill_aborts["freed" if freed else "nothing_held"] += 1
+            result = "unreachable"
+        elif answer[0] != 200:  # e.g. 404 from a prefill without /v1/abort
+            result = f"status_{answer[0]}"
+        else:
+            try:
+                freed = msgspec.json.decode(answer[1], type=AbortResponse).freed_blocks
+                result = "freed" if freed else "nothing_held"
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                result = "malformed"
+        self.prefill_aborts[result] += 1
+        return result
+
+    async def _abort_lost(self, lost: list[Backend], rid: str) -> None:
+        """Abort `rid` on every prefill in `lost` (its answer lost, or passed over while stalled): at once where
+        it answers, else in the background until it wakes."""
+        for backend in lost:
+            if backend.stall.is_set():
+                task = asyncio.create_task(self._abort_when_awake(backend, rid))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
+                await self._abort(backend, rid)
+
+    async def _abort_when_awake(self, backend: Backend, rid: str) -> None:
+        """`_abort`, retried each `PROBE_INTERVAL` while the stalled `backend` does not answer, for as long as
+        its requests may wait for it (``--timeout``): it hears of the abort as soon as it wakes."""
+        deadline = time.monotonic() + self.settings.timeout
+        while await self._abort(backend, rid) == "unreachable" and time.monotonic() < deadline:
+            await asyncio.sleep(PROBE_INTERVAL)
 
     def _decode_body(self, job: Job, kv_transfer_params: Any) -> dict[str, Any]:
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
@@ -384,8 +458,8 @@ class Proxy:
             _, prefill = await self._prefill(job, prompt, images, only=backend)
         except BaseException as exc:
             await _discard(decode)
-            if isinstance(exc, Unavailable) and exc.code == "no_backend":  # refused: it never saw the request
-                return None
+            if isinstance(exc, Unavailable) or getattr(exc, "code", None) == "backend_stalled":
+                return None  # refused, at capacity or stalled before it answered: the serial way tries the others
             await asyncio.shield(self._abort(backend, job.rid))  # decode may wait for it: answered at once
             raise
         return backend, prefill, decode
@@ -427,11 +501,7 @@ class Proxy:
                     finish_reason = msg.finish_reason
             done = True
         finally:
-            if done:
-                response.release()
-            else:
-                response.close()
-            backend.inflight -= 1
+            backend.finish(response, reuse=done)
         self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
         return json_response(completion(job, self.settings.model, detokenize(tokens), finish_reason, len(tokens)))
 
@@ -472,7 +542,9 @@ class Proxy:
         for name, kind, help_, value in (
             ("inflight", "gauge", "requests in flight per backend", lambda b: b.inflight),
             ("served_total", "counter", "requests each backend accepted", lambda b: b.served),
-            ("up", "gauge", "1 unless the backend is skipped after a refused connection", lambda b: int(b.up(now))),
+            ("up", "gauge", "1 unless the backend is skipped (a refused connection, or stalled)",
+             lambda b: int(b.up(now))),
+            ("stalls_total", "counter", "times the backend was found stalled (probes unanswered)", lambda b: b.stalls),
         ):
             families.append(Metric(f"backend_{name}", kind, help_,
                                    tuple(("", {"role": b.role, "url": b.url}, value(b)) for b in backends)))
@@ -566,15 +638,10 @@ class _TokenStream:
                 if self.decode is not None:
                     await _discard(self.decode)
                 await asyncio.shield(self.proxy._abort(self.prefill_backend, self.job.rid))
-            else:
+            elif self.backend is not None:
                 # a stream read to its end goes back to the pool; one cut short is closed: decode stops
-                if self.outcome == "ok":
-                    self.response.release()
-                else:
-                    self.response.close()
+                self.backend.finish(self.response, reuse=self.outcome == "ok")
         finally:
-            if self.backend is not None:
-                self.backend.inflight -= 1
             proxy, job, node = self.proxy, self.job, self.proxy.recorder.node
             if self.tokens >= 2:
                 tpot = (self.t_last - self.t_first) // (self.tokens - 1)
@@ -632,8 +699,7 @@ async def _discard(decode: asyncio.Task) -> None:
         decode.cancel()
     with contextlib.suppress(BaseException):  # its failure or cancellation is moot now
         backend, response = await decode
-        backend.inflight -= 1
-        response.close()
+        backend.finish(response, reuse=False)
 
 
 def create_app(settings: ProxySettings) -> FastAPI:

@@ -1,12 +1,18 @@
 """Routing for the proxy: the prefill and decode servers it knows, and the policy that chooses among them.
 
 ``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts them; ties in round-robin
-order). A backend that refused a connection is marked down and skipped for ``retry_after`` seconds.
+order). A backend that refused a connection is skipped for ``retry_after`` seconds; one that stopped answering
+its ``/health`` probes is skipped until it answers again (`epd_lab.serving.Liveness`).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+
+import aiohttp
+
+from epd_lab.serving import Liveness
 
 __all__ = ["POLICIES", "Backend", "Pool"]
 
@@ -19,14 +25,28 @@ class Backend:
 
     role: str
     url: str
+    liveness: Liveness
     inflight: int = 0  # requests sent to it and not yet answered (for decode: until its stream closes)
     served: int = 0  # requests it accepted
-    down_until: float = 0.0  # time.monotonic() before which it is skipped
     kv_url: str | None = None  # a prefill's KV side channel, from its /health: decode can be asked up front
     probed: bool = False  # its /health has answered once
+    stalls: int = 0  # times it was found stalled
+    # set when it is found stalled: exchanges waiting on it give up; a fresh one once it answers again
+    stall: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    streams: set[aiohttp.ClientResponse] = dataclasses.field(default_factory=set)  # open decode streams
 
     def up(self, now: float) -> bool:
-        return now >= self.down_until
+        return self.liveness.up(now)
+
+    def finish(self, response: aiohttp.ClientResponse, reuse: bool) -> None:
+        """An exchange with it is over: the connection goes back to the pool (`reuse`: read to its end) or is
+        closed (which stops the backend's work on a stream), and it counts one request fewer in flight."""
+        self.streams.discard(response)
+        if reuse:
+            response.release()
+        else:
+            response.close()
+        self.inflight -= 1
 
 
 class Pool:
@@ -34,7 +54,7 @@ class Pool:
 
     def __init__(self, role: str, urls: tuple[str, ...], policy: str, retry_after: float) -> None:
         self.role = role
-        self.backends = [Backend(role, url.rstrip("/")) for url in urls]
+        self.backends = [Backend(role, url.rstrip("/"), Liveness(retry_after)) for url in urls]
         self.policy = policy
         self.retry_after = retry_after
         self._next = 0  # round-robin position; also breaks least_loaded ties, so equal loads still rotate
@@ -51,9 +71,17 @@ class Pool:
         self._next = (self.backends.index(chosen) + 1) % n
         return chosen
 
-    def mark_down(self, backend: Backend) -> None:
-        backend.down_until = time.monotonic() + self.retry_after
-
     @staticmethod
-    def mark_up(backend: Backend) -> None:
-        backend.down_until = 0.0
+    def probed(backend: Backend, answered: bool) -> None:
+        """Record a /health probe of `backend`; the probe that finds it stalled cuts the exchanges waiting on it
+        (their callers see `stall` set, its open streams are closed)."""
+        if answered:
+            if backend.stall.is_set():
+                backend.stall = asyncio.Event()
+            backend.liveness.probed(True)
+            return
+        if backend.liveness.probed(False):
+            backend.stalls += 1
+            backend.stall.set()
+            for response in list(backend.streams):
+                response.close()

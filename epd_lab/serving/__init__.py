@@ -2,6 +2,7 @@
 
 - `stack`: how a server starts (port 0, TCP_NODELAY, uvloop + httptools, the announced URL).
 - `admission`: admitted below a capacity, else a 503 at once.
+- `liveness`: a backend's circuit as its caller sees it (refused, stalled, up), fed by /health probes.
 - `app`: one lifespan, one error answer, one request counter, ``/health``, ``/metrics``, the trace routes.
 - `errors`: typed errors that carry their HTTP status.
 - `body`: one body reader under one limit, one JSON decoder.
@@ -13,13 +14,14 @@ from epd_lab.serving.app import Role, json_response, role_app
 from epd_lab.serving.body import MAX_BODY_BYTES, decode_body, read_body, read_struct
 from epd_lab.serving.errors import (BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                                     NotFound, PayloadTooLarge, ServingError, Unavailable, error_for_status)
+from epd_lab.serving.liveness import PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES, Liveness
 from epd_lab.serving.metrics import Metric, metrics_text
 from epd_lab.serving.settings import from_argv, option, parser, to_argv
 from epd_lab.serving.stack import (CLIENT_KEEPALIVE_S, KEEPALIVE_S, LOOPS, PARSERS, bind_tcp, http_info, http_stack,
                                    run_server, serve_and_announce, serve_main, url_of)
 
-__all__ = ["CLIENT_KEEPALIVE_S", "KEEPALIVE_S", "LOOPS", "MAX_BODY_BYTES", "PARSERS", "Admission", "BadGateway",
-           "BadRequest", "ClientClosed", "Conflict", "Forbidden", "GatewayTimeout", "Metric", "NotFound", "PayloadTooLarge", "Role",
+__all__ = ["CLIENT_KEEPALIVE_S", "KEEPALIVE_S", "LOOPS", "MAX_BODY_BYTES", "PARSERS", "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "Admission", "BadGateway",
+           "BadRequest", "ClientClosed", "Conflict", "Forbidden", "GatewayTimeout", "Liveness", "Metric", "NotFound", "PayloadTooLarge", "Role",
            "ServingError", "Unavailable", "bind_tcp", "decode_body", "error_for_status",
            "from_argv", "http_info", "http_stack", "json_response", "metrics_text", "option", "parser", "read_body",
            "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main", "to_argv", "url_of"]

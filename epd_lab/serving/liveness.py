@@ -1,0 +1,55 @@
+"""A backend's liveness as its caller sees it: up, left out for a while after a refused connection, or stalled.
+
+A refused connection only catches a process that is gone. A frozen one (SIGSTOP, a wedged event loop, a host
+whose link is down) still accepts connections into its kernel backlog, so every caller also probes the
+backend's ``/health`` every `PROBE_INTERVAL` s, each probe bounded by `PROBE_TIMEOUT` s (a frozen backend is
+found within ``PROBE_INTERVAL + STALL_MISSES * PROBE_TIMEOUT`` = 2.5 s). After `STALL_MISSES`
+probes in a row go unanswered the backend is *stalled*: new requests skip it and the exchanges in flight to
+it are abandoned at once instead of waiting out their timeout (a progress timeout, not a deadline). The first
+probe that answers closes the circuit again.
+
+Two misses, not one: a probe that loses one second to a busy host is not a dead backend (a false stall moves
+work elsewhere; it loses none).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+__all__ = ["PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "Liveness"]
+
+PROBE_INTERVAL = 0.5  # seconds between two probes of a backend (one in flight at a time)
+PROBE_TIMEOUT = 1.0  # seconds a probe waits for /health to answer
+STALL_MISSES = 2  # unanswered probes in a row that make a backend stalled
+
+
+@dataclasses.dataclass(slots=True)
+class Liveness:
+    """One backend's circuit. `retry_after`: seconds it is left out after a refused connection."""
+
+    retry_after: float
+    down_until: float = 0.0  # time.monotonic() before which it is left out (it refused a connection)
+    misses: int = 0  # probes in a row that went unanswered
+
+    @property
+    def stalled(self) -> bool:
+        """It accepts connections but stopped answering: left out until a probe answers."""
+        return self.misses >= STALL_MISSES
+
+    def up(self, now: float | None = None) -> bool:
+        """Whether new requests may go to it."""
+        return not self.stalled and (time.monotonic() if now is None else now) >= self.down_until
+
+    def refused(self) -> None:
+        """It refused a connection: left out for `retry_after` seconds."""
+        self.down_until = time.monotonic() + self.retry_after
+
+    def probed(self, answered: bool) -> bool:
+        """Record one probe; True when this probe is the one that made the backend stalled (the caller then
+        abandons the exchanges in flight to it)."""
+        if answered:
+            self.misses = 0
+            self.down_until = 0.0
+            return False
+        self.misses += 1
+        return self.misses == STALL_MISSES
