@@ -11,6 +11,7 @@ in the CLI test, which starts ``python -m epd_lab.servers.proxy`` as a process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -72,6 +73,7 @@ class StandIn:
     closed_early: list[str] = dataclasses.field(default_factory=list)  # decode streams closed by the client
     closed: threading.Event = dataclasses.field(default_factory=threading.Event)
     aborts: list[str] = dataclasses.field(default_factory=list)  # prefill: /v1/abort's request ids
+    kv_url: str | None = None  # prefill: the side channel its /health tells (a pipelined proxy pairs decode early)
 
 
 class ClosingStream(StreamingResponse):
@@ -111,8 +113,8 @@ def prefill_app(state: StandIn) -> FastAPI:
                              "kv_transfer_params": params, "spans": []})
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        return {"status": "ok"} | ({"kv_url": state.kv_url} if state.kv_url else {})
 
     return app
 
@@ -577,3 +579,33 @@ def test_pipelined_proxy_goes_the_serial_way_when_prefill_tells_no_side_channel(
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert d.requests[0]["kv_transfer_params"]["prompt_len"] is not None  # prefill's own answer, not the early one
     assert app.state.server.prefills.backends[0].probed and app.state.server.prefills.backends[0].kv_url is None
+
+
+def test_pipelined_proxy_passes_a_busy_prefill_on(rig: Rig) -> None:
+    """A pipelined streamed request whose chosen prefill answers 503 (at capacity: it holds nothing) goes the serial
+    way to the next prefill, as a serial request does; the decode asked early is dropped (it once answered 503)."""
+    busy = rig.prefill("busy", status=503, kv_url="tcp://127.0.0.1:1")
+    free, d = rig.prefill("free", kv_url="tcp://127.0.0.1:2"), rig.decode()
+    url, _ = rig.proxy([busy.url, free.url], [d.url], pipelined=True)
+    chunks = list(rig.client(url).chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len(busy.requests) == 1 and len(free.requests) == 1 and busy.aborts == []
+    assert d.requests[-1]["kv_transfer_params"]["prompt_len"] is not None  # the serial way: prefill's own answer
+
+
+def test_a_proxy_cancelled_mid_prefill_aborts_the_request_there(rig: Rig) -> None:
+    """The proxy's handler cancelled while its prefill call is in flight (here: the proxy shuts down, and uvicorn
+    cancels the requests still running after its graceful timeout): the prefill, which may finish the request and
+    hold its KV, is told to abort it."""
+    p, d = rig.prefill(delay=5.0), rig.decode()
+    url, _ = rig.proxy([p.url], [d.url])
+    proxy_server = rig.servers[-1]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, url + "/v1/completions", json={"model": MODEL_ID, "prompt": "x"}, timeout=20)
+        wait_for(lambda: p.requests)
+        proxy_server.stop()
+        proxy_server.join()
+        with contextlib.suppress(httpx.HTTPError):
+            pending.result(20)
+    assert p.aborts == [p.requests[0]["request_id"]]
