@@ -13,6 +13,7 @@ from libc.string cimport memcpy
 from epd_core cimport *
 
 from epd_lab.transfer.errors import (
+    AuthenticationError,
     PeerUnreachable,
     ProtocolError,
     RegistrationError,
@@ -27,6 +28,7 @@ _ERRORS = {
     EPD_ETIMEDOUT: TransferTimeout,
     EPD_ECONN: PeerUnreachable,
     EPD_EPROTO: ProtocolError,
+    EPD_EAUTH: AuthenticationError,
 }
 
 
@@ -84,6 +86,19 @@ def copy_policy() -> dict:
     return dict(large_copy=COPIES[large], large_min=large_min, stream_min=EPD_STREAM_MIN,
                 stream_batch_min=EPD_STREAM_BATCH_MIN, stream_isa=epd_copy_stream_isa().decode(),
                 copy_version=EPD_COPY_VERSION)
+
+
+def hmac_sha256(bytes key, bytes msg) -> bytes:
+    """The native HMAC-SHA256 of the engine's handshake (for its test against Python's `hmac`)."""
+    cdef uint8_t out[32]
+    epd_hmac_sha256(<const uint8_t *> key, len(key), <const uint8_t *> msg, len(msg), out)
+    return PyBytes_FromStringAndSize(<const char *> out, 32)
+
+
+cdef int _secret_len(bytes secret) except -1:
+    if len(secret) > EPD_SECRET_MAX:
+        raise ValueError(f"a secret of {len(secret)} bytes; at most {EPD_SECRET_MAX}")
+    return len(secret)
 
 
 cdef class _Vectors:
@@ -166,18 +181,29 @@ cdef class Owner:
     cdef readonly int timeout_ms
     cdef public object control_handler
 
-    def __cinit__(self, str host, int port, int timeout_ms):
+    def __cinit__(self, str host, int port, int timeout_ms, int max_conns=0, int idle_ms=0, bytes secret=b""):
+        """`max_conns`: connections served at once (0: no cap); `idle_ms`: a connection idle between requests
+        this long is closed (0: never); `secret`: the handshake's shared secret (empty: no handshake)."""
         cdef char err[EPD_ERRLEN]
         cdef bytes bhost = host.encode()
         cdef const char *chost = bhost
         cdef int rc
-        if timeout_ms <= 0:
-            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
+        cdef epd_server_opts opts
+        if timeout_ms <= 0 or max_conns < 0 or idle_ms < 0:
+            raise ValueError(f"timeout_ms must be positive and max_conns, idle_ms not negative, got "
+                             f"{timeout_ms}, {max_conns}, {idle_ms}")
+        opts.timeout_ms = timeout_ms
+        opts.max_conns = max_conns
+        opts.idle_ms = idle_ms
+        opts.secret_len = _secret_len(secret)
+        opts.secret = <const uint8_t *> secret
+        opts.control = _control_callback
+        opts.control_ctx = <void *> self
         self.host = host
         self.timeout_ms = timeout_ms
         check(epd_owner_create(&self.o, timeout_ms, err), err, errno)
         with nogil:
-            rc = epd_server_start(&self.srv, self.o, chost, port, timeout_ms, _control_callback, <void *> self, err)
+            rc = epd_server_start(&self.srv, self.o, chost, port, &opts, err)
         if rc != EPD_OK:
             epd_owner_destroy(self.o)
             self.o = NULL
@@ -242,11 +268,15 @@ cdef class Owner:
 
     def stats(self) -> dict:
         cdef epd_owner_stats s
+        cdef epd_server_stats v
         self._alive()
         epd_owner_stats_get(self.o, &s)
+        epd_server_stats_get(self.srv, &v)
         return dict(regions=s.regions, registered_bytes=s.registered_bytes, writes_in=s.writes_in,
                     bytes_in=s.bytes_in, writes_refused=s.writes_refused, writes_in_flight=s.writes_in_flight, managed_buffers=s.managed_arenas,
-                    managed_bytes=s.managed_bytes, deregister_timeouts=s.deregister_timeouts)
+                    managed_bytes=s.managed_bytes, deregister_timeouts=s.deregister_timeouts,
+                    conns_active=v.conns_active, conns_accepted=v.conns_accepted, conns_refused=v.conns_refused,
+                    conns_idle_closed=v.conns_idle_closed, auth_failures=v.auth_failures)
 
     def hello(self) -> tuple:
         cdef epd_hello h = epd_owner_hello(self.o)
@@ -276,14 +306,17 @@ cdef class TcpConn:
     cdef epd_conn *c
     cdef readonly str peer
 
-    def __cinit__(self, str host, int port, int timeout_ms):
+    def __cinit__(self, str host, int port, int timeout_ms, bytes secret=b""):
+        """With `secret`, the shared-secret handshake runs before this returns (`AuthenticationError`)."""
         cdef char err[EPD_ERRLEN]
         cdef bytes bhost = host.encode()
         cdef const char *chost = bhost
         cdef int rc
+        cdef uint32_t slen = _secret_len(secret)
+        cdef const uint8_t *csecret = <const uint8_t *> secret
         self.peer = f"{host}:{port}"
         with nogil:
-            rc = epd_conn_open(&self.c, chost, port, timeout_ms, err)
+            rc = epd_conn_open(&self.c, chost, port, timeout_ms, csecret, slen, err)
         check(rc, err, errno)
 
     def write(self, Owner owner, srcs, dsts, lengths, keys=None) -> int:
@@ -326,6 +359,11 @@ cdef class TcpConn:
     @property
     def broken(self) -> bool:
         return self.c == NULL or bool(epd_conn_broken(self.c))
+
+    @property
+    def alive(self) -> bool:
+        """False once the peer closed it (its idle timeout) or it broke: a pooled connection to drop."""
+        return self.c != NULL and bool(epd_conn_alive(self.c))
 
     def close(self) -> None:
         if self.c != NULL:

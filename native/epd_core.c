@@ -64,6 +64,129 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
+/* ===================== HMAC-SHA256 (the handshake's only use; no library dependency) ===================== */
+
+typedef struct {
+    uint32_t h[8];
+    uint64_t bytes;
+    uint8_t buf[64];
+    uint32_t used;
+} sha256_t;
+
+static const uint32_t SHA_K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98,
+    0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786,
+    0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8,
+    0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13,
+    0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819,
+    0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a,
+    0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2};
+
+#define ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_block(sha256_t *c, const uint8_t *p) {
+    uint32_t w[64], a, b, d, e, f, g, h, cc;
+    for (int i = 0; i < 16; i++) w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = ROR(w[i - 15], 7) ^ ROR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = ROR(w[i - 2], 17) ^ ROR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    a = c->h[0], b = c->h[1], cc = c->h[2], d = c->h[3], e = c->h[4], f = c->h[5], g = c->h[6], h = c->h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = h + (ROR(e, 6) ^ ROR(e, 11) ^ ROR(e, 25)) + ((e & f) ^ (~e & g)) + SHA_K[i] + w[i];
+        uint32_t t2 = (ROR(a, 2) ^ ROR(a, 13) ^ ROR(a, 22)) + ((a & b) ^ (a & cc) ^ (b & cc));
+        h = g, g = f, f = e, e = d + t1, d = cc, cc = b, b = a, a = t1 + t2;
+    }
+    c->h[0] += a, c->h[1] += b, c->h[2] += cc, c->h[3] += d, c->h[4] += e, c->h[5] += f, c->h[6] += g, c->h[7] += h;
+}
+
+static void sha256_init(sha256_t *c) {
+    static const uint32_t H0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    memcpy(c->h, H0, sizeof(H0));
+    c->bytes = 0;
+    c->used = 0;
+}
+
+static void sha256_update(sha256_t *c, const uint8_t *p, size_t n) {
+    c->bytes += n;
+    while (n) {
+        size_t take = 64 - c->used < n ? 64 - c->used : n;
+        memcpy(c->buf + c->used, p, take);
+        c->used += (uint32_t)take, p += take, n -= take;
+        if (c->used == 64) {
+            sha256_block(c, c->buf);
+            c->used = 0;
+        }
+    }
+}
+
+static void sha256_final(sha256_t *c, uint8_t out[32]) {
+    uint64_t bits = c->bytes * 8;
+    uint8_t pad = 0x80, zero = 0, len[8];
+    sha256_update(c, &pad, 1);
+    while (c->used != 56) sha256_update(c, &zero, 1);
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)(bits >> (56 - 8 * i));
+    sha256_update(c, len, 8);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t)(c->h[i] >> 24), out[4 * i + 1] = (uint8_t)(c->h[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(c->h[i] >> 8), out[4 * i + 3] = (uint8_t)c->h[i];
+    }
+}
+
+void epd_hmac_sha256(const uint8_t *key, size_t key_len, const uint8_t *msg, size_t msg_len, uint8_t out[32]) {
+    uint8_t k[64] = {0}, pad[64], inner[32];
+    sha256_t c;
+    if (key_len > 64) {
+        sha256_init(&c);
+        sha256_update(&c, key, key_len);
+        sha256_final(&c, k);
+    } else {
+        memcpy(k, key, key_len);
+    }
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x36;
+    sha256_init(&c);
+    sha256_update(&c, pad, 64);
+    sha256_update(&c, msg, msg_len);
+    sha256_final(&c, inner);
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x5c;
+    sha256_init(&c);
+    sha256_update(&c, pad, 64);
+    sha256_update(&c, inner, 32);
+    sha256_final(&c, out);
+}
+
+/* The handshake's proofs: HMAC(secret, label | first nonce | second nonce). */
+static void auth_proof(const uint8_t *secret, uint32_t secret_len, const char *label, const uint8_t *n1,
+                       const uint8_t *n2, uint8_t out[EPD_MAC_BYTES]) {
+    uint8_t msg[5 + 2 * EPD_NONCE_BYTES];
+    memcpy(msg, label, 5);
+    memcpy(msg + 5, n1, EPD_NONCE_BYTES);
+    memcpy(msg + 5 + EPD_NONCE_BYTES, n2, EPD_NONCE_BYTES);
+    epd_hmac_sha256(secret, secret_len, msg, sizeof(msg), out);
+}
+
+static int same_mac(const uint8_t *a, const uint8_t *b) { /* constant time */
+    uint8_t d = 0;
+    for (int i = 0; i < EPD_MAC_BYTES; i++) d |= a[i] ^ b[i];
+    return d == 0;
+}
+
+static int random_bytes(uint8_t *buf, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+        ssize_t r = getrandom(buf + done, n - done, 0);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        done += (size_t)r;
+    }
+    return 0;
+}
+
 /* ===================== registration table (shared with same-host peers) ===================== */
 
 enum { SLOT_FREE = 0, SLOT_ACTIVE = 1, SLOT_REVOKING = 2 };
@@ -473,12 +596,15 @@ typedef struct srv_conn {
 
 struct epd_server {
     epd_owner *o;
-    int lfd, wake[2], port, timeout_ms;
+    int lfd, wake[2], port, timeout_ms, max_conns, idle_ms;
     pthread_t th;
     epd_control_fn control;
     void *control_ctx;
     pthread_mutex_t mu;
     srv_conn *conns;
+    uint8_t secret[EPD_SECRET_MAX];
+    uint32_t secret_len;
+    uint64_t active, accepted, refused, idle_closed, auth_failures; /* atomics */
 };
 
 /* While the next request of a pipelined batch is already waiting, hold the reply back (MSG_MORE) so
@@ -536,20 +662,58 @@ static int serve_control(epd_server *s, int fd, const epd_wire_req *q) {
     return ok;
 }
 
+/* One AUTH request of the handshake (epd_core.h). Returns 1 to go on serving, 0 to close the connection;
+ * *authed becomes 1 once the client proved the secret. */
+static int serve_auth(epd_server *s, int fd, const epd_wire_req *q, uint8_t *cnonce, uint8_t *snonce, int *stage,
+                      int *authed) {
+    uint8_t in[EPD_NONCE_BYTES];
+    if (q->length != EPD_NONCE_BYTES || recv_all(fd, in, sizeof(in), NULL, s->timeout_ms) != RECV_DONE) return 0;
+    if (!s->secret_len) return reply(fd, q->seq, EPD_ST_NOAUTH, NULL, 0);
+    if (*stage == 0) { /* the client's nonce: answer ours and our proof */
+        uint8_t out[EPD_NONCE_BYTES + EPD_MAC_BYTES];
+        memcpy(cnonce, in, EPD_NONCE_BYTES);
+        if (random_bytes(snonce, EPD_NONCE_BYTES) < 0) return 0;
+        memcpy(out, snonce, EPD_NONCE_BYTES);
+        auth_proof(s->secret, s->secret_len, "EPD-S", cnonce, snonce, out + EPD_NONCE_BYTES);
+        *stage = 1;
+        return reply(fd, q->seq, EPD_ST_OK, out, sizeof(out));
+    }
+    uint8_t want[EPD_MAC_BYTES];
+    auth_proof(s->secret, s->secret_len, "EPD-C", snonce, cnonce, want);
+    if (*stage != 1 || !same_mac(in, want)) return 0;
+    *stage = 2;
+    *authed = 1;
+    return reply(fd, q->seq, EPD_ST_OK, NULL, 0);
+}
+
 static void *conn_main(void *arg) {
     srv_conn *c = arg;
     epd_server *s = c->s;
+    uint8_t cnonce[EPD_NONCE_BYTES], snonce[EPD_NONCE_BYTES];
+    int stage = 0, authed = s->secret_len == 0, tried = 0;
     for (;;) {
         epd_wire_req q;
-        uint64_t got = 0;
         int rc;
-        /* An idle pooled connection may wait forever for its next header; only a started one times out. */
+        /* Between requests a connection may idle for idle_ms (a writer's pooled connection); within one, each
+         * step must progress within timeout_ms. */
         spin_until_readable(c->fd);
-        while ((rc = recv_all(c->fd, &q, sizeof(q), &got, s->timeout_ms)) == EAGAIN && got == 0) {
+        struct pollfd pf = {c->fd, POLLIN, 0};
+        while ((rc = poll(&pf, 1, s->idle_ms > 0 ? s->idle_ms : -1)) < 0 && errno == EINTR) {
         }
-        if (rc != RECV_DONE || q.magic != EPD_WIRE_MAGIC || q.version != EPD_WIRE_VERSION) break;
+        if (rc == 0) {
+            ADD(&s->idle_closed, 1);
+            break;
+        }
+        if (recv_all(c->fd, &q, sizeof(q), NULL, s->timeout_ms) != RECV_DONE || q.magic != EPD_WIRE_MAGIC ||
+            q.version != EPD_WIRE_VERSION)
+            break;
         int ok = 0;
-        if (q.op == EPD_OP_WRITE) {
+        tried = 1;
+        if (q.op == EPD_OP_AUTH) {
+            ok = serve_auth(s, c->fd, &q, cnonce, snonce, &stage, &authed);
+        } else if (!authed) {
+            /* nothing is read, written or answered before the handshake */
+        } else if (q.op == EPD_OP_WRITE) {
             ok = serve_write(s, c->fd, &q);
         } else if (q.op == EPD_OP_HELLO && q.length == 0) {
             epd_hello h = epd_owner_hello(s->o);
@@ -559,7 +723,10 @@ static void *conn_main(void *arg) {
         }
         if (!ok) break;
     }
+    /* a connection that made requests and left without proving the secret: a wrong or missing one */
+    if (tried && !authed) ADD(&s->auth_failures, 1);
     shutdown(c->fd, SHUT_RDWR);
+    ADD(&s->active, -1);
     STORE(&c->done, 1);
     return NULL;
 }
@@ -594,6 +761,12 @@ static void *accept_main(void *arg) {
         if (!(pf[0].revents & POLLIN)) continue;
         int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) continue;
+        /* past the cap: closed at once (the client sees the connection closed), no thread spent on it */
+        if (s->max_conns > 0 && LOAD(&s->active) >= (uint64_t)s->max_conns) {
+            close(fd);
+            ADD(&s->refused, 1);
+            continue;
+        }
         sock_setup(fd, s->timeout_ms);
         srv_conn *c = calloc(1, sizeof(*c));
         if (!c) {
@@ -603,12 +776,15 @@ static void *accept_main(void *arg) {
         c->fd = fd;
         c->s = s;
         pthread_mutex_lock(&s->mu);
+        ADD(&s->active, 1); /* before the thread starts: it decrements when it ends */
         if (pthread_create(&c->th, NULL, conn_main, c) != 0) {
+            ADD(&s->active, -1);
             pthread_mutex_unlock(&s->mu);
             close(fd);
             free(c);
             continue;
         }
+        ADD(&s->accepted, 1);
         c->next = s->conns;
         s->conns = c;
         pthread_mutex_unlock(&s->mu);
@@ -628,16 +804,24 @@ static int resolve(const char *host, int port, struct sockaddr_storage *ss, sock
     return EPD_OK;
 }
 
-int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, int timeout_ms,
-                     epd_control_fn control, void *control_ctx, char *err) {
+int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, const epd_server_opts *opts,
+                     char *err) {
     struct sockaddr_storage ss;
     socklen_t sl;
+    if (opts->timeout_ms <= 0 || opts->max_conns < 0 || opts->idle_ms < 0 || opts->secret_len > EPD_SECRET_MAX)
+        return fail(err, EPD_EINVAL, "bad server options (timeout %d ms, max_conns %d, idle %d ms, secret of %u bytes)",
+                    opts->timeout_ms, opts->max_conns, opts->idle_ms, opts->secret_len);
     int rc = resolve(host, port, &ss, &sl, err);
     if (rc) return rc;
     epd_server *s = calloc(1, sizeof(*s));
     if (!s) return fail(err, EPD_ESYS, "out of memory");
-    *s = (epd_server){.o = o, .lfd = -1, .wake = {-1, -1}, .timeout_ms = timeout_ms, .control = control,
-                      .control_ctx = control_ctx};
+    *s = (epd_server){.o = o, .lfd = -1, .wake = {-1, -1}, .timeout_ms = opts->timeout_ms,
+                      .max_conns = opts->max_conns, .idle_ms = opts->idle_ms, .control = opts->control,
+                      .control_ctx = opts->control_ctx};
+    if (opts->secret && opts->secret_len) {
+        memcpy(s->secret, opts->secret, opts->secret_len);
+        s->secret_len = opts->secret_len;
+    }
     pthread_mutex_init(&s->mu, NULL);
     int one = 1;
     s->lfd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -663,6 +847,11 @@ sys : {
 
 int epd_server_port(epd_server *s) { return s->port; }
 
+void epd_server_stats_get(epd_server *s, epd_server_stats *st) {
+    *st = (epd_server_stats){LOAD(&s->active), LOAD(&s->accepted), LOAD(&s->refused), LOAD(&s->idle_closed),
+                             LOAD(&s->auth_failures)};
+}
+
 void epd_server_stop(epd_server *s) {
     if (!s) return;
     if (write(s->wake[1], "x", 1) < 0) { /* the accept thread also wakes within 1 s */
@@ -673,6 +862,7 @@ void epd_server_stop(epd_server *s) {
     close(s->wake[0]);
     close(s->wake[1]);
     pthread_mutex_destroy(&s->mu);
+    explicit_bzero(s->secret, sizeof(s->secret));
     free(s);
 }
 
@@ -684,7 +874,11 @@ struct epd_conn {
     char peer[300];
 };
 
-int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, char *err) {
+static int conn_handshake(epd_conn *c, const uint8_t *secret, uint32_t secret_len, char *err);
+
+int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, const uint8_t *secret,
+                  uint32_t secret_len, char *err) {
+    if (secret_len > EPD_SECRET_MAX) return fail(err, EPD_EINVAL, "a secret of %u bytes (at most %d)", secret_len, EPD_SECRET_MAX);
     struct sockaddr_storage ss;
     socklen_t sl;
     int rc = resolve(host, port, &ss, &sl, err);
@@ -720,6 +914,10 @@ int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, ch
     c->fd = fd;
     c->timeout_ms = timeout_ms;
     snprintf(c->peer, sizeof(c->peer), "%s:%d", host, port);
+    if (secret && secret_len && (rc = conn_handshake(c, secret, secret_len, err)) != EPD_OK) {
+        epd_conn_close(c);
+        return rc;
+    }
     *out = c;
     return EPD_OK;
 }
@@ -731,6 +929,13 @@ void epd_conn_close(epd_conn *c) {
 }
 
 int epd_conn_broken(epd_conn *c) { return c->broken; }
+
+int epd_conn_alive(epd_conn *c) {
+    char b;
+    if (c->broken) return 0;
+    ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK); /* 0: closed; bytes: out of step */
+}
 
 /* Any failure but a refusal leaves the stream out of step: the connection is not reused. */
 static int conn_fail(epd_conn *c, char *err, const char *what, int e) {
@@ -786,6 +991,32 @@ static int conn_request(epd_conn *c, uint16_t op, const void *payload, uint64_t 
     int rc = send_all(c->fd, iov, len ? 2 : 1, 0);
     if (rc != RECV_DONE) return conn_fail(c, err, "sending a request", rc);
     return read_reply(c, rep, q.seq, err);
+}
+
+/* The client's half of the handshake (epd_core.h). */
+static int conn_handshake(epd_conn *c, const uint8_t *secret, uint32_t secret_len, char *err) {
+    uint8_t cnonce[EPD_NONCE_BYTES], answer[EPD_NONCE_BYTES + EPD_MAC_BYTES], want[EPD_MAC_BYTES],
+        proof[EPD_MAC_BYTES];
+    epd_wire_rep rep;
+    if (random_bytes(cnonce, sizeof(cnonce)) < 0) return fail(err, EPD_ESYS, "getrandom: %s", strerror(errno));
+    int rc = conn_request(c, EPD_OP_AUTH, cnonce, sizeof(cnonce), &rep, err);
+    if (rc) return rc == EPD_ECONN ? fail(err, EPD_EAUTH, "%s closed the connection during the secret handshake "
+                                                          "(an older engine?)", c->peer) : rc;
+    if (rep.status == EPD_ST_NOAUTH)
+        return fail(err, EPD_EAUTH, "%s has no shared secret, this engine has one: set the same EPD_SECRET on both",
+                    c->peer);
+    if (rep.status != EPD_ST_OK || rep.length != sizeof(answer))
+        return fail(err, EPD_EPROTO, "%s gave a malformed answer to the secret handshake", c->peer);
+    rc = recv_all(c->fd, answer, sizeof(answer), NULL, c->timeout_ms);
+    if (rc != RECV_DONE) return conn_fail(c, err, "reading the handshake", rc);
+    auth_proof(secret, secret_len, "EPD-S", cnonce, answer, want);
+    if (!same_mac(answer + EPD_NONCE_BYTES, want))
+        return fail(err, EPD_EAUTH, "%s does not know this engine's shared secret (a different EPD_SECRET?)", c->peer);
+    auth_proof(secret, secret_len, "EPD-C", answer, cnonce, proof);
+    rc = conn_request(c, EPD_OP_AUTH, proof, sizeof(proof), &rep, err);
+    if (rc || rep.status != EPD_ST_OK) /* the server closes on a proof it does not accept */
+        return fail(err, EPD_EAUTH, "%s refused this engine's proof of the shared secret", c->peer);
+    return EPD_OK;
 }
 
 int epd_conn_hello(epd_conn *c, epd_hello *h, char *err) {

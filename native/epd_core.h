@@ -26,14 +26,25 @@ enum {
     EPD_EPROTO = -5,    /* bytes that are not the protocol */
     EPD_ESYS = -6,      /* a system call failed; errno is kept */
     EPD_EBUSY = -7,     /* deregister waited out the timeout for in-flight writes */
+    EPD_EAUTH = -8,     /* the shared-secret handshake failed (a wrong or missing secret on either side) */
 };
 
 /* wire protocol (little-endian hosts only; checked at build time in epd_core.c) */
 #define EPD_WIRE_MAGIC 0x57445045u /* "EPDW" */
 #define EPD_WIRE_VERSION 2
-enum { EPD_OP_WRITE = 1, EPD_OP_HELLO = 2, EPD_OP_CONTROL = 3 };
-enum { EPD_ST_OK = 0, EPD_ST_REFUSED = 1, EPD_ST_BADREQ = 2, EPD_ST_CONTROL_ERR = 3 };
+enum { EPD_OP_WRITE = 1, EPD_OP_HELLO = 2, EPD_OP_CONTROL = 3, EPD_OP_AUTH = 4 };
+enum { EPD_ST_OK = 0, EPD_ST_REFUSED = 1, EPD_ST_BADREQ = 2, EPD_ST_CONTROL_ERR = 3, EPD_ST_NOAUTH = 4 };
 #define EPD_CONTROL_MAX (1u << 20)
+
+/* The shared-secret handshake (only when the server has a secret; epd_lab.security says where it comes from).
+ * Before any other request the client sends AUTH with its nonce (EPD_NONCE_BYTES); the server answers its own
+ * nonce and proof HMAC-SHA256(secret, "EPD-S" | cnonce | snonce); the client checks that proof and sends AUTH
+ * with HMAC-SHA256(secret, "EPD-C" | snonce | cnonce); the server checks it and answers OK. Any other request
+ * first, or a wrong proof, closes the connection (counted in auth_failures). A server without a secret answers
+ * AUTH with EPD_ST_NOAUTH. Both sides prove the secret, so a writer never sends bytes to an impostor. */
+#define EPD_NONCE_BYTES 32
+#define EPD_MAC_BYTES 32
+#define EPD_SECRET_MAX 256
 
 typedef struct {
     uint32_t magic;
@@ -89,22 +100,44 @@ typedef struct epd_server epd_server;
 /* CONTROL requests go to this callback (it may take the GIL); *resp is malloc'ed by the callback. */
 typedef int (*epd_control_fn)(void *ctx, const uint8_t *req, uint32_t len, uint8_t **resp, uint32_t *resp_len);
 
-int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, int timeout_ms,
-                     epd_control_fn control, void *control_ctx, char *err);
+typedef struct {
+    int timeout_ms;           /* a started request that makes no progress for this long closes the connection */
+    int max_conns;            /* connections served at once (one thread each); more are closed at once. 0: no cap */
+    int idle_ms;              /* a connection that sends no request for this long is closed. 0: never */
+    const uint8_t *secret;    /* the handshake's shared secret (copied); NULL or secret_len 0: no handshake */
+    uint32_t secret_len;      /* at most EPD_SECRET_MAX */
+    epd_control_fn control;
+    void *control_ctx;
+} epd_server_opts;
+
+typedef struct {
+    uint64_t conns_active, conns_accepted, conns_refused, conns_idle_closed, auth_failures;
+} epd_server_stats;
+
+int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, const epd_server_opts *opts,
+                     char *err);
 int epd_server_port(epd_server *s);
+void epd_server_stats_get(epd_server *s, epd_server_stats *st);
 void epd_server_stop(epd_server *s);
 
 /* ---- writer: TCP connection ---- */
 typedef struct epd_conn epd_conn;
-int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, char *err);
+/* With a secret (secret_len > 0), the handshake runs before this returns: EPD_EAUTH when it fails. */
+int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, const uint8_t *secret,
+                  uint32_t secret_len, char *err);
 void epd_conn_close(epd_conn *c);
 int epd_conn_broken(epd_conn *c);
+/* 0 when the peer closed an idle connection (its idle timeout) or it is broken: do not reuse it. */
+int epd_conn_alive(epd_conn *c);
 int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
                    const uint64_t *keys, int n,
                    char *err);
 int epd_conn_hello(epd_conn *c, epd_hello *h, char *err);
 int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t len, uint8_t **resp, uint32_t *resp_len,
                      char *err);
+
+/* HMAC-SHA256 (RFC 2104 over FIPS 180-4), for the handshake; exposed for its test against Python's hmac. */
+void epd_hmac_sha256(const uint8_t *key, size_t key_len, const uint8_t *msg, size_t msg_len, uint8_t out[32]);
 
 /* ---- the copy into a peer's managed buffer (shm) ----
  * Two copies: glibc's memcpy and a streaming-store (non-temporal) copy. A write whose blocks total at

@@ -13,6 +13,8 @@ cdef extern from "epd_core.h" nogil:
         EPD_EPROTO
         EPD_ESYS
         EPD_EBUSY
+        EPD_EAUTH
+        EPD_SECRET_MAX
         EPD_COPY_MEMCPY
         EPD_COPY_STREAM
         EPD_STREAM_MIN
@@ -58,14 +60,30 @@ cdef extern from "epd_core.h" nogil:
     void epd_owner_stats_get(epd_owner *o, epd_owner_stats *s)
     epd_hello epd_owner_hello(epd_owner *o)
 
-    int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, int timeout_ms,
-                         epd_control_fn control, void *control_ctx, char *err)
+    ctypedef struct epd_server_opts:
+        int timeout_ms
+        int max_conns
+        int idle_ms
+        const uint8_t *secret
+        uint32_t secret_len
+        epd_control_fn control
+        void *control_ctx
+
+    ctypedef struct epd_server_stats:
+        uint64_t conns_active, conns_accepted, conns_refused, conns_idle_closed, auth_failures
+
+    int epd_server_start(epd_server **out, epd_owner *o, const char *host, int port, const epd_server_opts *opts,
+                         char *err)
     int epd_server_port(epd_server *s)
+    void epd_server_stats_get(epd_server *s, epd_server_stats *st)
     void epd_server_stop(epd_server *s)
 
-    int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, char *err)
+    int epd_conn_open(epd_conn **out, const char *host, int port, int timeout_ms, const uint8_t *secret,
+                      uint32_t secret_len, char *err)
     void epd_conn_close(epd_conn *c)
     int epd_conn_broken(epd_conn *c)
+    int epd_conn_alive(epd_conn *c)
+    void epd_hmac_sha256(const uint8_t *key, size_t key_len, const uint8_t *msg, size_t msg_len, uint8_t *out)
     int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
                        const uint64_t *keys, int n,
                        char *err)

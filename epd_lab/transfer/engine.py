@@ -19,13 +19,14 @@ registered memory after checking them against its registration table. Paths to a
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Sequence
 
-from epd_lab import _native
+from epd_lab import _native, security
 from epd_lab.transfer import shm_copy
 from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
@@ -33,6 +34,8 @@ from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUna
 from epd_lab.transfer.registration import Registration
 
 PROTOCOLS = ("auto", "tcp", "shm", "verbs")
+MAX_CONNECTIONS = 256  # served at once by an engine's port (one thread each)
+IDLE_TIMEOUT = 30.0  # seconds a connection may idle between requests
 
 
 class TransferStatus(Enum):
@@ -60,16 +63,25 @@ class _Peer:
     host: str
     port: int
     timeout_ms: int
+    secret: bytes = b""  # the shared-secret handshake's, run on every new connection
     shm: Any = None  # _native.ShmPeer
     verbs: Any = None  # verbs.VerbsPeer
     idle: list = field(default_factory=list)  # idle _native.TcpConn
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def conn(self) -> "_native.TcpConn":
-        with self.lock:
-            if self.idle:
-                return self.idle.pop()
-        return _native.TcpConn(self.host, self.port, self.timeout_ms)
+        """An idle connection the peer has not closed (its idle timeout closes pooled ones), else a new one."""
+        while True:
+            with self.lock:
+                conn = self.idle.pop() if self.idle else None
+            if conn is None:
+                return self.connect()
+            if conn.alive:
+                return conn
+            conn.close()
+
+    def connect(self) -> "_native.TcpConn":
+        return _native.TcpConn(self.host, self.port, self.timeout_ms, self.secret)
 
     def control(self, request: bytes) -> bytes:
         """A control request to the peer's engine (the verbs QP exchange and rkey lookups)."""
@@ -107,20 +119,34 @@ class TransferEngine:
         timeout: seconds a peer may make no progress before a transfer fails (idle timeout), also the
             bound on connecting and on a deregister waiting for writes in flight.
         async_workers: threads for `batch_transfer_async_write`.
+        max_connections: connections this engine's port serves at once, one thread each; more are closed at
+            once and counted (``conns_refused``). 0: no cap.
+        idle_timeout: seconds a connection may send no request before it is closed and counted
+            (``conns_idle_closed``); a writer whose pooled connection was closed reconnects by itself. 0: never.
+        secret: the shared secret of the port's handshake (`epd_lab.security`); None takes ``EPD_SECRET`` /
+            ``EPD_SECRET_FILE`` from the environment, as every role does. With a secret, a peer must prove it
+            before any request (failures: ``auth_failures``), and this engine proves it to the peers it writes to.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "auto", *, port: int = 0,
-                 timeout: float = 5.0, async_workers: int = 4) -> None:
+                 timeout: float = 5.0, async_workers: int = 4, max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout: float = IDLE_TIMEOUT, secret: bytes | str | None = None) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)} "
                              f"(open_engine('mooncake') gives the real Mooncake engine behind the same API)")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if max_connections < 0 or idle_timeout < 0:
+            raise ValueError(f"max_connections and idle_timeout must not be negative, got {max_connections}, "
+                             f"{idle_timeout}")
         self.hostname = hostname
         self.protocol = protocol
         self.timeout = timeout
+        self.max_connections, self.idle_timeout = max_connections, idle_timeout
+        self._secret = security.resolve(secret) or b""
         self._verbs = self._open_verbs(protocol)
-        self._owner = _native.Owner(hostname, port, max(1, int(timeout * 1000)))
+        self._owner = _native.Owner(hostname, port, max(1, int(timeout * 1000)), max_connections,
+                                    int(math.ceil(idle_timeout * 1000)), self._secret)
         self._owner.control_handler = self._on_control
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
@@ -208,11 +234,7 @@ class TransferEngine:
                 peer.verbs.write_batch(srcs, dsts, lengths, self.timeout)  # the NIC checks its own rkeys
                 n = sum(lengths)
             else:
-                conn = peer.conn()
-                try:
-                    n = conn.write(self._owner, srcs, dsts, lengths, rkeys)
-                finally:
-                    peer.give_back(conn)
+                n = self._tcp_write(peer, srcs, dsts, lengths, rkeys)
         except PeerUnreachable:
             self._drop_peer(session_id)
             self._out.count(failed=True)
@@ -221,6 +243,21 @@ class TransferEngine:
             self._out.count(failed=True)
             raise
         self._out.count(len(lengths), n)
+
+    def _tcp_write(self, peer: _Peer, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
+                   rkeys: Sequence[int] | None) -> int:
+        conn = peer.conn()
+        try:
+            return conn.write(self._owner, srcs, dsts, lengths, rkeys)
+        except PeerUnreachable:
+            # The peer may have closed this pooled connection for idleness just as the write went out (the
+            # `alive` check in `conn` catches all but that instant). Nothing was placed on a closed
+            # connection, and writing the same bytes again is harmless: once more on a new connection.
+            conn.close()
+            conn = peer.connect()
+            return conn.write(self._owner, srcs, dsts, lengths, rkeys)
+        finally:
+            peer.give_back(conn)
 
     def batch_transfer_async_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                                    lengths: Sequence[int], rkeys: Sequence[int] | None = None) -> int:
@@ -282,7 +319,7 @@ class TransferEngine:
         if self._owner.closed:
             raise ValueError("the engine is closed")
         host, port = parse_session_id(session_id)
-        peer = _Peer(session_id, "tcp", host, port, self._owner.timeout_ms)
+        peer = _Peer(session_id, "tcp", host, port, self._owner.timeout_ms, self._secret)
         conn = peer.conn()  # raises PeerUnreachable / TransferTimeout
         try:
             self._choose_path(peer, conn)
@@ -332,9 +369,13 @@ class TransferEngine:
         """Counters: ``regions``, ``registered_bytes``, ``writes_in``, ``bytes_in`` (written into this
         engine by peers), ``writes_refused`` (incoming writes refused by the registration check),
         ``writes_in_flight`` (incoming writes placing bytes right now),
-        ``managed_buffers``, ``managed_bytes``, ``deregister_timeouts``, and ``writes_out``,
-        ``bytes_out``, ``failures_out`` (this engine as a writer)."""
-        return {**self._owner.stats(), **self._out.snapshot()}
+        ``managed_buffers``, ``managed_bytes``, ``deregister_timeouts``; of its port: ``conns_active``,
+        ``conns_accepted``, ``conns_refused`` (past `max_connections`), ``conns_idle_closed`` (past
+        `idle_timeout`), ``auth_failures`` (failed the secret handshake or skipped it), with the limits
+        ``max_connections`` and ``idle_timeout_ms``; and ``writes_out``, ``bytes_out``, ``failures_out`` (this
+        engine as a writer)."""
+        return {**self._owner.stats(), "max_connections": self.max_connections,
+                "idle_timeout_ms": int(math.ceil(self.idle_timeout * 1000)), **self._out.snapshot()}
 
     def close(self) -> None:
         """Stop serving, drop peer connections and free managed buffers. Idempotent."""

@@ -35,5 +35,10 @@ class ProtocolError(TransferError):
     """The peer sent bytes that are not the engine's protocol."""
 
 
+class AuthenticationError(TransferError, PermissionError):
+    """The shared-secret handshake with the peer failed: one side has no secret or another one
+    (`epd_lab.security`)."""
+
+
 class TransportUnavailable(TransferError):
     """The requested transport cannot run here (no RDMA device, peer on another host, package missing)."""

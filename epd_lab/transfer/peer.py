@@ -90,10 +90,14 @@ class _Target:
         return {"regions": self.engine.registrations()}
 
 
-def serve(protocol: str, timeout: float) -> None:
-    """Run the command loop on stdin/stdout until ``{"cmd": "exit"}`` or end of input."""
+def serve(protocol: str, timeout: float, engine_args: dict[str, Any] | None = None) -> None:
+    """Run the command loop on stdin/stdout until ``{"cmd": "exit"}`` or end of input. `engine_args`: more
+    keyword arguments of `TransferEngine` (``max_connections``, ``idle_timeout``); the secret comes from the
+    environment (``EPD_SECRET``), as in every role."""
     out = sys.stdout
-    with open_engine(protocol, timeout=timeout) as engine:
+    engine = (TransferEngine("127.0.0.1", protocol, timeout=timeout, **engine_args) if engine_args
+              else open_engine(protocol, timeout=timeout))
+    with engine:
         target = _Target(engine)
         print(json.dumps({"session_id": engine.session_id, "pid": os.getpid()}), file=out, flush=True)
         for line in sys.stdin:
@@ -117,10 +121,14 @@ class PeerError(RuntimeError):
 class PeerProcess:
     """Start `serve` in a child process and call its commands. A context manager; `close` kills it."""
 
-    def __init__(self, protocol: str = "auto", timeout: float = 5.0, start_timeout: float = 30.0) -> None:
+    def __init__(self, protocol: str = "auto", timeout: float = 5.0, start_timeout: float = 30.0,
+                 env: dict[str, str] | None = None, **engine_args: Any) -> None:
+        """`env`: the child's whole environment (default: this process's); `engine_args`: more keyword
+        arguments of `TransferEngine` (``max_connections``, ``idle_timeout``)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "epd_lab.transfer.peer", "--protocol", protocol, "--timeout", str(timeout)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            [sys.executable, "-m", "epd_lab.transfer.peer", "--protocol", protocol, "--timeout", str(timeout),
+             "--engine-args", json.dumps(engine_args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
         )
         hello = self._readline(start_timeout)
         self.session_id: str = hello["session_id"]
@@ -182,8 +190,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--protocol", default="auto")
     ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--engine-args", type=json.loads, default={}, help="JSON: more TransferEngine arguments")
     args = ap.parse_args()
-    serve(args.protocol, args.timeout)
+    serve(args.protocol, args.timeout, args.engine_args)
 
 
 if __name__ == "__main__":
