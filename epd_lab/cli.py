@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("proxy", help="the OpenAI-compatible proxy in front of prefills and decodes", add_help=False)
     sub.add_parser("sweep", help="run a papermill notebook over a parameter grid, collect sweep.csv", add_help=False)
     sub.add_parser("demo", help="transfer engine, E→P, E→P→D on loopback; ends with an HTML report", add_help=False)
+    sub.add_parser("campaign", help="reliability campaign: load, soak, faults or fuzz, with a JSON + HTML report",
+                   add_help=False)
     sub.add_parser("rdma-info", help="RDMA devices, ports and GIDs (pyverbs and the own binding)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "bench":
@@ -38,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
         module = importlib.import_module(f"epd_lab.servers.{args.cmd.removesuffix('-server')}")
         return module.main(rest) or 0
+    if args.cmd == "campaign":
+        from epd_lab.campaign.run import main as campaign
+
+        return campaign(rest)
     if args.cmd == "demo":
         from epd_lab import demo
 

@@ -1,0 +1,1 @@
+"""Reliability campaign: load, soak, faults and fuzz legs, each writing a JSON and an HTML report."""
