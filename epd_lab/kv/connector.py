@@ -43,6 +43,9 @@ the blocks it named. Decode should not hand those blocks to another request befo
 """
 from __future__ import annotations
 
+import collections
+import heapq
+import itertools
 import logging
 import os
 import threading
@@ -54,7 +57,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from epd_lab import security
 from epd_lab.kv.messages import (
+    MAX_MESSAGE_BYTES,
     KVAux,
     KVPlan,
     KVQuery,
@@ -71,6 +76,18 @@ from epd_lab.faults import failpoint
 from epd_lab.transfer.engine import parse_session_id
 
 log = logging.getLogger(__name__)
+
+MAX_REQUEST_IDS = 64  # requests one ask may name (decode names one per ask)
+MAX_WAITING = 512  # asks and queries waiting at once on a producer
+MAX_WAITING_PER_PEER = 128  # of them from one sender address (a decode admits 64 requests at once by default)
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sender's IP address (ZMQ's message property), for the per-peer bound."""
+    try:
+        return frame.get("Peer-Address")
+    except zmq.ZMQError:  # not a TCP transport
+        return ""
 
 
 class KVTransferError(RuntimeError):
@@ -103,6 +120,11 @@ class _Query:
     envelope: list[bytes]
     request_id: str
     deadline: float  # monotonic time after which a request still not announced is an error
+    peer: str = ""  # the sender's address: the per-peer bound on waiting work
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.request_id]
 
 
 @dataclass(slots=True)
@@ -110,6 +132,11 @@ class _Ask:
     envelope: list[bytes]  # ROUTER identity and REQ delimiter: where the reply goes
     metadata: MooncakeAgentMetadata
     deadline: float  # monotonic time after which a request still not finished is an error
+    peer: str = ""
+
+    @property
+    def request_ids(self) -> list[str]:
+        return self.metadata.request_ids
 
 
 class KVProducer:
@@ -124,27 +151,52 @@ class KVProducer:
         host, port: where the ROUTER binds; port 0 lets the OS choose (`url` tells).
         timeout: seconds an ask waits for its requests' `request_finished` before ``TRANS_ERROR``.
         free_timeout: seconds a finished request waits to be asked before its blocks are freed.
+        max_request_ids: requests one ask may name; an ask naming more is answered ``TRANS_ERROR`` at once.
+        max_waiting: asks and queries waiting (for requests not yet finished or announced) at once; past it, or
+            past `max_waiting_per_peer` from one sender address, a new one is answered ``TRANS_ERROR`` at once.
+            An ask whose requests are all finished is served on arrival and never waits.
+        secret: the shared secret whose tag every ask must carry (`epd_lab.security`); None takes ``EPD_SECRET``
+            from the environment. Replies are tagged with it too.
+
+    Waiting work is indexed by request id: `request_finished`, `announce` and `abort` re-examine only the asks
+    naming that request, so the serving thread's work per event does not grow with what waits.
     """
 
     def __init__(self, engine: Any, cache: PagedKVCache, *, free_blocks: Callable[[list[int]], None],
-                 host: str = "127.0.0.1", port: int = 0, timeout: float = 5.0, free_timeout: float = 30.0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, timeout: float = 5.0, free_timeout: float = 30.0,
+                 max_request_ids: int = MAX_REQUEST_IDS, max_waiting: int = MAX_WAITING,
+                 max_waiting_per_peer: int = MAX_WAITING_PER_PEER, secret: bytes | str | None = None) -> None:
         if timeout <= 0 or free_timeout <= 0:
             raise ValueError(f"timeout and free_timeout must be positive, got {timeout}, {free_timeout}")
+        if min(max_request_ids, max_waiting, max_waiting_per_peer) < 1:
+            raise ValueError(f"max_request_ids, max_waiting and max_waiting_per_peer must be at least 1, got "
+                             f"{max_request_ids}, {max_waiting}, {max_waiting_per_peer}")
         if not cache.keys:
             raise ValueError("the cache is not registered with a transfer engine")
         self.engine, self.cache, self.free_blocks = engine, cache, free_blocks
         self.timeout, self.free_timeout = timeout, free_timeout
+        self.max_request_ids, self.max_waiting = max_request_ids, max_waiting
+        self.max_waiting_per_peer = max_waiting_per_peer
+        self._secret = security.resolve(secret)
         self._held: dict[str, _Held] = {}
         self._plans: dict[str, tuple[KVPlan, float]] = {}  # announced: (plan, when it is forgotten unasked)
         self._aborted: dict[str, float] = {}  # request id → monotonic time its abort is forgotten
-        self._asks: list[_Ask] = []  # touched by the serving thread only
-        self._queries: list[_Query] = []  # likewise
+        self._dirty: set[str] = set()  # request ids finished, announced or aborted since the thread last looked
+        # waiting asks and queries, touched by the serving thread only: by sequence number, by the request ids
+        # they name, by sender, and their deadlines (a heap; entries of answered ones are skipped)
+        self._waiting: dict[int, _Ask | _Query] = {}
+        self._by_rid: dict[str, set[int]] = {}
+        self._per_peer: collections.Counter[str] = collections.Counter()
+        self._deadlines: list[tuple[float, int]] = []
+        self._seq = itertools.count()
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(
             ("transfers_done", "transfers_failed", "requests_done", "requests_failed", "requests_expired",
-             "requests_aborted", "malformed", "blocks_freed", "bytes_sent"), 0)
+             "requests_aborted", "malformed", "unauthenticated", "asks_refused", "blocks_freed", "bytes_sent"), 0)
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # a larger frame is dropped by ZMQ, and its sender disconnected, before any of it is buffered here
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + security.TAG_BYTES)
         try:
             self._socket.bind(f"tcp://{host}:{port or '*'}")
         except zmq.ZMQError:
@@ -171,6 +223,7 @@ class KVProducer:
             self._check_new(request_id)
             plan = KVPlan(request_id, prompt_len, num_blocks)
             self._plans[request_id] = (plan, time.monotonic() + self.free_timeout)
+            self._dirty.add(request_id)
         self._wake()
 
     def request_finished(self, request_id: str, block_ids: Sequence[int], aux: KVAux | None = None) -> None:
@@ -184,6 +237,7 @@ class KVProducer:
         with self._lock:
             self._check_new(request_id)
             self._held[request_id] = _Held(list(block_ids), time.monotonic() + self.free_timeout, aux)
+            self._dirty.add(request_id)
         self._wake()
 
     def _check_new(self, request_id: str) -> None:
@@ -206,6 +260,7 @@ class KVProducer:
             entry = self._held.pop(request_id, None)
             self._plans.pop(request_id, None)
             self._aborted[request_id] = time.monotonic() + self.free_timeout
+            self._dirty.add(request_id)
             if entry is not None:
                 self._counters["requests_aborted"] += 1
         self._wake()  # an ask already waiting for it is answered now, not at its deadline
@@ -218,9 +273,11 @@ class KVProducer:
         """Counters: ``requests_held`` (finished, not yet asked), ``transfers_done`` / ``transfers_failed``
         (asks answered ``TRANS_DONE`` / ``TRANS_ERROR``), ``requests_done`` / ``requests_failed``,
         ``requests_expired`` (freed unasked), ``requests_aborted`` (freed by `abort`), ``malformed``
-        (frames that were not metadata), ``blocks_freed``, ``bytes_sent``."""
+        (frames that were not metadata), ``unauthenticated`` (frames without a valid tag of the secret),
+        ``asks_refused`` (past `max_request_ids`, `max_waiting` or `max_waiting_per_peer`), ``asks_waiting``,
+        ``blocks_freed``, ``bytes_sent``."""
         with self._lock:
-            return {"requests_held": len(self._held), **self._counters}
+            return {"requests_held": len(self._held), "asks_waiting": len(self._waiting), **self._counters}
 
     # ---- the worker side (serving thread) ----
     def _serve(self) -> None:
@@ -233,84 +290,132 @@ class KVProducer:
                 os.read(self._wake_r, 4096)
             while self._socket.poll(0, zmq.POLLIN):
                 self._handle_handshake(self._socket.recv_multipart(copy=False))
-            self._serve_queries()
-            self._serve_asks()
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+            for rid in dirty:
+                for seq in list(self._by_rid.get(rid, ())):
+                    if seq in self._waiting and self._settle(self._waiting[seq]):
+                        self._unwait(seq)
+            self._expire_waiting()
             self._expire_held()
-        for ask in self._asks:  # answered, not left waiting for the consumer's timeout
-            self._reply(ask.envelope, TransError(ask.metadata.request_ids, "the producer is shutting down"))
-        for query in self._queries:
-            self._reply(query.envelope, TransError([query.request_id], "the producer is shutting down"))
-        self._asks.clear()
-        self._queries.clear()
+        for item in self._waiting.values():  # answered, not left waiting for the consumer's timeout
+            self._reply(item.envelope, TransError(item.request_ids, "the producer is shutting down"))
+        self._waiting.clear()
 
     def _poll_ms(self) -> int:
         with self._lock:
-            deadlines = ([a.deadline for a in self._asks] + [q.deadline for q in self._queries]
-                         + [r.expires for r in self._held.values()] + [until for _, until in self._plans.values()])
+            deadlines = [r.expires for r in self._held.values()] + [until for _, until in self._plans.values()]
+        if self._deadlines:
+            deadlines.append(self._deadlines[0][0])
         if not deadlines:
             return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
 
     def _handle_handshake(self, frames: list[zmq.Frame]) -> None:
-        """Decode the `MooncakeAgentMetadata` (or a pipelined `KVQuery`) a consumer sent and queue it: an ask is
-        served by `send_kv_to_decode` once every request it names is finished, or answered ``TRANS_ERROR``."""
+        """Check the tag, decode the `MooncakeAgentMetadata` (or a pipelined `KVQuery`) a consumer sent, and serve
+        it now (`send_kv_to_decode`) if every request it names is finished, else let it wait within the bounds;
+        an ask past a bound is answered ``TRANS_ERROR`` at once."""
         # ROUTER put the sender's identity first; a REQ sender adds an empty delimiter. The reply goes
         # back with whatever envelope came, so even a frame without the delimiter is answered.
-        envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
+        envelope, last = [f.bytes for f in frames[:-1]], frames[-1]
         failpoint("prefill.kv_handshake")
+        try:
+            payload = security.verify(self._secret, security.KV_ASK, last.buffer)
+        except security.AuthError as exc:
+            self._count("unauthenticated")
+            self._reply(envelope, TransError([], str(exc)))
+            return
         try:
             ask = decode_ask(payload)
         except (msgspec.DecodeError, ValueError) as exc:
             self._count("malformed")
             self._reply(envelope, TransError([], f"malformed metadata: {exc}"))
             return
+        peer = _peer_address(last)
         deadline = time.monotonic() + self.timeout
-        if isinstance(ask, KVQuery):
-            self._queries.append(_Query(envelope, ask.request_id, deadline))
-        else:
-            self._asks.append(_Ask(envelope, ask, deadline))
-
-    def _serve_queries(self) -> None:
-        now, waiting = time.monotonic(), []
-        for query in self._queries:
-            rid = query.request_id
-            with self._lock:
-                aborted = rid in self._aborted
-                plan = self._plans.get(rid, (None, 0.0))[0]
-            if aborted:
-                self._reply(query.envelope, TransError([rid], f"request(s) {[rid]} aborted"))
-            elif plan is not None:
-                self._reply(query.envelope, plan)
-            elif now >= query.deadline:
-                self._reply(query.envelope, TransError([rid], f"request(s) {[rid]} not announced on the producer "
-                                                                f"within {self.timeout} s"))
+        item = _Query(envelope, ask.request_id, deadline, peer) if isinstance(ask, KVQuery) \
+            else _Ask(envelope, ask, deadline, peer)
+        rids = item.request_ids
+        if len(rids) > self.max_request_ids:
+            self._refuse(item, f"an ask names {len(rids)} requests; this producer takes at most "
+                               f"{self.max_request_ids}", [])
+        elif not self._settle(item):
+            if len(self._waiting) >= self.max_waiting or self._per_peer[peer] >= self.max_waiting_per_peer:
+                self._refuse(item, f"producer busy: {len(self._waiting)} asks wait ({self._per_peer[peer]} from "
+                                   f"{peer}); try again later", rids)
             else:
-                waiting.append(query)
-        self._queries = waiting
+                self._wait(item)
 
-    def _serve_asks(self) -> None:
-        now, waiting = time.monotonic(), []
-        for ask in self._asks:
-            with self._lock:
-                aborted = [rid for rid in ask.metadata.request_ids if rid in self._aborted]
-                entries = [self._held.get(rid) for rid in ask.metadata.request_ids]
+    def _settle(self, item: _Ask | _Query) -> bool:
+        """Answer `item` if it can be now (its requests finished, announced or aborted); whether it was."""
+        rids = item.request_ids
+        with self._lock:
+            aborted = [rid for rid in rids if rid in self._aborted]
+            if isinstance(item, _Query):
+                plan = self._plans.get(item.request_id, (None, 0.0))[0]
+                entries: list[_Held | None] = []
+            else:
+                entries = [self._held.get(rid) for rid in rids]
                 if all(entries) and not aborted:
-                    for rid in ask.metadata.request_ids:
+                    for rid in rids:
                         del self._held[rid]
                         self._plans.pop(rid, None)
-            if aborted:  # the other requests of the ask stay held: they may be asked for again
+        if aborted:  # the other requests of the ask stay held: they may be asked for again
+            if isinstance(item, _Ask):
                 self._count("transfers_failed")
-                self._reply(ask.envelope, TransError(ask.metadata.request_ids, f"request(s) {aborted} aborted"))
-            elif all(entries):
-                self.send_kv_to_decode(ask, entries)
-            elif now >= ask.deadline:
-                missing = [rid for rid, e in zip(ask.metadata.request_ids, entries) if e is None]
+            self._reply(item.envelope, TransError(rids, f"request(s) {aborted} aborted"))
+        elif isinstance(item, _Query):
+            if plan is None:
+                return False
+            self._reply(item.envelope, plan)
+        elif all(entries):
+            self.send_kv_to_decode(item, entries)
+        else:
+            return False
+        return True
+
+    def _refuse(self, item: _Ask | _Query, error: str, rids: list[str]) -> None:
+        self._count("asks_refused")
+        if isinstance(item, _Ask):
+            self._count("transfers_failed")
+        self._reply(item.envelope, TransError(rids, error))
+
+    def _wait(self, item: _Ask | _Query) -> None:
+        seq = next(self._seq)
+        self._waiting[seq] = item
+        for rid in item.request_ids:
+            self._by_rid.setdefault(rid, set()).add(seq)
+        self._per_peer[item.peer] += 1
+        heapq.heappush(self._deadlines, (item.deadline, seq))
+
+    def _unwait(self, seq: int) -> None:
+        item = self._waiting.pop(seq)
+        for rid in item.request_ids:
+            seqs = self._by_rid.get(rid)
+            if seqs is not None:
+                seqs.discard(seq)
+                if not seqs:
+                    del self._by_rid[rid]
+        self._per_peer[item.peer] -= 1
+        if self._per_peer[item.peer] <= 0:
+            del self._per_peer[item.peer]
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq = heapq.heappop(self._deadlines)
+            item = self._waiting.get(seq)
+            if item is None:  # answered before its deadline
+                continue
+            self._unwait(seq)
+            if isinstance(item, _Query):
+                error = f"request(s) {item.request_ids} not announced on the producer within {self.timeout} s"
+            else:
+                with self._lock:
+                    missing = [rid for rid in item.request_ids if rid not in self._held]
                 self._count("transfers_failed")
                 error = f"request(s) {missing} not found on the producer within {self.timeout} s"
-                self._reply(ask.envelope, TransError(ask.metadata.request_ids, error))
-            else:
-                waiting.append(ask)
-        self._asks = waiting
+            self._reply(item.envelope, TransError(item.request_ids, error))
 
     def send_kv_to_decode(self, ask: _Ask, entries: list[_Held]) -> None:
         """Write the finished requests of `ask` into decode's blocks (`_send_blocks`), answer ``TRANS_DONE``
@@ -364,7 +469,7 @@ class KVProducer:
 
     def _reply(self, envelope: list[bytes], reply: TransDone | TransError) -> None:
         # A consumer that gave up is gone: ROUTER drops the reply instead of blocking.
-        self._socket.send_multipart([*envelope, encode(reply)])
+        self._socket.send_multipart([*envelope, security.sign(self._secret, security.KV_REPLY, encode(reply))])
 
     def _free(self, block_ids: list[int]) -> None:
         try:
@@ -423,17 +528,21 @@ class KVConsumer:
         engine: the transfer engine the cache is registered with (the writes' destination).
         cache: the decode's registered `PagedKVCache`.
         timeout: seconds `receive_kv` waits for the producer's answer.
+        secret: the shared secret asks are tagged with and replies must carry (`epd_lab.security`); None takes
+            ``EPD_SECRET`` from the environment.
     """
 
     MAX_PRODUCERS = 64
     MAX_IDLE = 8
 
-    def __init__(self, engine: Any, cache: PagedKVCache, *, timeout: float = 5.0) -> None:
+    def __init__(self, engine: Any, cache: PagedKVCache, *, timeout: float = 5.0,
+                 secret: bytes | str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if not cache.keys:
             raise ValueError("the cache is not registered with a transfer engine")
         self.engine, self.cache, self.timeout = engine, cache, timeout
+        self._secret = security.resolve(secret)
         self._idle: dict[str, list[zmq.Socket]] = {}  # producer URL -> idle sockets, least recently used first
         self._lock = threading.Lock()
         self._closed = False
@@ -452,6 +561,7 @@ class KVConsumer:
             self.sockets_created += 1
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + security.TAG_BYTES)
         try:
             sock.connect(producer_url)
         except zmq.ZMQError:
@@ -519,7 +629,7 @@ class KVConsumer:
     def _round_trip(self, producer_url: str, request_id: str, payload: bytes) -> TransDone | KVPlan:
         sock = self._socket(producer_url)
         try:
-            sock.send(payload)
+            sock.send(security.sign(self._secret, security.KV_ASK, payload))
             if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
                 raise KVTransferTimeout(f"request {request_id!r}: no answer from the producer at {producer_url} "
                                         f"within {self.timeout} s (dead or stuck)")
@@ -529,7 +639,10 @@ class KVConsumer:
             raise
         self._release(producer_url, sock)
         try:
-            reply = decode_reply(frame.buffer)
+            reply = decode_reply(security.verify(self._secret, security.KV_REPLY, frame.buffer))
+        except security.AuthError as exc:
+            raise KVTransferError(f"request {request_id!r}: reply from {producer_url} refused: {exc} (a producer "
+                                  f"without this EPD_SECRET?)") from None
         except msgspec.DecodeError as exc:
             raise KVTransferError(f"request {request_id!r}: unreadable reply from {producer_url}: {exc}") from None
         if isinstance(reply, TransError):
