@@ -81,6 +81,9 @@ class Topology:
                                           "media items: the workbench writes its images to the temp folder; () "
                                           "for none")
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"cli": False})
+    # emulated hosts (`epd_lab.campaign.netns`): process name ("decode0") -> (network namespace, "" for this
+    # one; the address it binds); a process not named binds 127.0.0.1 here
+    hosts: Mapping[str, tuple[str, str]] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -154,7 +157,10 @@ class Cluster:
         return [*self.encoder_urls, *self.prefill_urls, *self.decode_urls, *([self.proxy_url] if self.proxy_url else [])]
 
     def _start(self, name: str, role: str, **wiring: Any) -> str:
-        cmd = self.command(role, **wiring)
+        netns, host = self.topology.hosts.get(name, ("", None))
+        cmd = self.command(role, **wiring, **({"host": host} if host else {}))
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         log = self.log_dir / f"{name}.log"
         self.logs.append(log)
         with open(log, "wb") as err:

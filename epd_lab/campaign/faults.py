@@ -19,6 +19,8 @@ monolithic model's. Each cell has a seed and prints the command that replays it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -26,17 +28,17 @@ import signal
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from epd_lab.campaign.netns import Hosts, available
 from epd_lab.campaign.common import (NOT_EXPOSED_NOTE, Outcome, Progress, Prompts, Sampler, chat, client_session,
                                      counts, judge, machine, percentiles, process_names, target, wait_idle)
 from epd_lab.faults import POINTS, arm, disarm, is_stopped, wait_stopped
 from epd_lab.launch import Cluster, Topology
 
 ROLES = ("encoder", "prefill", "decode")
-ACTIONS = ("kill", "freeze", "slow")
+ACTIONS = ("kill", "freeze", "slow", "cut")
 # protocol step → the failpoint that marks it
 STEPS = {
     "before_encode_reply": "encoder.before_encode_reply",
@@ -47,6 +49,9 @@ STEPS = {
     "mid_kv_write": "prefill.kv_write",
     "mid_stream": "decode.mid_stream",
 }
+# link cuts: the victim's emulated host loses its link at a step where bytes cross it
+CUT_CELLS = (("encoder", "mid_write"), ("prefill", "mid_write"), ("prefill", "mid_kv_write"),
+             ("decode", "mid_kv_write"), ("decode", "mid_stream"))
 # the gauges that say how much of a request a server holds right now (to pick the replica the request is on)
 WORK_GAUGES = ("embeddings_held", "inflight", "admitted", "kv_requests_held")
 SLOW_PERIOD_S = 0.1
@@ -74,8 +79,9 @@ class Cell:
 
 
 def matrix() -> list[Cell]:
-    """Every cell: each role × action × step."""
-    return [Cell(r, a, s) for r in ROLES for a in ACTIONS for s in STEPS]
+    """Every cell: each role × process action (kill, freeze, slow) × step, then the link cuts (`CUT_CELLS`)."""
+    return ([Cell(r, a, s) for r in ROLES for a in ACTIONS if a != "cut" for s in STEPS]
+            + [Cell(r, "cut", s) for r, s in CUT_CELLS])
 
 
 def cell_seed(seed: int, cell: Cell) -> int:
@@ -117,7 +123,7 @@ class _Loop:
         self.loop.close()
 
 
-@contextmanager
+@contextlib.contextmanager
 def _failpoint_env(directory: str) -> Iterator[None]:
     """The cluster's processes inherit ``EPD_FAILPOINTS=@directory`` (armed per pid later)."""
     old = os.environ.get("EPD_FAILPOINTS")
@@ -171,72 +177,79 @@ def run_cell(cell: Cell, *, seed: int, prompts: Prompts, multi: Prompts, infligh
     outcomes: list[Outcome] = []
     events: dict[str, float | str | None] = {"reached_s": None, "victim": None, "fault_end_s": None}
     client_timeout = 6 * timeout
-    try:
+    names = [f"{r}{i}" for r in ROLES for i in range(shape[r])]
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, fp_dir, True)
+        topology = Topology(encoders=shape["encoder"], prefills=shape["prefill"], decodes=shape["decode"],
+                            proxy=True, timeout=timeout)
+        hosts = None
+        if cell.action == "cut":  # every server on its own emulated host, over tcp; the proxy on the bridge
+            hosts = stack.enter_context(Hosts(names))
+            placement = {n: (hosts.netns(n), hosts.address(n)) for n in names} | {"proxy": ("", hosts.root)}
+            topology = dataclasses.replace(topology, transport="tcp", hosts=placement)
         with _failpoint_env(fp_dir):
-            cluster = Cluster(Topology(encoders=shape["encoder"], prefills=shape["prefill"], decodes=shape["decode"],
-                                       proxy=True, timeout=timeout))
-        with cluster:
-            names = process_names(cluster)
-            pids = {n: p.pid for n, p in zip(names, cluster.procs)}
-            loop = _Loop(inflight + 2 * concurrency)
-            url = cluster.proxy_url
+            cluster = stack.enter_context(Cluster(topology))
+        names = process_names(cluster)
+        pids = {n: p.pid for n, p in zip(names, cluster.procs)}
+        loop = _Loop(inflight + 2 * concurrency)
+        url = cluster.proxy_url
 
-            def send(p: Prompts, i: int, index: int, tag: str):
-                # prompt ids: single-image prompts 0.., the multi-image ones after them
-                offset = prompts.count if p is multi else 0
-                return loop.submit(chat(loop.session, url, p.body(i), client_timeout, index=index,
-                                        prompt=offset + i, t0=t0, tag=tag))
-            try:
-                for p in (prompts, multi):  # warm-up: connections, both prompt shapes
-                    outcomes.append(send(p, 0, len(outcomes), "warmup").result())
-                with Sampler(cluster, t0) as sampler:
-                    idle = sampler.levels()
-                    trigger = f"{trigger_role}0"
-                    arm(fp_dir, pids[trigger], point)
-                    # in-flight: each spans every encoder (one part each), so an encoder's fault hits them all
-                    flying = [send(multi, rng.randrange(multi.count), len(outcomes) + k, "inflight")
-                              for k in range(inflight)]
-                    reached = wait_stopped(pids[trigger], 3 * timeout)
-                    t_fault = time.monotonic()
-                    if not reached:
-                        disarm(fp_dir, pids[trigger])
-                        progress(f"    {point} not reached in {trigger} within {3 * timeout:.0f} s")
-                    else:
-                        events["reached_s"] = t_fault - t0
-                        victim = _victim(cell, trigger, names, sampler)
-                        events["victim"] = victim
-                        progress(f"    {point} reached in {trigger}; {cell.action} {victim} for {fault_s:.1f} s")
-                        cycle = _act(cell.action, pids[victim], pids[trigger], victim == trigger)
-                        # new requests while the fault lasts
-                        during, index = [], 10_000
-                        while time.monotonic() < t_fault + fault_s:
-                            while sum(not f.done() for f in during) < concurrency:
-                                during.append(send(prompts, rng.randrange(prompts.count), index, "during"))
-                                index += 1
-                            time.sleep(0.02)
-                        if cycle is not None:
-                            cycle.done.set()
-                            cycle.join()
-                        if cell.action == "freeze":
-                            _signal(pids[victim], signal.SIGCONT)
-                        events["fault_end_s"] = time.monotonic() - t0
-                        outcomes += [f.result() for f in during]
-                    outcomes += [f.result() for f in flying]
-                    events["t_fault_s"] = t_fault - t0
-                    for k in range(4):  # after recovery
-                        p = (prompts, multi)[k % 2]
-                        outcomes.append(send(p, rng.randrange(p.count), 20_000 + k, "after").result())
-                    alive = [n for n, proc in zip(names, cluster.procs) if proc.poll() is None]
-                    idle_s, left = wait_idle(sampler, {n: idle.get(n, {}) for n in alive},
-                                             bound_s=max(10.0, 3 * timeout), names=alive)
-                    sampler.sample()
-            finally:
-                for pid in pids.values():  # nothing stays stopped for the teardown
-                    if is_stopped(pid):
-                        _signal(pid, signal.SIGCONT)
-                loop.close()
-    finally:
-        shutil.rmtree(fp_dir, ignore_errors=True)
+        def send(p: Prompts, i: int, index: int, tag: str):
+            # prompt ids: single-image prompts 0.., the multi-image ones after them
+            offset = prompts.count if p is multi else 0
+            return loop.submit(chat(loop.session, url, p.body(i), client_timeout, index=index,
+                                    prompt=offset + i, t0=t0, tag=tag))
+        try:
+            for p in (prompts, multi):  # warm-up: connections, both prompt shapes
+                outcomes.append(send(p, 0, len(outcomes), "warmup").result())
+            with Sampler(cluster, t0) as sampler:
+                idle = sampler.levels()
+                trigger = f"{trigger_role}0"
+                arm(fp_dir, pids[trigger], point)
+                # in-flight: each spans every encoder (one part each), so an encoder's fault hits them all
+                flying = [send(multi, rng.randrange(multi.count), len(outcomes) + k, "inflight")
+                          for k in range(inflight)]
+                reached = wait_stopped(pids[trigger], 3 * timeout)
+                t_fault = time.monotonic()
+                if not reached:
+                    disarm(fp_dir, pids[trigger])
+                    progress(f"    {point} not reached in {trigger} within {3 * timeout:.0f} s")
+                else:
+                    events["reached_s"] = t_fault - t0
+                    victim = _victim(cell, trigger, names, sampler)
+                    events["victim"] = victim
+                    progress(f"    {point} reached in {trigger}; {cell.action} {victim} for {fault_s:.1f} s")
+                    cycle = _act(cell.action, pids[victim], pids[trigger], victim == trigger, hosts, victim)
+                    # new requests while the fault lasts
+                    during, index = [], 10_000
+                    while time.monotonic() < t_fault + fault_s:
+                        while sum(not f.done() for f in during) < concurrency:
+                            during.append(send(prompts, rng.randrange(prompts.count), index, "during"))
+                            index += 1
+                        time.sleep(0.02)
+                    if cycle is not None:
+                        cycle.done.set()
+                        cycle.join()
+                    if cell.action == "freeze":
+                        _signal(pids[victim], signal.SIGCONT)
+                    if hosts is not None:
+                        hosts.restore(victim)
+                    events["fault_end_s"] = time.monotonic() - t0
+                    outcomes += [f.result() for f in during]
+                outcomes += [f.result() for f in flying]
+                events["t_fault_s"] = t_fault - t0
+                for k in range(4):  # after recovery
+                    p = (prompts, multi)[k % 2]
+                    outcomes.append(send(p, rng.randrange(p.count), 20_000 + k, "after").result())
+                alive = [n for n, proc in zip(names, cluster.procs) if proc.poll() is None]
+                idle_s, left = wait_idle(sampler, {n: idle.get(n, {}) for n in alive},
+                                         bound_s=max(10.0, 3 * timeout), names=alive)
+                sampler.sample()
+        finally:
+            for pid in pids.values():  # nothing stays stopped for the teardown
+                if is_stopped(pid):
+                    _signal(pid, signal.SIGCONT)
+            loop.close()
     judge(outcomes, prompts.reference + multi.reference)
     return _verdict(cell, outcomes, events, idle_s if events["reached_s"] is not None else None,
                     left if events["reached_s"] is not None else {}, sampler.rows, timeout)
@@ -251,10 +264,14 @@ def _victim(cell: Cell, trigger: str, names: list[str], sampler: Sampler) -> str
     return max(replicas, key=lambda n: (_work(sampler, n), -replicas.index(n)))
 
 
-def _act(action: str, victim: int, trigger: int, same: bool) -> _Cycle | None:
+def _act(action: str, victim: int, trigger: int, same: bool, hosts: Hosts | None, victim_name: str) -> _Cycle | None:
     """Start `action` on `victim`; the stopped `trigger` resumes unless it is the victim (then it stays
-    stopped for a freeze, is killed, or starts its slow cycle)."""
+    stopped for a freeze, is killed, or starts its slow cycle; a cut resumes it with its link down)."""
     cycle = None
+    if action == "cut":
+        hosts.cut(victim_name)
+        _signal(trigger, signal.SIGCONT)
+        return None
     if action == "kill":
         _signal(victim, signal.SIGKILL)
     elif action == "freeze" and not same:
@@ -319,10 +336,15 @@ def faults(*, cells: tuple[str, ...] = (), inflight: int = 4, concurrency: int =
     progress(f"  faults: {len(chosen)} cell(s); the monolithic model's answers first")
     prompts.compute_reference()
     multi.compute_reference()
-    results, skipped = [], []
+    results, skipped = [], {}
+    netns_ok, netns_reason = available()
     for cell in chosen:
         if time.monotonic() - started > time_budget_s:
-            skipped.append(cell.name)
+            skipped[cell.name] = "time budget spent"
+            continue
+        if cell.action == "cut" and not netns_ok:
+            skipped[cell.name] = f"no network namespaces here: {netns_reason}"
+            progress(f"  cell {cell.name}: skipped, {skipped[cell.name]}")
             continue
         s = cell_seed(seed, cell)
         command = reproduce(cell, seed, timeout, inflight, concurrency, fault_s)
@@ -344,6 +366,6 @@ def faults(*, cells: tuple[str, ...] = (), inflight: int = 4, concurrency: int =
             "parameters": {"cells": [c.name for c in chosen], "inflight": inflight, "concurrency": concurrency,
                            "timeout": timeout, "fault_s": window, "time_budget_s": time_budget_s,
                            "max_tokens": max_tokens, "image_size": image_size},
-            "points": POINTS, "skipped_for_time": skipped, "not_measured": NOT_EXPOSED_NOTE,
+            "points": POINTS, "skipped": skipped, "not_measured": NOT_EXPOSED_NOTE,
             "cells": results, "targets": targets, "passed": bool(results) and all(r["passed"] for r in results),
             "wall_s": time.monotonic() - started}
