@@ -6,17 +6,22 @@ import threading
 
 import zmq
 
+from epd_lab import security
 from epd_lab.faults import failpoint
+
+NOTIFY_MAX_BYTES = 1 << 20  # a metadata-only notification (mooncake backend) is far smaller: the receiver's bound
 
 
 class PushSockets:
     """ZMQ PUSH sockets, one per destination URL, from one context; ``LINGER=0`` so closing never hangs.
 
     At most `max_sockets` are kept (least recently used closed first): zmq_to_scheduler receivers may
-    bind a new port per request.
+    bind a new port per request. With a shared secret (`secret`, or ``EPD_SECRET`` from the environment
+    when None) every frame carries its HMAC tag (`epd_lab.security.sign`), which the receiver checks.
     """
 
-    def __init__(self, send_timeout: float, max_sockets: int = 64) -> None:
+    def __init__(self, send_timeout: float, max_sockets: int = 64, secret: bytes | str | None = None) -> None:
+        self._secret = security.resolve(secret)
         self._ctx = zmq.Context()
         self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
         self._max_sockets = max_sockets
@@ -41,7 +46,7 @@ class PushSockets:
                     self._sockets.popitem(last=False)[1].close()
             self._sockets.move_to_end(url)
             failpoint("encoder.before_notify")
-            sock.send(frame, copy=False)
+            sock.send(security.sign(self._secret, security.EP_NOTIFY, frame), copy=False)
 
     def close(self) -> None:
         with self._lock:

@@ -48,6 +48,9 @@ from epd_lab.ep.messages import (
     part_req_id,
     zmq_url,
 )
+from epd_lab import security
+from epd_lab.ep.messages import MAX_ZMQ_BYTES
+from epd_lab.ep.push import NOTIFY_MAX_BYTES
 from epd_lab.faults import failpoint
 from epd_lab.http_client import HTTPError, KeepAliveClient
 from epd_lab.trace import Recorder
@@ -220,6 +223,10 @@ class EmbeddingReceiver:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        # mooncake's notifications are metadata; the zmq backends carry the embedding bytes
+        max_frame = NOTIFY_MAX_BYTES if config.backend == "mooncake" else MAX_ZMQ_BYTES
+        self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame + security.TAG_BYTES)
+        self._secret = security.load_secret()
         self.embedding_port = self._pull.bind_to_random_port(f"tcp://{config.host}")
         self._closing = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="epd-receiver-zmq", daemon=True)
@@ -235,7 +242,10 @@ class EmbeddingReceiver:
             frame = self._pull.recv(copy=False)
             t_recv = time.monotonic_ns()
             try:
-                msg = decode_zmq(frame.buffer)
+                msg = decode_zmq(security.verify(self._secret, security.EP_NOTIFY, frame.buffer))
+            except security.AuthError:
+                self.counters["unauthenticated_messages"] += 1  # no valid tag of the secret: never decoded
+                continue
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.counters["invalid_messages"] += 1  # validated, never trusted: drop it
                 continue
