@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.parse
 
+from epd_lab import security
 from epd_lab.serving import CLIENT_KEEPALIVE_S
 
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
@@ -45,11 +46,14 @@ class KeepAliveClient:
     Args:
         timeout: seconds for the connect and for each socket read or write.
         max_idle: idle connections kept per host:port (more are closed when they come back).
+        secret: the deployment's shared secret, sent as ``Authorization: Bearer`` (`epd_lab.security`); None
+            takes ``EPD_SECRET`` from the environment.
     """
 
-    def __init__(self, timeout: float, max_idle: int = 64) -> None:
+    def __init__(self, timeout: float, max_idle: int = 64, secret: bytes | str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        self._auth = security.bearer_header(security.resolve(secret))
         self.timeout = timeout
         self.max_idle = max_idle
         self.connections_opened = 0
@@ -68,7 +72,7 @@ class KeepAliveClient:
             raise ValueError(f"not an http:// URL: {url!r}")
         key = (parts.hostname, parts.port or 80)
         path = parts.path or "/"
-        headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
+        headers = {"Content-Type": content_type, "Content-Length": str(len(body)), **self._auth}
         conn, reused = self._take(key)
         try:
             try:

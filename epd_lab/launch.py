@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import httpx
 
+from epd_lab import security
 from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
@@ -81,6 +82,9 @@ class Topology:
                                           "media items: the workbench writes its images to the temp folder; () "
                                           "for none")
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"cli": False})
+    # the shared secret (`epd_lab.security`), handed to every process as EPD_SECRET in its environment, never on a
+    # command line; None: each process inherits EPD_SECRET / EPD_SECRET_FILE from this one's environment, if set
+    secret: str | None = field(default=None, repr=False, metadata={"cli": False})
     # emulated hosts (`epd_lab.campaign.netns`): process name ("decode0") -> (network namespace, "" for this
     # one; the address it binds); a process not named binds 127.0.0.1 here
     hosts: Mapping[str, tuple[str, str]] = field(default_factory=dict, metadata={"cli": False})
@@ -94,6 +98,8 @@ class Topology:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive")
+        if self.secret is not None:
+            security.check_secret(self.secret)
         if self.prefills < 0 or self.decodes < 0:
             raise ValueError("prefills and decodes must be >= 0")
         if self.proxy and not (self.prefills and self.decodes):
@@ -166,7 +172,7 @@ class Cluster:
         with open(log, "wb") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
                                     preexec_fn=_die_with_parent,
-                                    env={**os.environ, "EPD_TRACE": "1" if self.topology.trace else "0"})
+                                    env=self._environment())
         self.procs.append(proc)
         deadline = time.monotonic() + 6 * self.topology.timeout
         while time.monotonic() < deadline:
@@ -177,6 +183,14 @@ class Cluster:
                 if line:
                     return json.loads(line)["url"]
         raise TimeoutError(f"{name} did not come up within {6 * self.topology.timeout} s; log:\n{_tail(log)}")
+
+    def _environment(self) -> dict[str, str]:
+        """A role process's environment: this one's, with the topology's trace switch and secret."""
+        env = {**os.environ, "EPD_TRACE": "1" if self.topology.trace else "0"}
+        if self.topology.secret is not None:
+            env.pop(security.ENV_SECRET_FILE, None)
+            env[security.ENV_SECRET] = self.topology.secret
+        return env
 
     def _wait_healthy(self, url: str) -> None:
         deadline = time.monotonic() + 6 * self.topology.timeout

@@ -76,6 +76,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from epd_lab import security
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
 from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
 from epd_lab.servers.routing import POLICIES, Backend, Pool
@@ -244,7 +245,7 @@ class Proxy:
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.timeout,
                                               sock_read=self.settings.timeout),
-                skip_auto_headers=("User-Agent",))
+                skip_auto_headers=("User-Agent",), headers=security.bearer_header(security.load_secret()))
         return self._session
 
     async def run(self) -> None:

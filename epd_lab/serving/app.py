@@ -6,7 +6,8 @@ The role object the factory builds (off the event loop: model loads, engine star
 ``app.state.server`` and must offer `Role`'s methods. `ServingError`s raised by a route are answered with
 their status and ``{"detail": ...}`` (or the role's own shape: the proxy's OpenAI error objects), and so are
 unknown routes and any other exception (500, with its type and message); ``GET /health``, ``GET /metrics``,
-``GET /v1/spans`` and ``GET /v1/clock`` are added.
+``GET /v1/spans`` and ``GET /v1/clock`` are added. With a shared secret (``EPD_SECRET``), every route but
+``/health`` needs it as a bearer token (401 otherwise).
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
 
+from epd_lab import security
 from epd_lab.serving.errors import ServingError, error_for_status
 from epd_lab.serving.metrics import CountRequests, Metric, metrics_text
 from epd_lab.serving.stack import http_info
 
-__all__ = ["Role", "json_response", "role_app"]
+__all__ = ["RequireBearer", "Role", "json_response", "role_app"]
 
 STATUS_ROUTES = ("/health", "/metrics", "/v1/spans", "/v1/clock")
 
@@ -59,11 +61,37 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+class RequireBearer:
+    """ASGI middleware: every route but ``/health`` needs ``Authorization: Bearer <secret>``; anything else is
+    answered 401 with the role's error body before the app sees it (`epd_lab.security`)."""
+
+    OPEN_ROUTES = frozenset({"/health"})  # probes (launchers, load balancers) carry no secret
+
+    def __init__(self, app: Any, secret: bytes, error_body: Callable[[ServingError], Any]) -> None:
+        self.app, self.secret, self.error_body = app, secret, error_body
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        if security.check_bearer(self.secret, header):
+            await self.app(scope, receive, send)
+            return
+        exc = ServingError("missing or wrong bearer token: this deployment needs its shared secret (EPD_SECRET) "
+                           "in 'Authorization: Bearer ...'", status=401, code="unauthorized")
+        response = json_response(self.error_body(exc), 401)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
 def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
-             error_body: Callable[[ServingError], Any] = _detail_body) -> Any:
+             error_body: Callable[[ServingError], Any] = _detail_body, secret: bytes | str | None = None) -> Any:
     """A FastAPI app for `role` (``epd_{role}_...`` metrics). `factory` builds the role's object at start-up,
     in a thread; if it has ``async def run()``, that runs as a task for the server's life (sweepers).
-    `routes` are the role's own paths (the request counter's labels); `error_body` shapes an error's JSON."""
+    `routes` are the role's own paths (the request counter's labels); `error_body` shapes an error's JSON.
+    `secret`: with one (None takes ``EPD_SECRET`` from the environment), every route but ``/health`` needs it as
+    a bearer token (`RequireBearer`)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -88,6 +116,9 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
 
     app = FastAPI(title=f"epd_lab {role}", lifespan=lifespan)
     app.state.requests = requests
+    secret = security.resolve(secret)
+    if secret is not None:  # inside the counter (added later is outer), so refusals are counted as 401s
+        app.add_middleware(RequireBearer, secret=secret, error_body=error_body)
     app.add_middleware(CountRequests, routes=(*routes, *STATUS_ROUTES), counts=requests)
 
     @app.exception_handler(ServingError)
