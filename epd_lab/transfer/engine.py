@@ -15,6 +15,9 @@ registered memory after checking them against its registration table. Paths to a
   for them).
 - ``tcp``: any host. Header + bytes; the peer's server thread receives straight into the destination.
 - ``verbs``: RDMA WRITE over an RC QP (see `epd_lab.transfer.verbs`); needs an RDMA device.
+- ``cuda``: GPU memory (`epd_lab.transfer.cuda`): device-to-device copies into a same-host peer's GPU
+  memory through CUDA IPC, checked against the same published table as shm. ``auto`` takes it for GPU
+  memory on the same host; GPU sources to host memory or to another host are staged through pinned memory.
 """
 from __future__ import annotations
 
@@ -27,13 +30,13 @@ from enum import Enum
 from typing import Any, Sequence
 
 from epd_lab import _native, security
-from epd_lab.transfer import shm_copy
+from epd_lab.transfer import cuda, shm_copy
 from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
 from epd_lab.transfer.registration import Registration
 
-PROTOCOLS = ("auto", "tcp", "shm", "verbs")
+PROTOCOLS = ("auto", "tcp", "shm", "verbs", "cuda")
 MAX_CONNECTIONS = 256  # served at once by an engine's port (one thread each)
 IDLE_TIMEOUT = 30.0  # seconds a connection may idle between requests
 
@@ -66,6 +69,7 @@ class _Peer:
     secret: bytes = b""  # the shared-secret handshake's, run on every new connection
     shm: Any = None  # _native.ShmPeer
     verbs: Any = None  # verbs.VerbsPeer
+    hello: Any = None  # (pid, table_fd, nonce) of a same-host peer
     idle: list = field(default_factory=list)  # idle _native.TcpConn
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -144,6 +148,12 @@ class TransferEngine:
         self.timeout = timeout
         self.max_connections, self.idle_timeout = max_connections, idle_timeout
         self._secret = security.resolve(secret) or b""
+        if protocol == "cuda":
+            from epd_lab.transfer import cuda_runtime
+
+            reason = cuda_runtime.unavailable_reason()
+            if reason is not None:
+                raise TransportUnavailable(f"protocol='cuda': {reason}; use 'auto', 'shm' or 'tcp' for host memory")
         self._verbs = self._open_verbs(protocol)
         self._owner = _native.Owner(hostname, port, max(1, int(timeout * 1000)), max_connections,
                                     int(math.ceil(idle_timeout * 1000)), self._secret)
@@ -154,6 +164,7 @@ class TransferEngine:
         self._batches: dict[int, Future] = {}
         self._batch_ids = itertools.count(1)
         self._out = WriteCounters()
+        self._cuda: cuda.CudaTransport | None = None  # made when GPU memory is first involved
 
     @staticmethod
     def _open_verbs(protocol: str):
@@ -185,8 +196,15 @@ class TransferEngine:
         the address after a deregister. Raises `RegistrationError` on zero length, overlap or double
         registration.
         """
+        device = cuda.device_of(ptr)  # None for host memory, and in any process without CUDA
         key = self._owner.register(ptr, length)
-        if self._verbs is not None:
+        if device is not None:
+            try:
+                self._cuda_transport().export(ptr, length, device)
+            except BaseException:
+                self._owner.deregister(ptr)
+                raise
+        elif self._verbs is not None:
             try:
                 self._verbs.register(ptr, length)
             except BaseException:
@@ -197,9 +215,12 @@ class TransferEngine:
     def deregister(self, ptr: int) -> None:
         """Deregister the region starting at `ptr`. When it returns, no write can land there any more
         (it waits, up to the timeout, for writes already in flight). Raises on an unknown pointer."""
-        if self._verbs is not None:
+        gpu = self._cuda is not None and self._cuda.owns(ptr)
+        if self._verbs is not None and not gpu:
             self._verbs.deregister(ptr)
         self._owner.deregister(ptr)
+        if gpu:
+            self._cuda.unexport(ptr)
 
     def registrations(self) -> list[tuple[int, int, str]]:
         """The registration table: ``(address, length, "managed" | "external")`` per region."""
@@ -228,13 +249,13 @@ class TransferEngine:
         then unspecified."""
         peer = self._peer(session_id)
         try:
-            if peer.path == "shm":
-                n = peer.shm.write(self._owner, srcs, dsts, lengths, rkeys)
-            elif peer.path == "verbs":
-                peer.verbs.write_batch(srcs, dsts, lengths, self.timeout)  # the NIC checks its own rkeys
-                n = sum(lengths)
-            else:
-                n = self._tcp_write(peer, srcs, dsts, lengths, rkeys)
+            n = None
+            if self._cuda is not None or cuda.gpu_memory_possible():
+                n = self._cuda_transport().write(
+                    peer.session_id, peer.hello if peer.path == "shm" else None, peer.control, srcs, dsts, lengths,
+                    rkeys, lambda staged: self._host_write(peer, staged, dsts, lengths, rkeys))
+            if n is None:
+                n = self._host_write(peer, srcs, dsts, lengths, rkeys)
         except PeerUnreachable:
             self._drop_peer(session_id)
             self._out.count(failed=True)
@@ -243,6 +264,22 @@ class TransferEngine:
             self._out.count(failed=True)
             raise
         self._out.count(len(lengths), n)
+
+    def _host_write(self, peer: _Peer, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
+                    rkeys: Sequence[int] | None) -> int:
+        if peer.path == "shm":
+            return peer.shm.write(self._owner, srcs, dsts, lengths, rkeys)
+        if peer.path == "verbs":
+            peer.verbs.write_batch(srcs, dsts, lengths, self.timeout)  # the NIC checks its own rkeys
+            return sum(lengths)
+        return self._tcp_write(peer, srcs, dsts, lengths, rkeys)
+
+    def _cuda_transport(self) -> "cuda.CudaTransport":
+        if self._cuda is None:
+            with self._lock:
+                if self._cuda is None:
+                    self._cuda = cuda.CudaTransport(self._owner.covers, self._owner.register, self._owner.deregister)
+        return self._cuda
 
     def _tcp_write(self, peer: _Peer, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
                    rkeys: Sequence[int] | None) -> int:
@@ -339,18 +376,18 @@ class TransferEngine:
             peer.verbs = self._verbs.connect(peer.control)
             peer.path = "verbs"
             return
-        if self.protocol not in ("shm", "auto"):
+        if self.protocol not in ("shm", "auto", "cuda"):
             return
         pid, table_fd, nonce = conn.hello()
         try:
             peer.shm = _native.ShmPeer(pid, table_fd, nonce, self._owner.timeout_ms)
         except PeerUnreachable as exc:
-            if self.protocol == "shm":
+            if self.protocol in ("shm", "cuda"):
                 raise TransportUnavailable(
-                    f"protocol='shm' needs the peer {peer.session_id} on this host: {exc}; "
+                    f"protocol={self.protocol!r} needs the peer {peer.session_id} on this host: {exc}; "
                     f"use protocol='tcp' (any host) or 'auto'") from exc
             return
-        peer.path = "shm"
+        peer.path, peer.hello = "shm", (pid, table_fd, nonce)
         shm_copy.ensure()  # the process's first shm peer settles which copy large writes use
 
     def _drop_peer(self, session_id: str) -> None:
@@ -358,8 +395,12 @@ class TransferEngine:
             peer = self._peers.pop(session_id, None)
         if peer is not None:
             peer.close()
+        if self._cuda is not None:
+            self._cuda.detach(session_id)
 
     def _on_control(self, request: bytes) -> bytes:
+        if request.startswith(cuda.CONTROL_PREFIX):  # an engine without GPU memory exports nothing
+            return self._cuda.handle_control(request) if self._cuda is not None else b"[]"
         if self._verbs is None:
             raise TransportUnavailable("this engine has no verbs transport")
         return self._verbs.handle_control(request)
@@ -375,7 +416,8 @@ class TransferEngine:
         ``max_connections`` and ``idle_timeout_ms``; and ``writes_out``, ``bytes_out``, ``failures_out`` (this
         engine as a writer)."""
         return {**self._owner.stats(), "max_connections": self.max_connections,
-                "idle_timeout_ms": int(math.ceil(self.idle_timeout * 1000)), **self._out.snapshot()}
+                "idle_timeout_ms": int(math.ceil(self.idle_timeout * 1000)), **self._out.snapshot(),
+                **(self._cuda.stats() if self._cuda else {})}
 
     def close(self) -> None:
         """Stop serving, drop peer connections and free managed buffers. Idempotent."""
@@ -388,6 +430,8 @@ class TransferEngine:
             peer.close()
         if self._verbs is not None:
             self._verbs.close()
+        if self._cuda is not None:
+            self._cuda.close()
         self._owner.close()
 
     def __enter__(self) -> "TransferEngine":

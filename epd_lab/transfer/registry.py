@@ -52,7 +52,7 @@ def transports() -> tuple[str, ...]:
 def open_engine(protocol: str = "auto", hostname: str = "127.0.0.1", timeout: float = 5.0) -> Any:
     """Open the engine registered as `protocol`, importing its module now if need be.
 
-    Built in: ours (`epd_lab.transfer.engine.TransferEngine`) for ``auto``/``tcp``/``shm``/``verbs``,
+    Built in: ours (`epd_lab.transfer.engine.TransferEngine`) for ``auto``/``tcp``/``shm``/``verbs``/``cuda``,
     and the real Mooncake engine (`epd_lab.transfer.mooncake.MooncakeTransferEngine`, same API) for
     ``mooncake``, whose timeout is whole seconds and at least 5 (`timeout` is rounded up to that).
 
@@ -67,7 +67,7 @@ def open_engine(protocol: str = "auto", hostname: str = "127.0.0.1", timeout: fl
 
 
 # engine.PROTOCOLS, spelled out: naming the built-ins must not import the engines (a test checks they match)
-for _name in ("auto", "tcp", "shm", "verbs"):
+for _name in ("auto", "tcp", "shm", "verbs", "cuda"):
     register_transport(_name, "epd_lab.transfer.engine", "TransferEngine")
 register_transport("mooncake", "epd_lab.transfer.mooncake", "open_mooncake")
 del _name

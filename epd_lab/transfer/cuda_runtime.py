@@ -1,0 +1,297 @@
+"""The few CUDA calls the `cuda` transport makes, through ctypes (no nvcc, no extra package).
+
+The runtime (libcudart) and NVRTC are the ones PyTorch loaded; the driver is libcuda. Calls:
+pointer attributes and allocation ranges (what is GPU memory, and which allocation holds it), CUDA IPC
+handles (export once, map once), ``cudaMemcpyAsync`` for one block, and for a batch of scattered
+blocks either one launch of `BATCH_COPY_SOURCE` (compiled once per process by NVRTC; the descriptors
+travel as one kernel parameter, so no upload precedes the launch) or one ``cudaMemcpyBatchAsync``.
+
+Copies go on the legacy default stream, so they follow work the caller queued on PyTorch's default
+stream; a caller that filled the source on a side stream synchronizes that stream first.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import re
+import threading
+
+import numpy as np
+
+from epd_lab.transfer.errors import TransferError, TransportUnavailable
+
+IPC_HANDLE_BYTES = 64
+_MEMCPY_DEFAULT = 4
+_IPC_LAZY_PEER = 1
+_MEM_TYPE_DEVICE = 2
+# Batch kernel: copies per launch (the descriptors are one kernel parameter: 3 x 8 x 1024 + 8 bytes, under
+# the 32 KiB that CUDA 12.1+ allows), threads per block, and 16-byte vectors per thread per iteration.
+BATCH_MAX, THREADS, UNROLL = 1024, 256, 4
+CHUNK = THREADS * UNROLL * 16  # bytes one block moves per iteration
+
+BATCH_COPY_SOURCE = r"""
+#define BATCH_MAX %(max)d
+#define UNROLL %(unroll)d
+struct Batch { unsigned long long src[BATCH_MAX], dst[BATCH_MAX], len[BATCH_MAX], n; };
+
+// blockIdx.y picks the copy; the x blocks stride over it. 16-byte vectors where source, destination and
+// length allow it (KV blocks do), bytes otherwise.
+extern "C" __global__ void __launch_bounds__(%(threads)d) epd_batch_copy(const __grid_constant__ Batch b) {
+    const unsigned i = blockIdx.y;
+    const unsigned long long s = b.src[i], d = b.dst[i], len = b.len[i];
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x * UNROLL;
+    if (((s | d | len) & 15ull) == 0) {
+        const uint4 *src = (const uint4 *)s;
+        uint4 *dst = (uint4 *)d;
+        const unsigned long long n = len >> 4;
+        for (unsigned long long base = (unsigned long long)blockIdx.x * blockDim.x * UNROLL + threadIdx.x;
+             base < n; base += step) {
+            uint4 r[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                unsigned long long k = base + (unsigned long long)u * blockDim.x;
+                if (k < n) r[u] = src[k];
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                unsigned long long k = base + (unsigned long long)u * blockDim.x;
+                if (k < n) dst[k] = r[u];
+            }
+        }
+    } else {
+        const unsigned char *src = (const unsigned char *)s;
+        unsigned char *dst = (unsigned char *)d;
+        for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; k < len;
+             k += (unsigned long long)gridDim.x * blockDim.x)
+            dst[k] = src[k];
+    }
+}
+""" % {"max": BATCH_MAX, "unroll": UNROLL, "threads": THREADS}
+
+
+class _PointerAttributes(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", ctypes.c_void_p),
+                ("hostPointer", ctypes.c_void_p), ("reserved", ctypes.c_byte * 64)]
+
+
+class IpcHandle(ctypes.Structure):
+    """``cudaIpcMemHandle_t``: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes`` (CUDA 12.8+): srcAccessOrder, srcLocHint, dstLocHint, flags."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_type", ctypes.c_int), ("src_loc_id", ctypes.c_int),
+                ("dst_loc_type", ctypes.c_int), ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+def _loaded(pattern: str) -> str | None:
+    """The path of a shared library this process already loaded (PyTorch's CUDA libraries)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.rsplit(None, 1)[-1]
+            if re.search(pattern, os.path.basename(path)):
+                return path
+    return None
+
+
+def _open(pattern: str, fallbacks: tuple[str, ...]) -> ctypes.CDLL:
+    path = _loaded(pattern)
+    for name in ((path,) if path else ()) + fallbacks:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise TransportUnavailable(f"no CUDA library matching {pattern!r} (tried {', '.join(fallbacks)})")
+
+
+class Cuda:
+    """The CUDA runtime, driver and NVRTC entry points the transport uses. One per process (`get`)."""
+
+    def __init__(self) -> None:
+        import torch  # the GPU memory the transport moves is PyTorch's; its CUDA libraries are the ones used
+
+        if not torch.cuda.is_available():
+            raise TransportUnavailable("the cuda transport needs a CUDA GPU; torch.cuda.is_available() is False")
+        torch.cuda.init()
+        self.rt = _open(r"^libcudart\.so", ("libcudart.so.13", "libcudart.so.12", "libcudart.so"))
+        self.drv = _open(r"^libcuda\.so", ("libcuda.so.1",))
+        rt, drv = self.rt, self.drv
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        for name, args in {
+            "cudaGetErrorString": (ctypes.c_int,),
+            "cudaSetDevice": (ctypes.c_int,),
+            "cudaGetDevice": (ctypes.POINTER(ctypes.c_int),),
+            "cudaPointerGetAttributes": (ctypes.POINTER(_PointerAttributes), vp),
+            "cudaIpcGetMemHandle": (ctypes.POINTER(IpcHandle), vp),
+            "cudaIpcOpenMemHandle": (ctypes.POINTER(vp), IpcHandle, ctypes.c_uint),
+            "cudaIpcCloseMemHandle": (vp,),
+            "cudaMemcpyAsync": (vp, vp, sz, ctypes.c_int, vp),
+            "cudaStreamSynchronize": (vp,),
+            "cudaGetLastError": (),
+        }.items():
+            fn = getattr(rt, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_char_p if name == "cudaGetErrorString" else ctypes.c_int
+        self.rt_batch = getattr(rt, "cudaMemcpyBatchAsync", None)
+        if self.rt_batch is not None:  # CUDA 13's signature (12.8's had a failIdx before the stream)
+            self.rt_batch.argtypes = (vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), vp, sz, vp)
+            self.rt_batch.restype = ctypes.c_int
+        drv.cuMemGetAddressRange_v2.argtypes = (ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(sz), ctypes.c_uint64)
+        drv.cuLaunchKernel.argtypes = (vp, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                       ctypes.c_uint, ctypes.c_uint, vp, ctypes.POINTER(vp), vp)
+        drv.cuModuleLoadData.argtypes = (ctypes.POINTER(vp), ctypes.c_char_p)
+        drv.cuModuleGetFunction.argtypes = (ctypes.POINTER(vp), vp, ctypes.c_char_p)
+        drv.cuFuncSetAttribute.argtypes = (vp, ctypes.c_int, ctypes.c_int)
+        self._kernels: dict[int, int] = {}  # device -> CUfunction of the batch copy
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+
+    # ---- errors ----
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise TransferError(f"{what} failed: CUDA error {rc} ({self.rt.cudaGetErrorString(rc).decode()})")
+
+    def check_drv(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise TransferError(f"{what} failed: CUDA driver error {rc}")
+
+    # ---- memory ----
+    def device_of(self, ptr: int) -> int | None:
+        """The device ordinal of GPU memory at `ptr`, or None for host memory."""
+        attrs = _PointerAttributes()
+        rc = self.rt.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr))
+        if rc != 0:
+            self.rt.cudaGetLastError()  # an unknown host pointer leaves a sticky-free error behind
+            return None
+        return attrs.device if attrs.type == _MEM_TYPE_DEVICE else None
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        """``(base, size)`` of the cudaMalloc allocation holding `ptr` (what an IPC handle maps)."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check_drv(self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
+                       f"cuMemGetAddressRange(0x{ptr:x})")
+        return base.value, size.value
+
+    def ipc_handle(self, base: int) -> bytes:
+        h = IpcHandle()
+        self.check(self.rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base)), "cudaIpcGetMemHandle")
+        return ctypes.string_at(ctypes.addressof(h), IPC_HANDLE_BYTES)
+
+    def ipc_open(self, handle: bytes) -> int:
+        """Map another process's allocation into this one, on the current device (peer access enabled
+        lazily where the allocation lives on another GPU)."""
+        h = IpcHandle()
+        ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_BYTES)
+        out = ctypes.c_void_p()
+        self.check(self.rt.cudaIpcOpenMemHandle(ctypes.byref(out), h, _IPC_LAZY_PEER), "cudaIpcOpenMemHandle")
+        return out.value
+
+    def ipc_close(self, ptr: int) -> None:
+        self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
+
+    def current_device(self) -> int:
+        dev = ctypes.c_int()
+        self.check(self.rt.cudaGetDevice(ctypes.byref(dev)), "cudaGetDevice")
+        return dev.value
+
+    def set_device(self, device: int) -> None:
+        """Make `device` current in this thread (the runtime keeps it per thread, and so does PyTorch)."""
+        self.check(self.rt.cudaSetDevice(device), f"cudaSetDevice({device})")
+
+    # ---- copies ----
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Queue one copy (device to device, peer, or host to device by UVA) on the default stream."""
+        self.check(self.rt.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, None), "cudaMemcpyAsync")
+
+    def synchronize(self) -> None:
+        """Wait for the default stream: every queued copy has landed when this returns."""
+        self.check(self.rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
+
+    def batch_copy(self, device: int, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray) -> None:
+        """Queue a batch of copies as one kernel launch per `BATCH_MAX` blocks (uint64 arrays)."""
+        fn = self._kernel(device)
+        params = getattr(self._tls, "params", None)
+        if params is None:  # one parameter buffer per thread: launches copy it at the call
+            params = self._tls.params = np.zeros(3 * BATCH_MAX + 1, dtype=np.uint64)
+            self._tls.argv = (ctypes.c_void_p * 1)(params.ctypes.data)
+        for lo in range(0, len(dsts), BATCH_MAX):
+            n = min(BATCH_MAX, len(dsts) - lo)
+            params[0:n] = srcs[lo:lo + n]
+            params[BATCH_MAX:BATCH_MAX + n] = dsts[lo:lo + n]
+            params[2 * BATCH_MAX:2 * BATCH_MAX + n] = lengths[lo:lo + n]
+            params[3 * BATCH_MAX] = n
+            longest = int(lengths[lo:lo + n].max())
+            gx = max(1, min(-(-longest // CHUNK), max(1, 4096 // n)))  # enough blocks in flight, none idle
+            self.check_drv(self.drv.cuLaunchKernel(fn, gx, n, 1, THREADS, 1, 1, 0, None, self._tls.argv, None),
+                           "cuLaunchKernel(epd_batch_copy)")
+
+    def batch_copy_api(self, device: int, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray) -> None:
+        """The same batch through ``cudaMemcpyBatchAsync`` (the driver's own batched copy)."""
+        if self.rt_batch is None:
+            raise TransportUnavailable("this CUDA runtime has no cudaMemcpyBatchAsync (CUDA 12.8+)")
+        attrs = _MemcpyAttributes(1, 1, device, 1, device, 0)  # source in stream order; both on the device
+        zero = ctypes.c_size_t(0)
+        d, s, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, lengths))
+        self.check(self.rt_batch(d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d), ctypes.byref(attrs),
+                                 ctypes.byref(zero), 1, None), "cudaMemcpyBatchAsync")
+
+    def _kernel(self, device: int) -> int:
+        fn = self._kernels.get(device)
+        if fn is None:
+            with self._lock:
+                fn = self._kernels.get(device)
+                if fn is None:
+                    fn = self._kernels[device] = self._compile(device)
+        return fn
+
+    def _compile(self, device: int) -> int:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(device)
+        nvrtc = _open(r"^libnvrtc\.so", ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"))
+        prog = ctypes.c_void_p()
+        src = BATCH_COPY_SOURCE.encode()
+        if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"epd_batch_copy.cu", 0, None, None) != 0:
+            raise TransferError("nvrtcCreateProgram failed")
+        opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
+        argv = (ctypes.c_char_p * len(opts))(*opts)
+        rc = nvrtc.nvrtcCompileProgram(prog, len(opts), argv)
+        if rc != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise TransferError(f"NVRTC could not compile the batch copy: {log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+        torch.cuda.synchronize(device)  # the device's primary context exists and is current
+        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check_drv(self.drv.cuModuleLoadData(ctypes.byref(module), cubin.raw), "cuModuleLoadData")
+        self.check_drv(self.drv.cuModuleGetFunction(ctypes.byref(fn), module, b"epd_batch_copy"),
+                       "cuModuleGetFunction")
+        return fn.value
+
+
+@functools.lru_cache(maxsize=1)
+def get() -> Cuda:
+    """The process's `Cuda` (raises `TransportUnavailable` with the reason where there is no GPU)."""
+    return Cuda()
+
+
+def unavailable_reason() -> str | None:
+    """Why the cuda transport cannot run in this process, or None. Imports torch, never initialises a GPU
+    that is absent."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not installed: {exc}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU here (torch.cuda.is_available() is False)"
+    return None

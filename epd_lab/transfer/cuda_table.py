@@ -1,0 +1,155 @@
+"""A same-host owner's registration table, read and pinned from Python (the `cuda` transport's check).
+
+The native core publishes each engine's registration table in a memfd (native/epd_core.c, ``table_t``);
+a same-host writer maps it and, before each write, pins the registration covering each block (so that a
+deregister waits for the write) or refuses the write and counts it in the owner's ``writes_refused``. The
+shm path does this in C around its memcpy. The `cuda` transport copies with the GPU instead, so it does
+the same steps here, on the same shared table, with the same atomic operations (libatomic's out-of-line
+``__atomic_fetch_add``, the lock-free instruction the C side inlines): pin, re-check, copy, release.
+
+The layout below mirrors ``table_t``/``slot_t`` in epd_core.c; `tests/test_cuda.py` checks it against
+the C side on every machine (a region registered by the native owner must be seen here, with its key).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+from typing import Sequence
+
+import numpy as np
+
+from epd_lab.transfer.errors import PeerUnreachable, RemoteAccessError, TransportUnavailable
+
+TABLE_MAGIC = 0x31304C4254445045  # "EPDTBL01"
+MAX_ARENAS, TABLE_CAP = 256, 8192
+SLOT_ACTIVE = 1
+_HEADER = 128  # magic, nonce, pid, used, writes_in, bytes_in, writes_refused, arena_epoch, pad[9]
+_ARENA_REC = 32
+_SLOTS = _HEADER + MAX_ARENAS * _ARENA_REC
+_SLOT = 64
+TABLE_BYTES = _SLOTS + TABLE_CAP * _SLOT
+# byte offsets inside the header and inside a slot (epd_core.c)
+_OFF_NONCE, _OFF_PID, _OFF_USED = 8, 16, 20
+_OFF_WRITES_IN, _OFF_BYTES_IN, _OFF_REFUSED = 24, 32, 40
+_SLOT_DTYPE = np.dtype({"names": ["addr", "length", "state", "inflight", "key"],
+                        "formats": ["<u8", "<u8", "<u4", "<i4", "<u8"],
+                        "offsets": [0, 8, 16, 32, 40], "itemsize": _SLOT})
+_SEQ_CST = 5
+
+
+def _atomics():
+    try:
+        lib = ctypes.CDLL("libatomic.so.1")
+    except OSError as exc:
+        raise TransportUnavailable(f"the cuda transport pins registrations with libatomic: {exc}") from exc
+    add4, add8 = lib.__atomic_fetch_add_4, lib.__atomic_fetch_add_8
+    add4.argtypes = (ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int)
+    add4.restype = ctypes.c_uint32
+    add8.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int)
+    add8.restype = ctypes.c_uint64
+    return add4, add8
+
+
+class Pins:
+    """Registrations pinned for one write; `release` them once the bytes are in place (or not)."""
+
+    __slots__ = ("_table", "_slots", "_writes", "_nbytes")
+
+    def __init__(self, table: "PeerTable", slots: list[int], writes: int, nbytes: int) -> None:
+        self._table, self._slots, self._writes, self._nbytes = table, slots, writes, nbytes
+
+    def release(self, landed: bool) -> None:
+        """Unpin; count the blocks and bytes in the owner's ``writes_in``/``bytes_in`` if they landed."""
+        t = self._table
+        for i in self._slots:
+            t._add4(t._slot_addr(i) + 32, 0xFFFFFFFF, _SEQ_CST)  # inflight -= 1
+        self._slots = []
+        if landed:
+            t._add8(t._base + _OFF_WRITES_IN, self._writes, _SEQ_CST)
+            t._add8(t._base + _OFF_BYTES_IN, self._nbytes, _SEQ_CST)
+
+
+class PeerTable:
+    """The registration table of the same-host engine `pid`, mapped (as ``ShmPeer`` maps it in C).
+
+    Args:
+        pid, table_fd, nonce: what the owner's HELLO answered (``TcpConn.hello()``).
+    """
+
+    def __init__(self, pid: int, table_fd: int, nonce: int) -> None:
+        self._add4, self._add8 = _atomics()
+        try:
+            fd = os.open(f"/proc/{pid}/fd/{table_fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PeerUnreachable(f"cannot open the registration table of pid {pid}: {exc}", exc.errno) from exc
+        try:
+            self._map = mmap.mmap(fd, TABLE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, got_nonce, got_pid = struct.unpack_from("<QQi", self._map, 0)
+        if magic != TABLE_MAGIC or got_nonce != nonce or got_pid != pid:
+            self.close()
+            raise PeerUnreachable(f"pid {pid}'s table does not match its HELLO (not the engine behind that port)")
+        self.pid = pid
+        self._raw = np.frombuffer(self._map, dtype=np.uint8)
+        self._base = self._raw.ctypes.data
+        self._used = self._raw[_OFF_USED:_OFF_USED + 4].view("<u4")
+        self._slots = self._raw[_SLOTS:].view(_SLOT_DTYPE)
+
+    def _slot_addr(self, i: int) -> int:
+        return self._base + _SLOTS + i * _SLOT
+
+    def _matches(self, dsts: np.ndarray, ends: np.ndarray, keys: np.ndarray | None) -> np.ndarray:
+        """For each block, the index of the active slot covering it (and carrying its key), else -1.
+        Live registrations never overlap (the owner refuses that), so one sorted search finds the candidate."""
+        s = self._slots[:int(self._used[0])]
+        live = np.flatnonzero(s["state"] == SLOT_ACTIVE)
+        out = np.full(len(dsts), -1, dtype=np.int64)
+        if not len(live):
+            return out
+        starts = s["addr"][live]
+        order = np.argsort(starts)
+        live, starts = live[order], starts[order]
+        stops = starts + s["length"][live]
+        j = np.searchsorted(starts, dsts, side="right") - 1
+        jj = np.maximum(j, 0)
+        hit = (j >= 0) & (ends <= stops[jj]) & (ends > dsts)
+        if keys is not None:
+            hit &= (keys == 0) | (keys == s["key"][live][jj])
+        out[hit] = live[jj[hit]]
+        return out
+
+    def pin(self, dsts: np.ndarray, lengths: np.ndarray, keys: Sequence[int] | None = None) -> Pins:
+        """Pin the registration covering each ``[dst, dst+length)`` (with `keys`: under that key).
+
+        Raises `RemoteAccessError` (and counts one refused write in the owner's table) when a block is not
+        inside a live registration; nothing stays pinned then.
+        """
+        ends = dsts + lengths
+        karr = None if keys is None else np.asarray(keys, dtype=np.uint64)
+        slot_of = self._matches(dsts, ends, karr)
+        slots = [int(i) for i in np.unique(slot_of[slot_of >= 0])]
+        for i in slots:
+            self._add4(self._slot_addr(i) + 32, 1, _SEQ_CST)
+        # pin first, then re-check: the owner marks a slot REVOKING before it waits for pins (epd_core.c)
+        if slots:
+            recheck = self._matches(dsts, ends, karr)
+        bad = np.flatnonzero((slot_of < 0) | (recheck != slot_of)) if slots else np.arange(len(dsts))
+        pins = Pins(self, slots, len(dsts), int(lengths.sum()))
+        if len(bad):
+            pins.release(landed=False)
+            self._add8(self._base + _OFF_REFUSED, 1, _SEQ_CST)
+            j = int(bad[0])
+            under = " under that key" if karr is not None and karr[j] else ""
+            raise RemoteAccessError(f"pid {self.pid} refused the write of {int(lengths[j])} bytes to "
+                                    f"0x{int(dsts[j]):x}: not inside memory it registered{under}")
+        return pins
+
+    def close(self) -> None:
+        """Unmap the table. Idempotent."""
+        m, self._map = getattr(self, "_map", None), None
+        self._slots = self._used = self._raw = None  # the views go first: mmap refuses to close under them
+        if m is not None:
+            m.close()
