@@ -82,6 +82,26 @@ MAX_WAITING = 512  # asks and queries waiting at once on a producer
 MAX_WAITING_PER_PEER = 128  # of them from one sender address (a decode admits 64 requests at once by default)
 
 
+_peek = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+
+
+def _named_requests(payload: memoryview) -> int:
+    """How many request ids an ask's msgpack map names, read from the array's header without decoding them: a
+    full decode of 20,000 ids takes ~50 ms, this walk ~0.4 ms. -1 when there is no such array (the full decode
+    then says what is wrong)."""
+    try:
+        raw = bytes(_peek.decode(payload).get("request_ids", b""))
+    except msgspec.DecodeError:
+        return -1
+    if raw and 0x90 <= raw[0] <= 0x9F:
+        return raw[0] & 0x0F
+    if raw[:1] == b"\xdc":
+        return int.from_bytes(raw[1:3], "big")
+    if raw[:1] == b"\xdd":
+        return int.from_bytes(raw[1:5], "big")
+    return -1
+
+
 def _peer_address(frame: zmq.Frame) -> str:
     """The sender's IP address (ZMQ's message property), for the per-peer bound."""
     try:
@@ -324,6 +344,12 @@ class KVProducer:
         except security.AuthError as exc:
             self._count("unauthenticated")
             self._reply(envelope, TransError([], str(exc)))
+            return
+        named = _named_requests(payload)
+        if named > self.max_request_ids:  # refused before the costly decode of every id
+            self._count("asks_refused", "transfers_failed")
+            self._reply(envelope, TransError([], f"an ask names {named} requests; this producer takes at most "
+                                                 f"{self.max_request_ids}"))
             return
         try:
             ask = decode_ask(payload)
