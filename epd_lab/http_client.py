@@ -11,9 +11,14 @@ Connections are pooled per host:port and reused; each is used by one thread at a
 (measured); CPython 3.11's `connect` sets it, and it is set here again rather than trusted. A request that fails
 on a *reused* connection before any answer came (the server closed it meanwhile) is sent once more on a fresh
 one; any other failure is raised.
+
+`interrupt(url)` cuts the exchanges in flight to a server that stopped making progress (its /health probes go
+unanswered: `epd_lab.serving.Liveness`); they raise `HTTPError` at once, with `Interrupted` as the cause, instead
+of waiting out their timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -24,6 +29,10 @@ from epd_lab import security
 from epd_lab.serving import CLIENT_KEEPALIVE_S
 
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+class Interrupted(ConnectionAbortedError):
+    """The exchange was cut by `KeepAliveClient.interrupt`: the server stopped making progress."""
 
 
 class HTTPError(Exception):
@@ -38,6 +47,11 @@ class HTTPError(Exception):
     def timed_out(self) -> bool:
         """No answer within the timeout (the server may be alive and still working on the request)."""
         return isinstance(self.__cause__, TimeoutError)
+
+    @property
+    def interrupted(self) -> bool:
+        """Cut by `KeepAliveClient.interrupt`: the server may have the request, and may never answer."""
+        return isinstance(self.__cause__, Interrupted)
 
 
 class KeepAliveClient:
@@ -61,6 +75,8 @@ class KeepAliveClient:
         self._idle: dict[tuple[str, int], list[tuple[http.client.HTTPConnection, float]]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._busy: dict[tuple[str, int], set[http.client.HTTPConnection]] = {}  # in use, per host:port
+        self._cut: set[http.client.HTTPConnection] = set()  # in use, and interrupted
 
     def post(self, url: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
         """POST `body` to `url` (``http://host:port/path``); returns (status, the answer's body).
@@ -74,20 +90,48 @@ class KeepAliveClient:
         path = parts.path or "/"
         headers = {"Content-Type": content_type, "Content-Length": str(len(body)), **self._auth}
         conn, reused = self._take(key)
+        with self._lock:
+            self._busy.setdefault(key, set()).add(conn)
         try:
             try:
                 status, data = self._round_trip(conn, path, body, headers)
             except _STALE:
                 conn.close()
-                if not reused:
+                if not reused or conn in self._cut:
                     raise
                 reused = False  # the server closed it while it was idle: once more, on a fresh connection
                 status, data = self._round_trip(conn, path, body, headers)
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
+            if self._done(key, conn):
+                raise HTTPError(f"interrupted: {url} stopped making progress") from Interrupted()
             raise HTTPError(f"{type(exc).__name__}: {exc}") from exc
-        self._give_back(key, conn)
+        if self._done(key, conn):
+            conn.close()  # answered just as it was cut: its socket is shut down
+        else:
+            self._give_back(key, conn)
         return status, data
+
+    def _done(self, key: tuple[str, int], conn: http.client.HTTPConnection) -> bool:
+        """`conn` is no longer in use; whether it was interrupted."""
+        with self._lock:
+            self._busy[key].discard(conn)
+            cut = conn in self._cut
+            self._cut.discard(conn)
+        return cut
+
+    def interrupt(self, url: str) -> int:
+        """Cut every exchange in flight to `url`'s host:port (each raises `HTTPError`, `interrupted`); returns
+        how many were cut."""
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.hostname or "", parts.port or 80)
+        with self._lock:
+            conns = list(self._busy.get(key, ()))
+            self._cut.update(conns)
+        for conn in conns:
+            with contextlib.suppress(OSError, AttributeError):  # AttributeError: not connected yet or any more
+                conn.sock.shutdown(socket.SHUT_RDWR)  # the blocked read or write returns at once
+        return len(conns)
 
     def _round_trip(self, conn: http.client.HTTPConnection, path: str, body: bytes,
                     headers: dict[str, str]) -> tuple[int, bytes]:

@@ -24,6 +24,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -34,16 +35,18 @@ import zlib
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from epd_lab.ep.messages import part_req_id
+from epd_lab.ep.messages import EncodeRequest, part_req_id
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
+from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES
 from procs import freeze
 
 pytestmark = pytest.mark.timeout(240)  # the first test of a cluster waits for it to boot (tens of s on 2 cores)
@@ -320,9 +323,9 @@ def test_pool_gives_the_same_logits_and_slices_return(launcher, work, backend, d
         addresses: list[list[int]] = []
         send = rx._send
 
-        def spy(rid, plan, address, answer, rkey):  # records where each part is written, then sends as usual
+        def spy(rid, plan, address, *rest):  # records where each part is written, then sends as usual
             addresses[-1].append(address)
-            return send(rid, plan, address, answer, rkey)
+            return send(rid, plan, address, *rest)
 
         rx._send = spy
         for i, sizes in enumerate([SIZES, SIZES[1:3]]):
@@ -405,12 +408,12 @@ def test_encoder_killed_between_encode_and_send(launcher, own_cluster, work, bac
     with _two_encoder_receiver(victim, launcher.shared(backend, "float32").encoder_urls[0], backend) as rx:
         send = rx._send
 
-        def send_after_killing(rid, plan, address, answer, rkey):
+        def send_after_killing(rid, plan, *rest):
             if rx._url(plan) == victim.encoder_urls[0]:
                 assert proc.poll() is None, "the victim died before /send"
                 os.kill(pid, signal.SIGKILL)
                 proc.wait(10)
-            return send(rid, plan, address, answer, rkey)
+            return send(rid, plan, *rest)
 
         rx._send = send_after_killing
         err = _fails_within_timeout(rx, work, "killed-before-send", match="/send to")
@@ -418,6 +421,85 @@ def test_encoder_killed_between_encode_and_send(launcher, own_cluster, work, bac
         assert proc.returncode == -signal.SIGKILL
         _next_request_works(rx, work, "killed-before-send-next")
     assert_closed_cleanly(victim, [pid])  # a cluster whose encoder died closes cleanly
+
+
+@pytest.mark.parametrize("backend", ["mooncake"])
+def test_a_frozen_encoder_is_passed_over_within_seconds(launcher, own_cluster, work, backend):
+    """An encoder frozen (SIGSTOP) still accepts connections, so only its silence tells: its /health probes go
+    unanswered, the receiver finds it stalled, cuts the /encode waiting on it and gives that part to the other
+    encoder. The request is served, bit-exact, long before its timeout (before, it failed at the timeout), and
+    the frozen one is left out of the next plans until it answers again."""
+    victim = own_cluster(backend)
+    pid = victim.procs[0].pid
+    healthy = launcher.shared(backend, "float32").encoder_urls[0]
+    timeout = 20.0
+    with EmbeddingReceiver(ReceiverConfig([victim.encoder_urls[0], healthy], backend, timeout=timeout,
+                                          seed=0)) as rx:
+        freeze(pid)
+        try:
+            t0 = time.monotonic()
+            result = work.check(rx, "float32", "one frozen", work.images("frozen-failover", SIZES[:2]))
+            elapsed = time.monotonic() - t0
+            assert [p.encoder for p in result.received.parts] == [1, 1]
+            assert elapsed < 2 * STALL_MISSES * PROBE_TIMEOUT + SLACK < timeout, elapsed
+            assert rx.counters["encoder_stalls"] == 1 and rx.counters["encoder_failovers"] == 1
+            result = work.check(rx, "float32", "planned without it", work.images("frozen-after", SIZES[:2]))
+            assert [p.encoder for p in result.received.parts] == [1]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while 0 not in rx._up_encoders() or len(rx._up_encoders()) != 2:  # answered again: planned again
+            assert time.monotonic() < deadline, "the thawed encoder was not taken back"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("backend", ["mooncake"])
+def test_a_busy_encoder_passes_the_part_on_and_a_failed_request_releases_its_parts(launcher, own_cluster, work,
+                                                                                  backend, tmp_path):
+    """An encoder at capacity (--max-parts 1, its one part held by another /encode) answers 503 at once: the part
+    planned on it goes to the other encoder and the request is served. A request whose other part fails (an image
+    that does not decode) releases the part the healthy encoder holds for it (/release) at once, not at its TTL."""
+    healthy = launcher.shared(backend, "float32").encoder_urls[0]
+    with Cluster(Topology(encoders=1, prefills=0, decodes=0, backend=backend, timeout=FAIL_TIMEOUT,
+                          settings={"encoder": {"max_parts": 1}}), log_dir=str(tmp_path)) as tight:
+        busy = tight.encoder_urls[0]
+        held = EncodeRequest(work.images("busy-holder", SIZES[:1]), 1, 0, "holder_local_part_0", "IMAGE",
+                             "127.0.0.1", 1)
+        assert httpx.post(busy + "/encode", content=msgspec.json.encode(held), timeout=10).status_code == 200
+        refused = httpx.post(busy + "/encode", content=msgspec.json.encode(held), timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        with EmbeddingReceiver(ReceiverConfig([busy, healthy], backend, timeout=FAIL_TIMEOUT, seed=0)) as rx:
+            result = work.check(rx, "float32", "one busy", work.images("busy-failover", SIZES[:2]))
+            assert [p.encoder for p in result.received.parts] == [1, 1]
+            assert rx.counters["encoder_failovers"] == 1
+        assert 'epd_encoder_refused_at_capacity_total 2' in httpx.get(busy + "/metrics", timeout=10).text
+        answer = httpx.post(busy + "/release", json={"req_id": held.req_id}, timeout=10).json()
+        assert answer == {"req_id": held.req_id, "released": True}
+        assert httpx.get(busy + "/health", timeout=10).json()["admitted"] == 0
+
+        bad = tmp_path / "bad.png"
+        bad.write_bytes(b"not an image")  # refused by its /encode, while the other part's /encode is held
+        before = _held_and_released([busy, healthy])
+        with EmbeddingReceiver(ReceiverConfig([busy, healthy], backend, timeout=FAIL_TIMEOUT, seed=0)) as rx:
+            paths = [str(bad), *work.images("release-me", SIZES[1:2])]
+            with pytest.raises(EPDError):
+                EPDPrefill(rx, work.model("float32")).prefill("fails on one part", paths)
+            deadline = time.monotonic() + SLACK
+            while rx.counters["parts_released"] < 1:
+                assert time.monotonic() < deadline, rx.counters
+                time.sleep(0.05)
+        held_now, released_now = _held_and_released([busy, healthy])
+        assert held_now == before[0] and released_now == before[1] + 1
+
+
+def _held_and_released(urls: list[str]) -> tuple[int, int]:
+    """Embeddings held for /send, and released by /release, on these encoders."""
+    held = released = 0
+    for url in urls:
+        held += httpx.get(url + "/health", timeout=10).json()["embeddings_held"]
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        released += int(float(re.search(r"^epd_encoder_embeddings_released_total (\S+)$", metrics, re.M).group(1)))
+    return held, released
 
 
 @pytest.mark.parametrize("backend", ["mooncake"])
@@ -430,10 +512,10 @@ def test_encoder_frozen_before_it_notifies(launcher, own_cluster, work, backend)
     with _two_encoder_receiver(victim, launcher.shared(backend, "float32").encoder_urls[0], backend) as rx:
         send = rx._send
 
-        def send_frozen(rid, plan, address, answer, rkey):
+        def send_frozen(rid, plan, address, *rest):
             if rx._url(plan) == victim.encoder_urls[0]:
                 freeze(pid)
-            return send(rid, plan, address, answer, rkey)
+            return send(rid, plan, address, *rest)
 
         rx._send = send_frozen
         try:
@@ -468,11 +550,11 @@ def test_late_write_of_a_resumed_encoder_does_not_corrupt_a_later_request(launch
         send, wait = rx._send, rx._wait
         a_ranges: list[tuple[int, int]] = []
 
-        def send_frozen(rid, plan, address, answer, rkey):  # A's part on the victim: freeze it first
+        def send_frozen(rid, plan, address, answer, *rest):  # A's part on the victim: freeze it first
             if rx._url(plan) == victim.encoder_urls[0]:
                 a_ranges.append((address, answer.embedding_size))
                 freeze(pid)
-            return send(rid, plan, address, answer, rkey)
+            return send(rid, plan, address, answer, *rest)
 
         def wait_then_resume(rid, plans, futures, deadline):  # B's bytes are in; let the victim go
             out = wait(rid, plans, futures, deadline)

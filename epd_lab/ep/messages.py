@@ -177,6 +177,13 @@ class SchedulerReceiveUrl(msgspec.Struct, forbid_unknown_fields=True):
         receive_url_endpoint(self.receive_url)
 
 
+class ReleaseRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /release (mooncake; epd_lab's, not the seed's): the receiver will not /send for this part (its
+    request failed elsewhere), so the encoder drops the held embedding now rather than after its TTL."""
+
+    req_id: str
+
+
 class EmbeddingNotify(msgspec.Struct, tag="notify"):
     """mooncake: the bytes are already in place; this says what they are (or why they are not)."""
 

@@ -18,16 +18,28 @@ request:
    concatenate per modality.
 
 Every failure reaches the caller as an `EPDError` within the timeout, and the request's buffer is
-deregistered whatever happened.
+deregistered whatever happened; parts an encoder holds for a /send that will not come are released there
+(``POST /release``) rather than left to its TTL.
+
+Encoders are chosen by health, as the proxy chooses prefills and decodes (`epd_lab.serving.Liveness`): one that
+refuses a connection is left out for ``retry_after``; one that misses two ``/health`` probes in a row (probed each
+`PROBE_INTERVAL` s) is *stalled*, left out until it answers, and the exchanges in flight to it are cut at once. A
+part whose ``/encode`` got no answer (refused, cut, the encoder died or stalled) or a 503 (at capacity: it holds
+nothing) goes to the next encoder that is up; a part already handed over (``/send`` sent, or the zmq backends'
+push awaited) fails the request at once when its encoder stalls, instead of at the deadline.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
+import http.client
 import random
 import threading
 import time
+import urllib.parse
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
@@ -42,6 +54,7 @@ from epd_lab.ep.messages import (
     EncodeRequest,
     EncodeResponse,
     Modality,
+    ReleaseRequest,
     SchedulerReceiveUrl,
     SendRequest,
     decode_zmq,
@@ -53,6 +66,7 @@ from epd_lab.ep.messages import MAX_ZMQ_BYTES
 from epd_lab.ep.push import NOTIFY_MAX_BYTES
 from epd_lab.faults import failpoint
 from epd_lab.http_client import HTTPError, KeepAliveClient
+from epd_lab.serving import PROBE_INTERVAL, PROBE_TIMEOUT, Liveness
 from epd_lab.trace import Recorder
 from epd_lab.transfer import TransferEngine, as_array, open_engine
 
@@ -217,7 +231,8 @@ class EmbeddingReceiver:
         self._http = KeepAliveClient(config.timeout)
         self._io = ThreadPoolExecutor(max_workers=32, thread_name_prefix="epd-receiver")
         self._pending: dict[str, Future] = {}
-        self._down_until = [0.0] * len(config.encoder_urls)  # time.monotonic(): an encoder that refused
+        self._owner: dict[str, int] = {}  # part id -> the encoder that took it (its /encode answered)
+        self._liveness = [Liveness(config.retry_after) for _ in config.encoder_urls]
         self._lock = threading.Lock()
         self.counters = collections.Counter()
         self._ctx = zmq.Context()
@@ -231,6 +246,8 @@ class EmbeddingReceiver:
         self._closing = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="epd-receiver-zmq", daemon=True)
         self._listener.start()
+        self._monitor = threading.Thread(target=self._probe_encoders, name="epd-receiver-probe", daemon=True)
+        self._monitor.start()
 
     # ---- notifications ----
     def _listen(self) -> None:
@@ -254,10 +271,12 @@ class EmbeddingReceiver:
                 msg.spans[-1] = msgspec.structs.replace(msg.spans[-1], t_end_ns=t_recv)
             with self._lock:
                 fut = self._pending.get(msg.req_id)
-            if fut is None or fut.done():
+            try:
+                if fut is None:
+                    raise InvalidStateError
+                fut.set_result(msg)
+            except InvalidStateError:
                 self.counters["stray_messages"] += 1  # a part that already failed or timed out
-                continue
-            fut.set_result(msg)
 
     # ---- the request ----
     def receive(self, mm_items: list[str], rid: str | None = None, modality: str = "image") -> ReceivedEmbeddings:
@@ -280,21 +299,30 @@ class EmbeddingReceiver:
         futures = {part_req_id(rid, p.part_idx): Future() for p in plans}
         with self._lock:
             self._pending.update(futures)
+        sent: set[str] = set()  # mooncake: parts whose /send the encoder answered (so it holds them no more)
         try:
             plans, responses = map(list, zip(*self._parallel(plans, lambda p: self._start_part(rid, len(plans), p))))
             if self.config.backend == "mooncake":
-                return self._receive_mooncake(rid, plans, responses, futures, deadline)
+                return self._receive_mooncake(rid, plans, responses, futures, deadline, sent)
             messages = self._wait(rid, plans, futures, deadline)
             with self.recorder.span("reassemble", rid, nbytes=sum(len(m.data) for m in messages)):
                 tensors = [_tensor_from_bytes(m, bytearray(m.data)) for m in messages]
                 return self._assemble(rid, plans, messages, tensors)
+        except BaseException:
+            if self.config.backend == "mooncake":  # parts encoded and held for a /send that will not come
+                with self._lock:
+                    held = [(key, self._owner[key]) for key in futures if key in self._owner and key not in sent]
+                for key, encoder in held:
+                    self._io.submit(self._release, key, encoder)
+            raise
         finally:
             with self._lock:
                 for key in futures:
                     self._pending.pop(key, None)
+                    self._owner.pop(key, None)
 
     def _receive_mooncake(self, rid: str, plans: list[PartPlan], responses: list[EncodeResponse],
-                          futures: dict[str, Future], deadline: float) -> ReceivedEmbeddings:
+                          futures: dict[str, Future], deadline: float, sent: set[str]) -> ReceivedEmbeddings:
         sizes = [r.embedding_size for r in responses]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         total = sum(sizes)
@@ -311,7 +339,7 @@ class EmbeddingReceiver:
             try:
                 failpoint("prefill.between_encode_and_send")
                 self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx],
-                                                           responses[p.part_idx], rkey))
+                                                           responses[p.part_idx], rkey, sent))
                 messages = self._wait(rid, plans, futures, deadline)
             finally:
                 self.engine.deregister(base)  # no write can land once this returns
@@ -357,27 +385,62 @@ class EmbeddingReceiver:
 
     # ---- encoders ----
     def _up_encoders(self) -> list[int]:
-        """The encoders the plans may use: those not left out after a refused connection (all of them when every
-        one was: they are tried again rather than failing the request unasked)."""
+        """The encoders the plans may use: those up (all of them when none is: they are tried again rather than
+        failing the request unasked)."""
         now = time.monotonic()
-        up = [i for i, until in enumerate(self._down_until) if until <= now]
-        return up or list(range(len(self._down_until)))
+        up = [i for i, liveness in enumerate(self._liveness) if liveness.up(now)]
+        return up or list(range(len(self._liveness)))
+
+    def _probe_encoders(self) -> None:
+        """The monitor thread: each `PROBE_INTERVAL`, probe every encoder's /health; cut what waits on one that
+        is found stalled."""
+        while not self._closing.wait(PROBE_INTERVAL):
+            for i, url in enumerate(self.config.encoder_urls):
+                if self._liveness[i].probed(_health_answers(url)):
+                    self._stalled(i)
+
+    def _stalled(self, encoder: int) -> None:
+        """Encoder `encoder` stopped making progress: cut its exchanges in flight (an /encode goes on to another
+        encoder) and fail the parts it holds (their requests fail now, not at their deadline)."""
+        url = self.config.encoder_urls[encoder]
+        self.counters["encoder_stalls"] += 1
+        self._http.interrupt(url)
+        error = EPDError(f"encoder {url} stopped making progress (no answer to its /health probes)", lost=True)
+        with self._lock:
+            waiting = [self._pending.get(key) for key, owner in self._owner.items() if owner == encoder]
+        for fut in waiting:
+            with contextlib.suppress(InvalidStateError, AttributeError):  # arrived meanwhile, or done
+                fut.set_exception(error)
+
+    def _release(self, key: str, encoder: int) -> None:
+        """Best effort: tell `encoder` to drop part `key`, held for a /send that will not come (its TTL bounds it
+        anyway)."""
+        try:
+            status, _ = self._http.post(self.config.encoder_urls[encoder] + "/release",
+                                        msgspec.json.encode(ReleaseRequest(key)))
+        except HTTPError:
+            status = 0
+        self.counters["parts_released" if status == 200 else "parts_release_failed"] += 1
 
     def _start_part(self, rid: str, num_parts: int, plan: PartPlan) -> tuple[PartPlan, EncodeResponse]:
         """Hand a part to its encoder (zmq_to_scheduler: its receive URL, then /encode). When the exchange gets no
-        answer, and not for want of time (the encoder refused the connection, or died with the request in
-        flight), the part goes to the next encoder that is up; one that refused is left out for `retry_after`. A
-        late message from the first encoder is dropped as a stray. An encoder that answers an error, or does not
-        answer in time, fails the request. Returns the plan as it was served, and the /encode answer."""
+        answer, and not for want of time (the encoder refused the connection, died or stalled with the request in
+        flight), or a 503, the part goes to the next encoder that is up; one that refused is left out for
+        `retry_after`. A late message from the first encoder is dropped as a stray. An encoder that answers
+        another error, or does not answer in time, fails the request. Returns the plan as it was served, and the
+        /encode answer."""
         tried: list[int] = []
         while True:
             tried.append(plan.encoder)
             try:
                 if self.config.backend == "zmq_to_scheduler":
                     self._scheduler_receive_url(rid, plan)
-                return plan, self._encode(rid, num_parts, plan)
+                answer = self._encode(rid, num_parts, plan)
+                with self._lock:
+                    self._owner[answer.req_id] = plan.encoder
+                return plan, answer
             except EPDError as exc:
-                if not exc.lost:
+                if not (exc.lost or exc.status == 503):  # 503: at capacity, it holds nothing
                     raise
                 spare = [i for i in self._up_encoders() if i not in tried]
                 if not spare:
@@ -391,6 +454,7 @@ class EmbeddingReceiver:
 
     def _parallel(self, plans: list[PartPlan], fn) -> list:
         futs = [self._io.submit(fn, p) for p in plans]
+        concurrent.futures.wait(futs)  # all settled first: a failed request then knows every part an encoder holds
         return [f.result() for f in futs]  # re-raises the first failure
 
     def _post(self, plan: PartPlan, route: str, body: msgspec.Struct) -> bytes:
@@ -399,7 +463,7 @@ class EmbeddingReceiver:
             status, content = self._http.post(url, msgspec.json.encode(body))
         except HTTPError as exc:
             if exc.refused:  # left out of the plans for a while: its parts go to the other encoders
-                self._down_until[plan.encoder] = time.monotonic() + self.config.retry_after
+                self._liveness[plan.encoder].refused()
             raise EPDError(f"{route} to {url} failed: {exc}", refused=exc.refused, lost=not exc.timed_out) from exc
         if status != 200:
             raise EPDError(f"{route} to {url} answered {status}: {content[:300].decode(errors='replace')}", status)
@@ -415,10 +479,17 @@ class EmbeddingReceiver:
                            f"part {answer.part_idx}")
         return answer
 
-    def _send(self, rid: str, plan: PartPlan, address: int, answer: EncodeResponse, rkey: int) -> None:
+    def _send(self, rid: str, plan: PartPlan, address: int, answer: EncodeResponse, rkey: int,
+              sent: set[str]) -> None:
         req = send_request(answer, self.engine.session_id, address, self.config.host, self.embedding_port, rkey)
         with self.recorder.span("http_send", rid, plan.part_idx, nbytes=answer.embedding_size):
-            self._post(plan, "/send", req)
+            try:
+                self._post(plan, "/send", req)
+            except EPDError as exc:
+                if exc.status is not None:  # answered: it holds the part no more
+                    sent.add(answer.req_id)
+                raise
+            sent.add(answer.req_id)
 
     def _scheduler_receive_url(self, rid: str, plan: PartPlan) -> None:
         # the seed's "host:port", no scheme; this process is the scheduler here, its only rank: receive_count 1
@@ -432,6 +503,7 @@ class EmbeddingReceiver:
             return
         self._closing.set()
         self._listener.join()
+        self._monitor.join()
         self._pull.close()
         self._ctx.term()
         self._io.shutdown(wait=True, cancel_futures=True)
@@ -445,6 +517,19 @@ class EmbeddingReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _health_answers(url: str) -> bool:
+    """Whether `url`'s /health answers 200 within `PROBE_TIMEOUT`."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=PROBE_TIMEOUT)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 def _tensor_from_bytes(msg: EmbeddingNotify, raw, copy: bool = False) -> torch.Tensor:

@@ -16,7 +16,14 @@ Routes:
   ``buffer_address`` in engine ``session_id``, then PUSH a metadata-only `EmbeddingNotify`. The body may be
   the `/encode` answer itself plus ``session_id`` and ``buffer_address`` (the seed's). Once a /send is
   accepted, the receiver always gets a notify, with ``error`` set when the write could not be done.
+- ``POST /release`` (mooncake; `ReleaseRequest`, epd_lab's): drop a held embedding whose /send will not come
+  (the receiver's request failed elsewhere) now, not after its TTL.
 - ``POST /scheduler_receive_url`` (zmq_to_scheduler; `SchedulerReceiveUrl`), ``GET /health``, ``GET /metrics``.
+
+Admission: at most ``--max-parts`` parts at once, from /encode until sent (mooncake: held for /send, released or
+expired), and at most ``--max-held-bytes`` of embeddings held for /send. Past either an /encode is refused at once
+with 503 and ``Retry-After`` (before its body is read, for the part count), holding nothing: the receiver offers
+the part to another encoder.
 
 ZMQ messages only go to hosts `check_host` accepts (an IP address or a DNS name) and ports 1..65535.
 
@@ -73,6 +80,7 @@ from epd_lab.ep.messages import (
     EncodeResponse,
     Modality,
     SchedulerReceiveUrl,
+    ReleaseRequest,
     SendRequest,
     SendResponse,
     encode_zmq,
@@ -81,9 +89,9 @@ from epd_lab.ep.messages import (
 )
 from epd_lab.ep.push import PushSockets
 from epd_lab.faults import failpoint
-from epd_lab.serving import (BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
-                             ServingError, decode_body, json_response, option, read_body, read_struct,
-                             role_app, serve_main)
+from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric,
+                             NotFound, ServingError, Unavailable, decode_body, json_response, option, read_body,
+                             read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -97,7 +105,7 @@ from epd_lab.transfer.engine import ENGINES
 
 TRANSPORTS = ENGINES
 SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes
-ROUTES = ("/encode", "/send", "/scheduler_receive_url")
+ROUTES = ("/encode", "/send", "/release", "/scheduler_receive_url")
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -116,6 +124,10 @@ class EncoderSettings:
                                   "ZMQ send")
     embedding_ttl: float = option(60.0, "seconds a held embedding waits for /send before it is released")
     cache_bytes: int = option(256 << 20, "embedding cache capacity in bytes (0: off)")
+    max_parts: int = option(64, "parts admitted at once, from /encode until sent, released or expired; more are "
+                                "refused with 503")
+    max_held_bytes: int = option(512 << 20, "embedding bytes held for /send at once (mooncake); a part past it is "
+                                            "refused with 503")
     media_roots: tuple[str, ...] = option((), "folders whose files clients may name as media items (none: no "
                                               "local paths)")
     media_private_hosts: bool = option(False, "fetch http(s) media items from loopback and private addresses too")
@@ -134,6 +146,9 @@ class EncoderSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        for name in ("max_parts", "max_held_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def model_name(self) -> str:
@@ -200,31 +215,77 @@ class MMEncoder:
         self.encoder_idx: int | None = None  # the latest /encode's encoder_idx: this server's place in its list
         self.bytes_sent = 0
         self.embeddings_expired = 0
+        self.embeddings_released = 0
+        self.held_bytes = 0  # Σ embedding_size of `held`
+        self.refused = {"at_capacity": 0, "held_bytes": 0}
+        self.admission = Admission("encoder", settings.max_parts, f"max_parts {settings.max_parts}",
+                                   lambda: self._count_refused("at_capacity"))
 
     # ---- /encode ----
-    async def encode(self, body: bytes | bytearray) -> EncodeResponse:
-        """/encode's JSON body (`EncodeRequest`): read the media and answer the sizes; run (mooncake: start) the
-        ViT and send per backend. A bad request or item is a 400 (`BadRequest`)."""
-        try:  # one thread hop for the body and the media: megabytes of JSON and base64 with data: URIs
-            req, modality, items, load_span = await asyncio.to_thread(self._read_request, body)
-        except MediaError as exc:
-            raise BadRequest(str(exc)) from None
-        if req.encoder_idx is not None:
-            self.encoder_idx = req.encoder_idx
-        sizes = [item.image.size for item in items]
-        n_tokens = sum(models.num_image_tokens(size) for size in sizes)
-        resp = EncodeResponse(req.req_id, req.part_idx, n_tokens * self.embedding_dim * self.itemsize, n_tokens,
-                              self.embedding_dim, self.settings.dtype, [list(models.image_grid(s)) for s in sizes])
-        if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
-            raise Conflict(f"req_id {req.req_id!r} is already held here, waiting for /send")
-        future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, load_span)
-        failpoint("encoder.before_encode_reply")
-        if self.settings.backend == "mooncake":
-            self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
-                                          time.monotonic())
+    async def encode(self, body: Awaitable[bytes | bytearray]) -> EncodeResponse:
+        """/encode's JSON body (`EncodeRequest`, awaited here): read the media and answer the sizes; run
+        (mooncake: start) the ViT and send per backend. A bad request or item is a 400 (`BadRequest`).
+
+        The caller admitted the part (`admission.enter`); it leaves when this returns, or for mooncake once held
+        and then sent, released or expired."""
+        held = False
+        try:
+            body = await body
+            try:  # one thread hop for the body and the media: megabytes of JSON and base64 with data: URIs
+                req, modality, items, load_span = await asyncio.to_thread(self._read_request, body)
+            except MediaError as exc:
+                raise BadRequest(str(exc)) from None
+            if req.encoder_idx is not None:
+                self.encoder_idx = req.encoder_idx
+            sizes = [item.image.size for item in items]
+            n_tokens = sum(models.num_image_tokens(size) for size in sizes)
+            resp = EncodeResponse(req.req_id, req.part_idx, n_tokens * self.embedding_dim * self.itemsize, n_tokens,
+                                  self.embedding_dim, self.settings.dtype,
+                                  [list(models.image_grid(s)) for s in sizes])
+            if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
+                raise Conflict(f"req_id {req.req_id!r} is already held here, waiting for /send")
+            if self.settings.backend == "mooncake":
+                self._check_held_bytes(resp.embedding_size)
+            future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, load_span)
+            failpoint("encoder.before_encode_reply")
+            if self.settings.backend == "mooncake":
+                self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
+                                              time.monotonic())
+                self.held_bytes += resp.embedding_size
+                held = True
+                return resp
+            await self._encode_and_push(req, modality, resp, future)
             return resp
-        await self._encode_and_push(req, modality, resp, future)
-        return resp
+        finally:
+            if not held:
+                self.admission.leave()
+
+    def _check_held_bytes(self, nbytes: int) -> None:
+        """503 when holding `nbytes` more for /send would pass ``max_held_bytes``."""
+        cap = self.settings.max_held_bytes
+        if self.held_bytes + nbytes > cap:
+            self._count_refused("held_bytes")
+            raise Unavailable(f"encoder at capacity: {self.held_bytes} embedding bytes held for /send, {nbytes} "
+                              f"more would pass max_held_bytes {cap}", retry_after=1)
+
+    def _count_refused(self, why: str) -> None:
+        self.refused[why] += 1
+
+    def _release(self, req_id: str) -> _Held | None:
+        """Stop holding `req_id` (sent, released or expired): its bytes and its admission go back."""
+        held = self.held.pop(req_id, None)
+        if held is not None:
+            self.held_bytes -= held.answer.embedding_size
+            self.admission.leave()
+        return held
+
+    def release(self, req: ReleaseRequest) -> dict:
+        """/release: drop a held embedding whose /send will not come (a ViT not yet started does not run)."""
+        held = self._release(req.req_id)
+        if held is not None:
+            held.future.cancel()
+            self.embeddings_released += 1
+        return {"req_id": req.req_id, "released": held is not None}
 
     def _read_request(self, body: bytes | bytearray) -> tuple[EncodeRequest, Modality, list[_Item], Span]:
         """In a thread: the request, checked, and its media items, read, hashed and opened from their headers
@@ -369,7 +430,7 @@ class MMEncoder:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         # accepted: from here the part is released whatever happens, and the receiver always hears back
-        del self.held[req.req_id]
+        self._release(req.req_id)
         urls = [zmq_url(req.prefill_host or held.prefill_host, port)]
         notify = EmbeddingNotify(answer.req_id, answer.part_idx, held.modality.name,
                                  [answer.embedding_len, answer.embedding_dim], answer.dtype, answer.grid_thw)
@@ -467,7 +528,7 @@ class MMEncoder:
         """Release held embeddings and receive URLs older than the TTL."""
         cutoff = time.monotonic() - self.settings.embedding_ttl
         for req_id in [r for r, h in self.held.items() if h.created < cutoff]:
-            self.held.pop(req_id).future.cancel()  # drops the embedding (or a ViT not yet started)
+            self._release(req_id).future.cancel()  # drops the embedding (or a ViT not yet started)
             self.embeddings_expired += 1
         for req_id in [r for r, u in self.receive_urls.items() if u.created < cutoff and not u.awaited]:
             del self.receive_urls[req_id]
@@ -483,13 +544,23 @@ class MMEncoder:
         return {"status": "ok", "backend": self.settings.backend, "model": self.settings.model_name,
                 "dtype": self.settings.dtype, "node": self.recorder.node,
                 "session_id": self.engine.session_id if self.engine is not None else None,
-                "embeddings_held": len(self.held), "encoder_idx": self.encoder_idx}
+                "embeddings_held": len(self.held), "held_bytes": self.held_bytes,
+                "admitted": self.admission.admitted, "encoder_idx": self.encoder_idx}
 
     def metric_families(self) -> list[Metric]:
         """The encoder's ``/metrics`` families: held embeddings, bytes sent, the embedding cache."""
         return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
             ("embeddings_held", "gauge", len(self.held), "embeddings waiting for /send"),
             ("embeddings_expired_total", "counter", self.embeddings_expired, "embeddings released by the TTL"),
+            ("embeddings_released_total", "counter", self.embeddings_released, "embeddings dropped by /release"),
+            ("held_bytes", "gauge", self.held_bytes, "embedding bytes held for /send"),
+            ("max_held_bytes", "gauge", self.settings.max_held_bytes, "embedding bytes held for /send at most"),
+            ("admitted", "gauge", self.admission.admitted, "parts admitted (encoding, or held for /send)"),
+            ("capacity", "gauge", self.admission.capacity, "parts admitted at most (max_parts)"),
+            ("refused_at_capacity_total", "counter", self.refused["at_capacity"],
+             "/encode refused with 503 at once: max_parts reached"),
+            ("refused_held_bytes_total", "counter", self.refused["held_bytes"],
+             "/encode refused with 503: max_held_bytes reached"),
             ("bytes_sent_total", "counter", self.bytes_sent, "embedding bytes written or sent over ZMQ"),
             ("cache_hits_total", "counter", self.cache.hits, "images found in the embedding cache"),
             ("cache_misses_total", "counter", self.cache.misses, "images the ViT had to encode"),
@@ -531,11 +602,17 @@ def create_app(settings: EncoderSettings) -> FastAPI:
 
     @app.post("/encode")
     async def encode(request: Request) -> Response:
-        return json_response(await app.state.server.encode(await read_body(request)))
+        server: MMEncoder = app.state.server
+        server.admission.enter()  # refused before its body is even read: it costs nothing more
+        return json_response(await server.encode(read_body(request)))
 
     @app.post("/send")
     async def send(request: Request) -> Response:
         return json_response(await app.state.server.send(await read_struct(request, SendRequest)))
+
+    @app.post("/release")
+    async def release(request: Request) -> Response:
+        return json_response(app.state.server.release(await read_struct(request, ReleaseRequest)))
 
     @app.post("/scheduler_receive_url")
     async def scheduler_receive_url(request: Request) -> Response:

@@ -222,6 +222,8 @@ class PrefillServer:
                     result = self.epd.prefill(req.prompt, req.images, rid, before_forward=before_forward).prefill
                 except EPDError as exc:
                     # an encoder that refused the input (an image that does not decode, ...) is the client's error
+                    if exc.status == 503:  # every encoder at capacity: so is this request's prefill, for now
+                        raise Unavailable(f"E→P failed: {exc}", retry_after=1) from None
                     status = exc.status if exc.status in (400, 409, 413) else 502
                     raise error_for_status(status, f"E→P failed: {exc}") from None
                 except ValueError as exc:  # the prompt and the embeddings disagree
