@@ -676,7 +676,10 @@ def test_cache_evicts_least_recently_used():
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
+    hosts: list[str] = []  # the Host header of every GET, in order
+
     def do_GET(self) -> None:
+        _Handler.hosts.append(self.headers.get("Host", ""))
         body = {"/a.png": IMG_A, "/big": b"x" * 5000}.get(self.path)
         if body is None:
             self.send_error(404)
@@ -747,6 +750,22 @@ def test_the_media_policy_says_no_more_than_no(http_media, tmp_path):
         with pytest.raises(media.MediaError, match="public addresses only"):
             media.fetch_media(url, 2.0, 1 << 20, policy)
     assert media.fetch_media(f"{http_media}/a.png", 2.0, 1 << 20, media.MediaPolicy(private_hosts=True)) == IMG_A
+
+
+def test_a_fetch_connects_to_the_address_it_checked(http_media):
+    """Rebinding: the host is resolved once, and the connection goes to that checked address, not to whatever a
+    second lookup would answer; the URL's host still reaches the server (``Host``) and, for https, the SNI name
+    the certificate is checked against."""
+    port = http_media.rsplit(":", 1)[1]
+    _Handler.hosts.clear()
+    allowed = media.MediaPolicy(private_hosts=True)
+    assert media.fetch_media(f"http://localhost:{port}/a.png", 2.0, 1 << 20, allowed) == IMG_A
+    assert _Handler.hosts == [f"localhost:{port}"]  # sent to the checked 127.0.0.1 as "localhost:port"
+    assert media.pinned_request("https://user:pw@example.org:8443/p?q=1", "93.184.216.34") == (
+        "https://93.184.216.34:8443/p?q=1", {"Host": "example.org:8443"}, {"sni_hostname": "example.org"})
+    assert media.pinned_request("http://example.org/x", "2606:2800:220:1::1")[0] == "http://[2606:2800:220:1::1]/x"
+    with pytest.raises(media.MediaError, match="public addresses only"):
+        media.MediaPolicy().address(f"http://localhost:{port}/a.png")
 
 
 def test_an_encoder_is_no_file_or_port_oracle(servers, http_media):

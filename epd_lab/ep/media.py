@@ -10,7 +10,10 @@ is only found by `load_rgb`.
 A server fetches for its clients under a `MediaPolicy`: local paths only inside the folders it names (after
 resolving links; regular files only, so never ``/proc``, devices or pipes), http(s) only to public addresses
 unless it allows private ones. A refusal says what the policy is, never whether the thing exists, so a
-client cannot probe the server's files or network. Without a policy (`fetch_media`'s default) the caller is
+client cannot probe the server's files or network. The host is resolved once, every address it resolves to is
+checked, and the connection goes to a checked address (the URL's host kept in ``Host`` and, for https, in SNI and
+the certificate check): a DNS answer that changes between the check and the connect (rebinding) cannot steer
+the fetch to a private address. Without a policy (`fetch_media`'s default) the caller is
 trusted: the driver reading its own files.
 """
 from __future__ import annotations
@@ -59,17 +62,31 @@ class MediaPolicy:
         raise MediaError("local paths are not served here" if not self.roots
                          else f"{_short(path)} is outside the folders this server serves media from")
 
-    def check_host(self, url: str) -> None:
-        """`MediaError` unless every address `url`'s host resolves to is public (or private ones are allowed)."""
-        if self.private_hosts:
-            return
+    def address(self, url: str) -> str:
+        """The address to connect to for `url`: the first its host resolves to, once every one is checked;
+        `MediaError` unless all are public (or private ones are allowed)."""
         host = urlsplit(url).hostname or ""
         try:
-            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+            addresses = [info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
         except (socket.gaierror, UnicodeError):
             raise MediaError(f"cannot resolve the host of {_short(url)}") from None
-        if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):
+        if not addresses:
+            raise MediaError(f"cannot resolve the host of {_short(url)}")
+        if not self.private_hosts and not all(ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):
             raise MediaError(f"{_short(url)}: this server fetches media from public addresses only")
+        return addresses[0]
+
+
+def pinned_request(url: str, address: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """`url` aimed at `address` rather than at its host, with what keeps it the same request: the ``Host``
+    header and, for https, the SNI name that the certificate is checked against. (target, headers,
+    extensions) for httpx."""
+    parts = urlsplit(url)
+    literal = f"[{address.split('%')[0]}]" if ":" in address else address
+    target = parts._replace(netloc=literal + (f":{parts.port}" if parts.port else "")).geturl()
+    host = parts.netloc.rpartition("@")[2]  # any user:password@ is not sent on
+    extensions = {"sni_hostname": parts.hostname or ""} if parts.scheme == "https" else {}
+    return target, {"Host": host}, extensions
 
 
 def _short(item: str, limit: int = 80) -> str:
@@ -104,9 +121,9 @@ def _from_url(item: str, timeout: float, max_bytes: int, policy: MediaPolicy | N
         with httpx.Client(timeout=timeout, follow_redirects=False) as client:
             url = item
             for _ in range(MAX_REDIRECTS + 1):  # each hop is checked, so a redirect cannot reach a private host
-                if policy is not None:
-                    policy.check_host(url)
-                with client.stream("GET", url) as resp:
+                target, headers, extensions = (pinned_request(url, policy.address(url)) if policy is not None
+                                               else (url, {}, {}))
+                with client.stream("GET", target, headers=headers, extensions=extensions) as resp:
                     if resp.is_redirect and "location" in resp.headers:
                         url = urljoin(url, resp.headers["location"])
                         if not url.startswith(("http://", "https://")):
