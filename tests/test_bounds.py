@@ -201,7 +201,7 @@ def legit_transfers(producer: KVProducer, consumer: KVConsumer, p_blocks: BlockM
 def test_asks_naming_too_many_requests_are_refused_at_once_and_ready_asks_keep_flowing(pd):
     """The issue's flood: 200 asks naming 20,000 unknown requests each. Before, they waited out the producer's
     timeout and every ready ask behind them took 5-6 s; now each is TRANS_ERROR at once (read from the array's
-    header, before the ~50 ms decode of 20,000 ids), and ready asks go through while the flood lasts."""
+    header, before the costly decode of 20,000 ids), and ready asks go through while the flood lasts."""
     producer, consumer, p_blocks, d_blocks, d_engine = pd
     with Flood(producer.url, 200, 20_000, 8, d_engine.session_id) as flood:
         assert flood.line()["sent"] == 200

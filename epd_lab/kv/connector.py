@@ -86,9 +86,9 @@ _peek = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
 
 def _named_requests(payload: memoryview) -> int:
-    """How many request ids an ask's msgpack map names, read from the array's header without decoding them: a
-    full decode of 20,000 ids takes ~50 ms, this walk ~0.4 ms. -1 when there is no such array (the full decode
-    then says what is wrong)."""
+    """How many request ids an ask's msgpack map names, read from the array's header without decoding them (a
+    walk that builds no strings, about a hundred times cheaper than decoding 20,000 ids). -1 when there is no
+    such array (the full decode then says what is wrong)."""
     try:
         raw = bytes(_peek.decode(payload).get("request_ids", b""))
     except msgspec.DecodeError:
