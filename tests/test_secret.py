@@ -226,3 +226,13 @@ def test_cluster_side_channels_refuse_clients_without_the_secret(cluster):
     assert isinstance(reply, TransError) and "tag" in reply.error
     health = httpx.get(cluster.prefill_urls[0] + "/health", timeout=10).json()
     assert health["producer"]["unauthenticated"] >= 1
+
+
+def test_mooncake_engine_is_refused_when_a_secret_is_set(monkeypatch):
+    """Mooncake's port has no handshake: with a secret set, opening it fails rather than leaving a port open."""
+    from epd_lab.transfer.errors import TransportUnavailable
+    from epd_lab.transfer.registry import open_engine
+
+    monkeypatch.setenv(security.ENV_SECRET, SECRET)
+    with pytest.raises(TransportUnavailable, match="cannot check the shared secret"):
+        open_engine("mooncake")

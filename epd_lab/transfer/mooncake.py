@@ -58,6 +58,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from epd_lab import security
 from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
 from epd_lab.transfer.errors import (
@@ -380,6 +381,13 @@ def open_mooncake(hostname: str = "127.0.0.1", protocol: str = "mooncake", *,
         protocol: ``"mooncake"`` (the registry's name: Mooncake's ``auto``) or one of `PROTOCOLS`.
         timeout: seconds, as every role passes it; rounded up to whole seconds and to Mooncake's
             floor of 5, since Mooncake takes no less.
+
+    Raises:
+        TransportUnavailable: a shared secret is set (``EPD_SECRET``): Mooncake's port has no handshake, so
+            it would take writes from anyone who reaches it.
     """
+    if security.load_secret() is not None:
+        raise TransportUnavailable("the Mooncake engine cannot check the shared secret (EPD_SECRET is set): its "
+                                   "port would accept writes from anyone; use transport 'auto', 'shm' or 'tcp'")
     return MooncakeTransferEngine(hostname, "auto" if protocol == "mooncake" else protocol,
                                   timeout=max(_MIN_TIMEOUT_S, math.ceil(timeout)))
