@@ -65,6 +65,12 @@ def test_table_sees_the_native_owners_registrations_and_keys(host_peer):
         with pytest.raises(RemoteAccessError, match="not inside memory it registered"):
             table.pin(d[1:] + np.uint64(1), ln[1:])  # one byte past the end
         assert host_peer.stats()["writes_refused"] == 2
+        many = np.arange(64, dtype=np.uint64) * np.uint64(4096) + np.uint64(a["ptr"])  # the vectorised path
+        table.pin(many, np.full(64, 4096, dtype=np.uint64), np.full(64, a["key"], dtype=np.uint64)).release(True)
+        with pytest.raises(RemoteAccessError):
+            table.pin(many + np.uint64(MiB - 64 * 4096 + 1), np.full(64, 4096, dtype=np.uint64))  # the last one out
+        s = host_peer.stats()
+        assert (s["writes_in"], s["writes_refused"]) == (2 + 64, 3)
     finally:
         table.close()
 

@@ -86,6 +86,7 @@ class _PeerState:
     exports: list[_Export] = field(default_factory=list)  # sorted by base
     bases: list[int] = field(default_factory=list)
     fetched: bool = False
+    host_keys: set = field(default_factory=set)  # keys of the peer's registrations seen to be host memory
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -106,6 +107,7 @@ class CudaTransport:
         self._register, self._deregister = register, deregister
         self._lock = threading.Lock()
         self._regions: dict[int, tuple[int, int, int]] = {}  # registered ptr -> (length, allocation base, device)
+        self._index_regions()
         self._allocs: dict[int, _Export] = {}  # allocation base -> export, while a region uses it
         self._peers: dict[str, _PeerState] = {}
         self._staging: tuple[Any, int] | None = None  # (pinned tensor, ptr), registered with the engine
@@ -125,13 +127,22 @@ class CudaTransport:
             if base not in self._allocs:
                 self._allocs[base] = _Export(base, size, device, self.cu.ipc_handle(base))
             self._regions[ptr] = (length, base, device)
+            self._index_regions()
 
     def unexport(self, ptr: int) -> None:
         """Forget a deregistered region; its allocation leaves the list when no region uses it."""
         with self._lock:
             entry = self._regions.pop(ptr, None)
+            self._index_regions()
             if entry is not None and all(b != entry[1] for _, b, _ in self._regions.values()):
                 self._allocs.pop(entry[1], None)
+
+    def _index_regions(self) -> None:
+        """The GPU regions sorted, as the write paths look them up (rebuilt on register and deregister)."""
+        local = sorted((start, start + length, device) for start, (length, _, device) in self._regions.items())
+        self._local = local
+        self._local_starts = np.array([r[0] for r in local], dtype=np.uint64)
+        self._local_stops = np.array([r[1] for r in local], dtype=np.uint64)
 
     def owns(self, ptr: int) -> bool:
         """Whether `ptr` starts GPU memory this engine registered."""
@@ -211,85 +222,130 @@ class CudaTransport:
         host path takes it as before). `hello`: the peer's HELLO where it is on this host, else None;
         `control`: its control channel; `host_write(srcs)` writes the batch by the host path from other
         sources (the staged copies). Returns the bytes written."""
-        state = self._peer(session_id, hello, control)
+        state = self._peers.get(session_id) or self._peer(session_id, hello, control)
         src_device = self._device_of_local(srcs[0])
-        cu = self.cu
-        prev = cu.current_device()
-        device = prev if src_device is None else src_device
-        if device != prev:  # copies and mappings in the source's context; the caller's device is restored
-            cu.set_device(device)
-        try:
+        export = self._export_of(state, dsts[0])
+        if export is None:
+            if src_device is None and not self._may_be_gpu(state, dsts[0]):
+                return None  # host to host: the engine's own path, at no extra cost
+            self._refresh(state)  # an allocation registered since the last look
             export = self._export_of(state, dsts[0])
-            if export is None and (src_device is not None or not state.fetched):
-                self._refresh(state)  # an allocation registered since the last look
-                export = self._export_of(state, dsts[0])
             if export is None:
                 if src_device is None:
+                    self._host_keys(state, dsts[0])
                     return None
                 return self._staged(srcs, lengths, host_write)
-            if state.table is None:
-                raise TransportUnavailable(
-                    f"0x{dsts[0]:x} is GPU memory of {session_id}, which is on another host: CUDA IPC is "
-                    f"same-host only; write into a host buffer there, or use the Mooncake engine (GPUDirect RDMA)")
+        if state.table is None:
+            raise TransportUnavailable(
+                f"0x{dsts[0]:x} is GPU memory of {session_id}, which is on another host: CUDA IPC is "
+                f"same-host only; write into a host buffer there, or use the Mooncake engine (GPUDirect RDMA)")
+        cu = self.cu
+        if not cu.multi_gpu:
+            return self._device_write(state, export, 0, srcs, dsts, lengths, rkeys)
+        prev = cu.current_device()
+        device = prev if src_device is None else src_device
+        if device != prev:  # copies in the source's context; the caller's device is restored
+            cu.set_device(device)
+        try:
             return self._device_write(state, export, device, srcs, dsts, lengths, rkeys)
         finally:
             if device != prev:
                 cu.set_device(prev)
 
+    def _may_be_gpu(self, state: _PeerState, dst: int) -> bool:
+        """For a host source: whether `dst` might be GPU memory of the peer that its export list does not
+        show yet. Registrations already seen to be host memory are remembered by key, so a host-to-host
+        write asks the peer once per registration at most."""
+        if state.table is None:
+            return not state.fetched
+        key = state.table.key_at(dst)
+        return key is not None and key not in state.host_keys
+
+    def _host_keys(self, state: _PeerState, dst: int) -> None:
+        if state.table is not None:
+            key = state.table.key_at(dst)
+            if key is not None:
+                state.host_keys.add(key)
+
     def _device_of_local(self, ptr: int) -> int | None:
-        for start, (length, _, device) in list(self._regions.items()):
-            if start <= ptr < start + length:
+        for start, stop, device in self._local:
+            if start <= ptr < stop:
                 return device
         return None
 
     def _device_write(self, state: _PeerState, export: _Export, device: int, srcs: Sequence[int],
                       dsts: Sequence[int], lengths: Sequence[int], rkeys: Sequence[int] | None) -> int:
         n = len(lengths)
-        d = np.asarray(dsts, dtype=np.uint64)
-        ln = np.asarray(lengths, dtype=np.uint64)
-        s = np.asarray(srcs, dtype=np.uint64)
-        if n > 1 and (int(d.min()) < export.base or int((d + ln).max()) > export.end):
-            return self._device_write_split(state, device, s, d, ln, rkeys)
-        self._check_sources(s, ln)
-        local = d + np.uint64(export.local - export.base)
-        pins = state.table.pin(d, ln, rkeys)
-        landed = False
-        cu = self.cu
-        try:
-            if n <= SMALL_BATCH or self.batch_copy == "loop":
+        if n <= SMALL_BATCH:  # plain Python: a handful of blocks costs less than numpy's setup
+            for i in range(n):
+                if not (export.base <= dsts[i] and dsts[i] + lengths[i] <= export.end):
+                    return self._device_write_split(state, device, *self._arrays(srcs, dsts, lengths), rkeys)
+                self._check_source(srcs[i], lengths[i], i)
+            pins = state.table.pin(dsts, lengths, rkeys)
+            off = export.local - export.base
+            cu, landed = self.cu, False
+            try:
                 for i in range(n):
-                    cu.copy(int(local[i]), int(s[i]), int(ln[i]))
-            elif self.batch_copy == "api":
-                cu.batch_copy_api(device, local, s, ln)
-            else:
-                cu.batch_copy(device, local, s, ln)
-            cu.synchronize()
-            landed = True
-        finally:
-            pins.release(landed)
-        total = int(ln.sum())
+                    cu.copy(dsts[i] + off, srcs[i], lengths[i])
+                cu.synchronize()
+                landed = True
+            finally:
+                pins.release(landed)
+            total = sum(lengths)
+        else:
+            s, d, ln = self._arrays(srcs, dsts, lengths)
+            if int(d.min()) < export.base or int((d + ln).max()) > export.end:
+                return self._device_write_split(state, device, s, d, ln, rkeys)
+            self._check_sources(s, ln)
+            local = d + np.uint64(export.local - export.base)
+            pins = state.table.pin(d, ln, rkeys)
+            cu, landed = self.cu, False
+            try:
+                if self.batch_copy == "kernel":
+                    cu.batch_copy(device, local, s, ln)
+                elif self.batch_copy == "api":
+                    cu.batch_copy_api(device, local, s, ln)
+                else:
+                    for i in range(n):
+                        cu.copy(int(local[i]), int(s[i]), int(ln[i]))
+                cu.synchronize()
+                landed = True
+            finally:
+                pins.release(landed)
+            total = int(ln.sum())
         with self._lock:
             self._counts["cuda_writes_out"] += n
             self._counts["cuda_bytes_out"] += total
         return total
 
+    @staticmethod
+    def _arrays(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.asarray(srcs, dtype=np.uint64), np.asarray(dsts, dtype=np.uint64),
+                np.asarray(lengths, dtype=np.uint64))
+
+    def _check_source(self, src: int, length: int, i: int) -> None:
+        for start, stop, _ in self._local:
+            if start <= src and src + length <= stop:
+                return
+        if not self._covers(src, length):
+            raise RegistrationError(f"source 0x{src:x} ({length} bytes) of write {i} is not inside memory "
+                                    f"registered with this engine; register() it first")
+
     def _check_sources(self, s: np.ndarray, ln: np.ndarray) -> None:
         """Every source block inside one of this engine's registrations (the lkey's role). GPU regions are
         checked here in one sorted search; a block outside them is asked of the engine's table (host memory)."""
-        with self._lock:
-            regions = sorted((start, start + length) for start, (length, _, _) in self._regions.items())
+        starts, stops = self._local_starts, self._local_stops
         ends = s + ln
-        if regions:
-            starts = np.array([r[0] for r in regions], dtype=np.uint64)
-            stops = np.array([r[1] for r in regions], dtype=np.uint64)
+        if len(starts):
             j = np.searchsorted(starts, s, side="right") - 1
             ok = (j >= 0) & (ends <= stops[np.maximum(j, 0)])
+            if ok.all():
+                return
+            bad = np.flatnonzero(~ok)
         else:
-            ok = np.zeros(len(s), dtype=bool)
-        for i in np.flatnonzero(~ok):
-            if not self._covers(int(s[i]), int(ln[i])):
-                raise RegistrationError(f"source 0x{int(s[i]):x} ({int(ln[i])} bytes) of write {i} is not inside "
-                                    f"memory registered with this engine; register() it first")
+            bad = range(len(s))
+        for i in bad:
+            self._check_source(int(s[i]), int(ln[i]), int(i))
 
     def _device_write_split(self, state: _PeerState, device: int, s: np.ndarray, d: np.ndarray, ln: np.ndarray,
                             rkeys: Sequence[int] | None) -> int:
@@ -317,9 +373,7 @@ class CudaTransport:
             offsets = np.concatenate(([0], np.cumsum(np.asarray(lengths, dtype=np.uint64))[:-1])).astype(np.uint64)
             staged = offsets + np.uint64(ptr)
             for i, (src, n) in enumerate(zip(srcs, lengths)):
-                if not self._covers(int(src), int(n)):
-                    raise RegistrationError(f"source 0x{int(src):x} ({int(n)} bytes) of write {i} is not inside "
-                                        f"memory registered with this engine; register() it first")
+                self._check_source(int(src), int(n), i)
                 self.cu.copy(int(staged[i]), int(src), int(n))
             self.cu.synchronize()
             n = host_write([int(x) for x in staged])

@@ -131,6 +131,7 @@ class Cuda:
             "cudaIpcCloseMemHandle": (vp,),
             "cudaMemcpyAsync": (vp, vp, sz, ctypes.c_int, vp),
             "cudaStreamSynchronize": (vp,),
+            "cudaStreamCreate": (ctypes.POINTER(vp),),
             "cudaGetLastError": (),
         }.items():
             fn = getattr(rt, name)
@@ -146,6 +147,7 @@ class Cuda:
         drv.cuModuleLoadData.argtypes = (ctypes.POINTER(vp), ctypes.c_char_p)
         drv.cuModuleGetFunction.argtypes = (ctypes.POINTER(vp), vp, ctypes.c_char_p)
         drv.cuFuncSetAttribute.argtypes = (vp, ctypes.c_int, ctypes.c_int)
+        self.multi_gpu = torch.cuda.device_count() > 1  # else the current device never needs switching
         self._kernels: dict[int, int] = {}  # device -> CUfunction of the batch copy
         self._lock = threading.Lock()
         self._tls = threading.local()
@@ -153,6 +155,7 @@ class Cuda:
     # ---- errors ----
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
+            self.rt.cudaGetLastError()  # clear it: PyTorch's next check would report it as its own
             raise TransferError(f"{what} failed: CUDA error {rc} ({self.rt.cudaGetErrorString(rc).decode()})")
 
     def check_drv(self, rc: int, what: str) -> None:
@@ -233,11 +236,17 @@ class Cuda:
         """The same batch through ``cudaMemcpyBatchAsync`` (the driver's own batched copy)."""
         if self.rt_batch is None:
             raise TransportUnavailable("this CUDA runtime has no cudaMemcpyBatchAsync (CUDA 12.8+)")
-        attrs = _MemcpyAttributes(1, 1, device, 1, device, 0)  # source in stream order; both on the device
+        attrs = _MemcpyAttributes(1, 0, 0, 0, 0, 0)  # the source is read in stream order; no location hints
         zero = ctypes.c_size_t(0)
         d, s, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, lengths))
+        stream = getattr(self._tls, "stream", None)
+        if stream is None:  # the batch API refuses the legacy stream; a blocking stream still follows its work
+            stream = ctypes.c_void_p()
+            self.check(self.rt.cudaStreamCreate(ctypes.byref(stream)), "cudaStreamCreate")
+            self._tls.stream = stream = stream.value
         self.check(self.rt_batch(d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d), ctypes.byref(attrs),
-                                 ctypes.byref(zero), 1, None), "cudaMemcpyBatchAsync")
+                                 ctypes.byref(zero), 1, stream), "cudaMemcpyBatchAsync")
+        self.check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
     def _kernel(self, device: int) -> int:
         fn = self._kernels.get(device)

@@ -12,6 +12,7 @@ the C side on every machine (a region registered by the native owner must be see
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -97,59 +98,125 @@ class PeerTable:
         self._base = self._raw.ctypes.data
         self._used = self._raw[_OFF_USED:_OFF_USED + 4].view("<u4")
         self._slots = self._raw[_SLOTS:].view(_SLOT_DTYPE)
+        self._rebuild()
 
     def _slot_addr(self, i: int) -> int:
         return self._base + _SLOTS + i * _SLOT
 
-    def _matches(self, dsts: np.ndarray, ends: np.ndarray, keys: np.ndarray | None) -> np.ndarray:
-        """For each block, the index of the active slot covering it (and carrying its key), else -1.
-        Live registrations never overlap (the owner refuses that), so one sorted search finds the candidate."""
+    def _rebuild(self) -> None:
+        """Snapshot the live registrations, sorted by address (they never overlap: the owner refuses that).
+        The snapshot only proposes a slot; `_live` confirms it against the shared fields each time."""
         s = self._slots[:int(self._used[0])]
         live = np.flatnonzero(s["state"] == SLOT_ACTIVE)
-        out = np.full(len(dsts), -1, dtype=np.int64)
-        if not len(live):
-            return out
-        starts = s["addr"][live]
-        order = np.argsort(starts)
-        live, starts = live[order], starts[order]
-        stops = starts + s["length"][live]
-        j = np.searchsorted(starts, dsts, side="right") - 1
-        jj = np.maximum(j, 0)
-        hit = (j >= 0) & (ends <= stops[jj]) & (ends > dsts)
-        if keys is not None:
-            hit &= (keys == 0) | (keys == s["key"][live][jj])
-        out[hit] = live[jj[hit]]
-        return out
+        order = np.argsort(s["addr"][live])
+        live = live[order]
+        self._c_slots = live
+        self._c_starts = s["addr"][live].copy()
+        self._c_stops = self._c_starts + s["length"][live]
+        self._c_keys = s["key"][live].copy()
+        self._l_starts = self._c_starts.tolist()
+        self._l_rows = list(zip(live.tolist(), self._c_starts.tolist(), self._c_stops.tolist(),
+                                self._c_keys.tolist()))
 
-    def pin(self, dsts: np.ndarray, lengths: np.ndarray, keys: Sequence[int] | None = None) -> Pins:
+    def _live(self, slot: int, addr: int, stop: int, key: int) -> bool:
+        """Whether the shared slot still holds exactly this live registration."""
+        a, n, state = struct.unpack_from("<QQI", self._map, _SLOTS + slot * _SLOT)
+        return state == SLOT_ACTIVE and a == addr and a + n == stop and \
+            struct.unpack_from("<Q", self._map, _SLOTS + slot * _SLOT + 40)[0] == key
+
+    def _find(self, dsts: np.ndarray, ends: np.ndarray, keys: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Per block, the snapshot row covering it (and carrying its key) and whether there is one."""
+        j = np.searchsorted(self._c_starts, dsts, side="right") - 1
+        jj = np.maximum(j, 0)
+        if not len(self._c_starts):
+            return jj, np.zeros(len(dsts), dtype=bool)
+        hit = (j >= 0) & (ends <= self._c_stops[jj]) & (ends > dsts)
+        if keys is not None:
+            hit &= (keys == 0) | (keys == self._c_keys[jj])
+        return jj, hit
+
+    def _pin_rows(self, rows: list[int]) -> tuple[list[int], bool]:
+        """Pin the snapshot rows' slots, then confirm each is still that registration (pin first, then
+        re-check: the owner marks a slot REVOKING before it waits for pins, epd_core.c)."""
+        slots = []
+        ok = True
+        for r in rows:
+            slot, addr, stop, key = self._l_rows[r]
+            self._add4(self._slot_addr(slot) + 32, 1, _SEQ_CST)
+            slots.append(slot)
+            ok = ok and self._live(slot, addr, stop, key)
+        return slots, ok
+
+    def pin(self, dsts: np.ndarray | Sequence[int], lengths: np.ndarray | Sequence[int],
+            keys: Sequence[int] | None = None) -> Pins:
         """Pin the registration covering each ``[dst, dst+length)`` (with `keys`: under that key).
 
         Raises `RemoteAccessError` (and counts one refused write in the owner's table) when a block is not
         inside a live registration; nothing stays pinned then.
         """
-        ends = dsts + lengths
+        if len(dsts) <= 4:
+            return self._pin_few(list(dsts), list(lengths), None if keys is None else list(keys))
+        d = np.asarray(dsts, dtype=np.uint64)
+        ln = np.asarray(lengths, dtype=np.uint64)
         karr = None if keys is None else np.asarray(keys, dtype=np.uint64)
-        slot_of = self._matches(dsts, ends, karr)
-        slots = [int(i) for i in np.unique(slot_of[slot_of >= 0])]
-        for i in slots:
-            self._add4(self._slot_addr(i) + 32, 1, _SEQ_CST)
-        # pin first, then re-check: the owner marks a slot REVOKING before it waits for pins (epd_core.c)
-        if slots:
-            recheck = self._matches(dsts, ends, karr)
-        bad = np.flatnonzero((slot_of < 0) | (recheck != slot_of)) if slots else np.arange(len(dsts))
-        pins = Pins(self, slots, len(dsts), int(lengths.sum()))
-        if len(bad):
-            pins.release(landed=False)
-            self._add8(self._base + _OFF_REFUSED, 1, _SEQ_CST)
-            j = int(bad[0])
-            under = " under that key" if karr is not None and karr[j] else ""
-            raise RemoteAccessError(f"pid {self.pid} refused the write of {int(lengths[j])} bytes to "
-                                    f"0x{int(dsts[j]):x}: not inside memory it registered{under}")
-        return pins
+        ends = d + ln
+        for attempt in (0, 1):
+            rows, hit = self._find(d, ends, karr)
+            if hit.all():
+                lo, hi = int(rows.min()), int(rows.max())
+                distinct = [lo] if lo == hi else np.unique(rows).tolist()
+                slots, ok = self._pin_rows(distinct)
+                if ok:
+                    return Pins(self, slots, len(d), int(ln.sum()))
+                Pins(self, slots, 0, 0).release(landed=False)
+            if attempt == 0:
+                self._rebuild()  # a registration came or went since the snapshot: look again
+        j = int(np.flatnonzero(~hit)[0]) if not hit.all() else 0
+        self._refuse(int(d[j]), int(ln[j]), karr is not None and bool(karr[j]))
+
+    def _pin_few(self, dsts: list[int], lengths: list[int], keys: list[int] | None) -> Pins:
+        """`pin` for a handful of blocks, without numpy."""
+        for attempt in (0, 1):
+            rows = []
+            for i, (dst, n) in enumerate(zip(dsts, lengths)):
+                r = bisect.bisect_right(self._l_starts, dst) - 1
+                if r < 0 or n <= 0:
+                    break
+                _, _, stop, key = self._l_rows[r]
+                if dst + n > stop or (keys is not None and keys[i] and keys[i] != key):
+                    break
+                rows.append(r)
+            if len(rows) == len(dsts):
+                slots, ok = self._pin_rows(sorted(set(rows)))
+                if ok:
+                    return Pins(self, slots, len(dsts), sum(lengths))
+                Pins(self, slots, 0, 0).release(landed=False)
+            if attempt == 0:
+                self._rebuild()
+        i = len(rows) if len(rows) < len(dsts) else 0
+        self._refuse(dsts[i], lengths[i], keys is not None and bool(keys[i]))
+
+    def key_at(self, dst: int) -> int | None:
+        """The key of the live registration holding `dst`, or None (from the snapshot, refreshed on a miss)."""
+        for attempt in (0, 1):
+            r = bisect.bisect_right(self._l_starts, dst) - 1
+            if r >= 0:
+                slot, addr, stop, key = self._l_rows[r]
+                if dst < stop and self._live(slot, addr, stop, key):
+                    return key
+            if attempt == 0:
+                self._rebuild()
+        return None
+
+    def _refuse(self, dst: int, length: int, keyed: bool) -> None:
+        self._add8(self._base + _OFF_REFUSED, 1, _SEQ_CST)
+        under = " under that key" if keyed else ""
+        raise RemoteAccessError(f"pid {self.pid} refused the write of {length} bytes to 0x{dst:x}: not inside "
+                                f"memory it registered{under}")
 
     def close(self) -> None:
         """Unmap the table. Idempotent."""
         m, self._map = getattr(self, "_map", None), None
-        self._slots = self._used = self._raw = None  # the views go first: mmap refuses to close under them
+        self._slots = self._used = self._raw = self._c_starts = self._c_stops = self._c_keys = None  # the views go first: mmap refuses to close under them
         if m is not None:
             m.close()
