@@ -252,7 +252,7 @@ def rss_bytes(pid: int) -> int | None:
 
 class Sampler:
     """A thread sampling every server's pool levels (`pool_levels`) and every process's RSS each `interval`
-    s; `rows` is a long table ``{t, process, metric, value}`` (t: seconds since `t0`). A server that does not
+    s, and once more at the end; `rows` is a long table ``{t, process, metric, value}`` (t: seconds since `t0`). A server that does not
     answer within the interval is recorded as missing (no row), never waited for."""
 
     def __init__(self, cluster: Cluster, t0: float, interval: float = 0.25) -> None:
@@ -306,6 +306,7 @@ class Sampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self.sample()  # the end state, however short the run
         self._http.close()
 
 

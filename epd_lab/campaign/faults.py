@@ -244,7 +244,6 @@ def run_cell(cell: Cell, *, seed: int, prompts: Prompts, multi: Prompts, infligh
                 alive = [n for n, proc in zip(names, cluster.procs) if proc.poll() is None]
                 idle_s, left = wait_idle(sampler, {n: idle.get(n, {}) for n in alive},
                                          bound_s=max(10.0, 3 * timeout), names=alive)
-                sampler.sample()
         finally:
             for pid in pids.values():  # nothing stays stopped for the teardown
                 if is_stopped(pid):

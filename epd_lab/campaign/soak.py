@@ -126,7 +126,6 @@ def soak(*, count: int = 10_000, concurrency: int = 16, seed: int = 0, time_budg
                                           abort_share, bad_share, started + time_budget_s, t0, seed, progress))
             t_last = time.monotonic() - t0
             idle_s, left = wait_idle(sampler, idle, bound_s=max(5.0, 4 * timeout))
-            sampler.sample()
         judge(outcomes, prompts.solo)
     growth = rss_growth(sampler.rows, t_last / 2, t_last)
     bad = [o for o in outcomes if o.tag.startswith("bad:")]

@@ -1,0 +1,92 @@
+"""`epd-lab campaign load` and `soak` through the real command line on tiny runs: the JSON has the report's
+structure and every target holds; the HTML report is written; a bad count is refused."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd_lab.campaign.common import LEAK_GAUGES, pool_levels
+from epd_lab.campaign.soak import rss_growth
+
+ROLES = {"encoder0", "prefill0", "decode0", "proxy"}
+
+
+def campaign(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd_lab.cli", "campaign", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def check_report(out: Path, leg: str) -> dict:
+    report = json.loads((out / f"{leg}.json").read_text())
+    assert report["leg"] == leg and report["seed"] == 3
+    assert report["targets"] and all({"target", "passed", "measured", "goal"} <= set(t) for t in report["targets"])
+    failed = [t for t in report["targets"] if not t["passed"]]
+    assert not failed, json.dumps(failed, indent=1)
+    assert report["passed"] is True
+    for run in report["runs"]:
+        assert sum(run["counts"].values()) == run["sent"] == len(run["requests"])
+        assert {"kind", "status", "latency_s", "matches", "t_start"} <= set(run["requests"][0])
+        processes = {s["process"] for s in run["samples"]}
+        metrics = {s["metric"] for s in run["samples"]}
+        assert processes == ROLES
+        # RSS and each role's pools were sampled over time
+        assert {"rss_bytes", "embeddings_held", "kv_blocks_used", "inflight", "active_requests",
+                "backend_inflight"} <= metrics
+        assert len({s["t"] for s in run["samples"]}) >= 2
+        assert run["idle_after_s"] is not None and not run["leaks_left"]
+    html = (out / f"{leg}.html").read_text()
+    assert "Targets" in html and "Plotly" in html and "PASS" in html
+    return report
+
+
+def test_campaign_load_cli(tmp_path):
+    r = campaign("load", "--count", "8", "--concurrency", "4", "--topologies", "1E1P1D", "--seed", "3",
+                 "--image-size", "112", "--max-tokens", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every target passed" in r.stdout and "answered" in r.stdout  # progress was printed
+    report = check_report(tmp_path, "load")
+    run = report["runs"][0]
+    assert run["topology"] == "1E1P1D" and run["counts"] == {"ok": 8}
+    assert all(req["matches"] for req in run["requests"])  # each answer equals its prompt's solo answer
+    assert all(s["kind"] == "ok" for s in run["solo"])
+
+
+def test_campaign_soak_cli(tmp_path):
+    r = campaign("soak", "--count", "60", "--concurrency", "6", "--seed", "3", "--abort-share", "0.3",
+                 "--bad-share", "0.2", "--image-size", "112", "--max-tokens", "6", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = check_report(tmp_path, "soak")
+    run = report["runs"][0]
+    tags = {req["tag"].split(":")[0] for req in run["requests"]}
+    assert {"", "abort", "bad"} <= tags  # the seeded mix happened
+    assert run["counts"].get("aborted", 0) > 0 and run["counts"].get("rejected", 0) > 0
+    assert set(run["rss_growth_second_half"]) == ROLES
+
+
+def test_campaign_refuses_a_bad_count(tmp_path):
+    r = campaign("soak", "--count", "0", "--out", str(tmp_path), timeout=60)
+    assert r.returncode != 0 and "--count must be positive" in r.stderr
+    assert not (tmp_path / "soak.json").exists()
+
+
+def test_pool_levels_reads_only_pool_gauges():
+    text = ("# TYPE epd_prefill_kv_blocks_used gauge\nepd_prefill_kv_blocks_used 3\n"
+            "# TYPE epd_prefill_capacity gauge\nepd_prefill_capacity 36\n"
+            "# TYPE epd_proxy_backend_inflight gauge\n"
+            'epd_proxy_backend_inflight{role="prefill",url="a"} 1\nepd_proxy_backend_inflight{role="decode",url="b"} 2\n'
+            "# TYPE epd_decode_requests_finished_total counter\nepd_decode_requests_finished_total 9\n")
+    assert pool_levels(text) == {"kv_blocks_used": 3.0, "backend_inflight": 3.0}
+    assert "kv_blocks_used" in LEAK_GAUGES
+
+
+@pytest.mark.parametrize("values, expected", [([100, 100, 104, 105], 0.05), ([100, 120], 0.2), ([100], None)])
+def test_rss_growth_over_the_second_half(values, expected):
+    samples = [{"t": 10 + i, "process": "p", "metric": "rss_bytes", "value": v} for i, v in enumerate(values)]
+    samples.append({"t": 1, "process": "p", "metric": "rss_bytes", "value": 1})  # first half: ignored
+    got = rss_growth(samples, 10, 10 + len(values))["p"]
+    assert got == pytest.approx(expected) if expected is not None else got is None
