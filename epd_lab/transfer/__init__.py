@@ -2,6 +2,7 @@
 from epd_lab.transfer.buffers import as_array, buffer_info
 from epd_lab.transfer.engine import PROTOCOLS, TransferEngine, TransferStatus, parse_session_id
 from epd_lab.transfer.errors import (
+    AuthenticationError,
     PeerUnreachable,
     ProtocolError,
     RegistrationError,
@@ -14,6 +15,7 @@ from epd_lab.transfer.registration import Registration
 from epd_lab.transfer.registry import ENGINES, open_engine, register_transport, transports
 
 __all__ = [
+    "AuthenticationError",
     "ENGINES",
     "PROTOCOLS",
     "PeerUnreachable",
