@@ -293,6 +293,43 @@ def kv_transfer(name: str, peer, budget_s: float, timeout: float) -> dict:
             "vs_limit": {"lists": med["limit"] / med["lists"], "arrays": med["limit"] / med["arrays"]}}
 
 
+def device_time(repeats: int = 50) -> dict:
+    """GPU time alone (CUDA events over back-to-back launches, no host work between): the batch kernel on
+    256 scattered 64 KiB blocks against one cudaMemcpyAsync of the same 16 MiB, inside this process. What
+    the wall-clock rows add on top of this is host work per call."""
+    import torch
+
+    from epd_lab.transfer import cuda_runtime
+
+    cu = cuda_runtime.get()
+    src = torch.randint(0, 256, (SCATTER_SPAN,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(SCATTER_SPAN, dtype=torch.uint8, device="cuda")
+    order = np.random.default_rng(1).permutation(SCATTER_BLOCKS)
+    srcs = np.arange(SCATTER_BLOCKS, dtype=np.uint64) * SCATTER_BLOCK + np.uint64(src.data_ptr())
+    dsts = order.astype(np.uint64) * 2 * SCATTER_BLOCK + np.uint64(dst.data_ptr())
+    lens = np.full(SCATTER_BLOCKS, SCATTER_BLOCK, dtype=np.uint64)
+    total = SCATTER_BLOCKS * SCATTER_BLOCK
+
+    def timed(fn: Callable[[], None]) -> float:
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(repeats):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / 1e3 / repeats
+
+    t_kernel = timed(lambda: cu.batch_copy(0, dsts, srcs, lens))
+    ok = torch.equal(dst.view(-1, SCATTER_BLOCK)[torch.as_tensor(order * 2, device="cuda")],
+                     src[:total].view(-1, SCATTER_BLOCK))
+    t_memcpy = timed(lambda: cu.copy(dst.data_ptr(), src.data_ptr(), total))
+    return {"bytes": total, "blocks": SCATTER_BLOCKS, "kernel_us": t_kernel * 1e6, "memcpy_us": t_memcpy * 1e6,
+            "kernel_gbps": total / t_kernel / 1e9, "memcpy_gbps": total / t_memcpy / 1e9,
+            "kernel_vs_memcpy": t_memcpy / t_kernel, "kernel_landed": bool(ok)}
+
+
 def model_shape(name: str) -> dict:
     """Build shape `name` on the GPU (bf16, seed 0) and time one 4096-token prefill."""
     import torch
@@ -426,6 +463,10 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
                     f"ms ({k['gbps']['arrays']:.0f} GB/s), d2d limit {k['ms']['limit']:.3f} ms "
                     f"({k['gbps']['limit']:.0f} GB/s); landed {k['landed_checked']}")
         skipped = bench.skipped
+    gpu_time = device_time()
+    log(f"  device time, 256 x 64 KiB scattered: kernel {gpu_time['kernel_us']:.1f} us "
+        f"({gpu_time['kernel_gbps']:.0f} GB/s) vs one cudaMemcpyAsync of 16 MiB {gpu_time['memcpy_us']:.1f} us "
+        f"({gpu_time['memcpy_gbps']:.0f} GB/s): {gpu_time['kernel_vs_memcpy']:.2f}")
     for name in shapes:
         try:
             models.append(model_shape(name))
@@ -434,11 +475,15 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
             skipped[f"model {name}"] = f"{type(exc).__name__}: {exc}"
             log(f"  model {name}: skipped ({skipped[f'model {name}']})")
     result = {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "rows": [asdict(r) for r in rows], "skipped": skipped, "kv_4k": kv, "models": models,
+              "rows": [asdict(r) for r in rows], "skipped": skipped, "device_time": gpu_time, "kv_4k": kv,
+              "models": models,
               "untested": ["two GPUs (peer copy in one process, NCCL send/recv, cuda across GPUs): "
                            "not measured in this run",
                            "GPU memory across hosts (tcp staging through pinned memory; GPUDirect RDMA)"]}
     result["ratios"] = ratios(result["rows"], kv)
+    result["ratios"].append({"name": "device time: kernel 256 scattered / memcpy contiguous @ 16 MiB",
+                             "value": gpu_time["kernel_vs_memcpy"], "target": 0.7,
+                             "ok": gpu_time["kernel_vs_memcpy"] >= 0.7})
     return result
 
 

@@ -286,33 +286,34 @@ class CudaTransport:
             cu, landed = self.cu, False
             try:
                 for i in range(n):
-                    cu.copy(dsts[i] + off, srcs[i], lengths[i])
+                    cu.copy(int(dsts[i]) + off, int(srcs[i]), int(lengths[i]))
                 cu.synchronize()
                 landed = True
             finally:
                 pins.release(landed)
-            total = sum(lengths)
+            total = pins.nbytes
         else:
             s, d, ln = self._arrays(srcs, dsts, lengths)
-            if int(d.min()) < export.base or int((d + ln).max()) > export.end:
+            lo, hi = int(d.min()), int((d + ln).max())
+            if lo < export.base or hi > export.end:
                 return self._device_write_split(state, device, s, d, ln, rkeys)
             self._check_sources(s, ln)
-            local = d + np.uint64(export.local - export.base)
-            pins = state.table.pin(d, ln, rkeys)
+            pins = state.table.pin(d, ln, rkeys, span=(lo, hi))
+            off = (export.local - export.base) % (1 << 64)  # the kernel adds it modulo 2**64
             cu, landed = self.cu, False
             try:
                 if self.batch_copy == "kernel":
-                    cu.batch_copy(device, local, s, ln)
+                    cu.batch_copy(device, d, s, ln, off)
                 elif self.batch_copy == "api":
-                    cu.batch_copy_api(device, local, s, ln)
+                    cu.batch_copy_api(device, d + np.uint64(off), s, ln)
                 else:
                     for i in range(n):
-                        cu.copy(int(local[i]), int(s[i]), int(ln[i]))
+                        cu.copy((int(d[i]) + off) % (1 << 64), int(s[i]), int(ln[i]))
                 cu.synchronize()
                 landed = True
             finally:
                 pins.release(landed)
-            total = int(ln.sum())
+            total = pins.nbytes
         with self._lock:
             self._counts["cuda_writes_out"] += n
             self._counts["cuda_bytes_out"] += total
@@ -332,8 +333,15 @@ class CudaTransport:
                                     f"registered with this engine; register() it first")
 
     def _check_sources(self, s: np.ndarray, ln: np.ndarray) -> None:
-        """Every source block inside one of this engine's registrations (the lkey's role). GPU regions are
-        checked here in one sorted search; a block outside them is asked of the engine's table (host memory)."""
+        """Every source block inside one of this engine's registrations (the lkey's role): first whether the
+        GPU region of the first block holds the whole span, else one sorted search; a block outside the GPU
+        regions is asked of the engine's table (host memory)."""
+        s0 = int(s[0])
+        for start, stop, _ in self._local:
+            if start <= s0 < stop:
+                if int(s.min()) >= start and int((s + ln).max()) <= stop:
+                    return
+                break
         starts, stops = self._local_starts, self._local_stops
         ends = s + ln
         if len(starts):

@@ -25,7 +25,7 @@ IPC_HANDLE_BYTES = 64
 _MEMCPY_DEFAULT = 4
 _IPC_LAZY_PEER = 1
 _MEM_TYPE_DEVICE = 2
-# Batch kernel: copies per launch (the descriptors are one kernel parameter: 3 x 8 x 1024 + 8 bytes, under
+# Batch kernel: copies per launch (the descriptors are one kernel parameter: 3 x 8 x 1024 + 16 bytes, under
 # the 32 KiB that CUDA 12.1+ allows), threads per block, and 16-byte vectors per thread per iteration.
 BATCH_MAX, THREADS, UNROLL = 1024, 256, 4
 CHUNK = THREADS * UNROLL * 16  # bytes one block moves per iteration
@@ -33,13 +33,14 @@ CHUNK = THREADS * UNROLL * 16  # bytes one block moves per iteration
 BATCH_COPY_SOURCE = r"""
 #define BATCH_MAX %(max)d
 #define UNROLL %(unroll)d
-struct Batch { unsigned long long src[BATCH_MAX], dst[BATCH_MAX], len[BATCH_MAX], n; };
+struct Batch { unsigned long long src[BATCH_MAX], dst[BATCH_MAX], len[BATCH_MAX], n, dst_offset; };
 
-// blockIdx.y picks the copy; the x blocks stride over it. 16-byte vectors where source, destination and
-// length allow it (KV blocks do), bytes otherwise.
+// blockIdx.y picks the copy; the x blocks stride over it. dst_offset turns the owner's addresses into this
+// process's mapping of them. 16-byte vectors where source, destination and length allow it (KV blocks
+// do), bytes otherwise.
 extern "C" __global__ void __launch_bounds__(%(threads)d) epd_batch_copy(const __grid_constant__ Batch b) {
     const unsigned i = blockIdx.y;
-    const unsigned long long s = b.src[i], d = b.dst[i], len = b.len[i];
+    const unsigned long long s = b.src[i], d = b.dst[i] + b.dst_offset, len = b.len[i];
     const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x * UNROLL;
     if (((s | d | len) & 15ull) == 0) {
         const uint4 *src = (const uint4 *)s;
@@ -214,20 +215,23 @@ class Cuda:
         """Wait for the default stream: every queued copy has landed when this returns."""
         self.check(self.rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
 
-    def batch_copy(self, device: int, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray) -> None:
-        """Queue a batch of copies as one kernel launch per `BATCH_MAX` blocks (uint64 arrays)."""
+    def batch_copy(self, device: int, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray,
+                   dst_offset: int = 0) -> None:
+        """Queue a batch of copies as one kernel launch per `BATCH_MAX` blocks (uint64 arrays); the kernel
+        writes to ``dst + dst_offset`` (modulo 2**64)."""
         fn = self._kernel(device)
         params = getattr(self._tls, "params", None)
         if params is None:  # one parameter buffer per thread: launches copy it at the call
-            params = self._tls.params = np.zeros(3 * BATCH_MAX + 1, dtype=np.uint64)
+            params = self._tls.params = np.zeros(3 * BATCH_MAX + 2, dtype=np.uint64)
             self._tls.argv = (ctypes.c_void_p * 1)(params.ctypes.data)
+        params[3 * BATCH_MAX + 1] = dst_offset
+        longest = int(lengths.max())
         for lo in range(0, len(dsts), BATCH_MAX):
             n = min(BATCH_MAX, len(dsts) - lo)
             params[0:n] = srcs[lo:lo + n]
             params[BATCH_MAX:BATCH_MAX + n] = dsts[lo:lo + n]
             params[2 * BATCH_MAX:2 * BATCH_MAX + n] = lengths[lo:lo + n]
             params[3 * BATCH_MAX] = n
-            longest = int(lengths[lo:lo + n].max())
             gx = max(1, min(-(-longest // CHUNK), max(1, 4096 // n)))  # enough blocks in flight, none idle
             self.check_drv(self.drv.cuLaunchKernel(fn, gx, n, 1, THREADS, 1, 1, 0, None, self._tls.argv, None),
                            "cuLaunchKernel(epd_batch_copy)")

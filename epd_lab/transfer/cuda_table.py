@@ -58,6 +58,11 @@ class Pins:
 
     __slots__ = ("_table", "_slots", "_writes", "_nbytes")
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the blocks pinned."""
+        return self._nbytes
+
     def __init__(self, table: "PeerTable", slots: list[int], writes: int, nbytes: int) -> None:
         self._table, self._slots, self._writes, self._nbytes = table, slots, writes, nbytes
 
@@ -148,31 +153,46 @@ class PeerTable:
         return slots, ok
 
     def pin(self, dsts: np.ndarray | Sequence[int], lengths: np.ndarray | Sequence[int],
-            keys: Sequence[int] | None = None) -> Pins:
+            keys: Sequence[int] | None = None, span: tuple[int, int] | None = None) -> Pins:
         """Pin the registration covering each ``[dst, dst+length)`` (with `keys`: under that key).
 
-        Raises `RemoteAccessError` (and counts one refused write in the owner's table) when a block is not
-        inside a live registration; nothing stays pinned then.
+        `span`: ``(min(dsts), max(dst + length))`` where the caller has it already. Raises
+        `RemoteAccessError` (and counts one refused write in the owner's table) when a block is not inside
+        a live registration; nothing stays pinned then.
         """
         if len(dsts) <= 4:
             return self._pin_few(list(dsts), list(lengths), None if keys is None else list(keys))
         d = np.asarray(dsts, dtype=np.uint64)
         ln = np.asarray(lengths, dtype=np.uint64)
         karr = None if keys is None else np.asarray(keys, dtype=np.uint64)
-        ends = d + ln
+        lo, hi = span if span is not None else (int(d.min()), int((d + ln).max()))
+        if int(ln.min()) == 0:
+            self._refuse(lo, 0, False)
+        total = int(ln.sum())
+        hit = None
         for attempt in (0, 1):
-            rows, hit = self._find(d, ends, karr)
-            if hit.all():
-                lo, hi = int(rows.min()), int(rows.max())
-                distinct = [lo] if lo == hi else np.unique(rows).tolist()
+            # the common case: every block inside one registration (a request's blocks in one KV tensor)
+            r = bisect.bisect_right(self._l_starts, lo) - 1
+            if r >= 0 and hi <= self._l_rows[r][2] and (karr is None or self._keys_ok(karr, self._l_rows[r][3])):
+                distinct = [r]
+            else:
+                rows, hit = self._find(d, d + ln, karr)
+                distinct = np.flatnonzero(np.bincount(rows, minlength=len(self._l_rows))).tolist() \
+                    if hit.all() else None
+            if distinct is not None:
                 slots, ok = self._pin_rows(distinct)
                 if ok:
-                    return Pins(self, slots, len(d), int(ln.sum()))
+                    return Pins(self, slots, len(d), total)
                 Pins(self, slots, 0, 0).release(landed=False)
             if attempt == 0:
                 self._rebuild()  # a registration came or went since the snapshot: look again
-        j = int(np.flatnonzero(~hit)[0]) if not hit.all() else 0
+        j = int(np.flatnonzero(~hit)[0]) if hit is not None and not hit.all() else 0
         self._refuse(int(d[j]), int(ln[j]), karr is not None and bool(karr[j]))
+
+    @staticmethod
+    def _keys_ok(karr: np.ndarray, key: int) -> bool:
+        lo, hi = int(karr.min()), int(karr.max())
+        return (lo == hi == key) or bool(((karr == key) | (karr == 0)).all())
 
     def _pin_few(self, dsts: list[int], lengths: list[int], keys: list[int] | None) -> Pins:
         """`pin` for a handful of blocks, without numpy."""
