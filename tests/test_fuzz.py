@@ -169,10 +169,13 @@ def cluster():
         yield c
 
 
-def _decode_naming_unheld_kv(failure: dict[str, Any]) -> bool:
-    """The bug reported to decode's and the KV connector's owners (see the xfail below)."""
-    return (failure.get("case", {}).get("path") == "/v1/decode" and failure.get("status") == 502
-            and "TRANS_ERROR" in failure.get("detail", ""))
+def _reported_bug(failure: dict[str, Any]) -> bool:
+    """The two bugs reported to their owners (each a strict xfail below): decode's 502 for KV its producer does not
+    hold, and decode's sampling at a tiny positive temperature."""
+    detail = failure.get("detail") or ""
+    return failure.get("status") == 502 and (
+        (failure.get("case", {}).get("path") == "/v1/decode" and "TRANS_ERROR" in detail)
+        or "probability tensor contains" in detail)
 
 
 def test_fuzz_leg_finds_no_5xx_crash_or_hang(cluster) -> None:
@@ -180,7 +183,7 @@ def test_fuzz_leg_finds_no_5xx_crash_or_hang(cluster) -> None:
     assert not report["crashes"], f"seed {SEED}: {report['crashes']}"
     assert report["legit_before"]["ok"] and report["legit_after"]["ok"], report["legit_after"]
     assert report["guarded_engine"]["guards_intact"]
-    unexplained = [f for f in report["failures"] if not _decode_naming_unheld_kv(f)]
+    unexplained = [f for f in report["failures"] if not _reported_bug(f)]
     assert not unexplained, f"seed {SEED}: " + json.dumps(unexplained[:5], default=str)[:4000]
     # every server and every listening socket was reached
     assert {name for name in report["servers"]} == {"encoder0", "prefill0", "decode0", "proxy"}
@@ -200,3 +203,13 @@ def test_decode_naming_kv_its_producer_does_not_hold_is_a_client_error(cluster) 
             "kv_transfer_params": {"remote_url": kv_url, "remote_request_id": "never-prefilled"}}
     r = httpx.post(cluster.decode_urls[0] + "/v1/decode", json=body, timeout=30)
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
+
+
+@pytest.mark.xfail(strict=True, reason="bug reported to decode's owner: at a tiny positive temperature (1e-198) "
+                   "logits / temperature overflow to inf, softmax gives NaN, torch.multinomial raises, and the "
+                   "proxy answers 502 (found by the fuzz leg, seed 7)")
+def test_tiny_positive_temperature_is_served(cluster) -> None:
+    body = {"model": "any", "max_tokens": 2, "temperature": 5e-198, "seed": 1,
+            "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(cluster.proxy_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, (r.status_code, r.text)

@@ -370,6 +370,13 @@ def zmtp_socket_type(host: str, port: int, timeout: float = 1.0) -> str | None:
     return None
 
 
+def _is_engine(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether a transfer engine listens at host:port (it answers a HELLO header with its reply magic)."""
+    outcome, rep = _engine_exchange(host, port, WIRE_REQ.pack(WIRE_MAGIC, WIRE_VERSION, OP_HELLO, 0, 0, 0, 0),
+                                    False, timeout)
+    return outcome == "ok" and rep is not None and rep[0] == WIRE_MAGIC
+
+
 def _ready_socket_type(cmd: bytes) -> str | None:
     if not cmd.startswith(b"\x05READY"):
         return None
@@ -680,8 +687,8 @@ def fuzz(cluster: Any, *, inputs_per_server: int, frames_per_socket: int, seed: 
     targets = []
     for name, url, pid in roles:
         for host, port in listening_sockets(pid):
-            kind = "http" if port in http_ports else "engine" if port in engines else None
-            if kind is None:
+            kind = "http" if port in http_ports else "engine" if port in engines or _is_engine(host, port) else None
+            if kind is None:  # not named by /health (a role's second engine is found by its HELLO answer)
                 found = zmtp_socket_type(host, port)
                 kind = f"zmq:{found}" if found else "tcp"
             targets.append((name, host, port, kind))
