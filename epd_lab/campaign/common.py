@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from epd_lab import security
 from epd_lab.launch import Cluster
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
@@ -116,9 +117,15 @@ class Prompts:
         return outcomes
 
 
+def auth_headers() -> dict[str, str]:
+    """The bearer header when this process's environment holds the shared secret (the cluster's servers
+    inherit it from here, `epd_lab.security`); none otherwise."""
+    return security.bearer_header(security.load_secret())
+
+
 def client_session(concurrency: int) -> aiohttp.ClientSession:
     """One aiohttp session for a leg's requests, `concurrency` connections at most."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(1, concurrency), force_close=False))
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(1, concurrency)), headers=auth_headers())
 
 
 async def chat(session: aiohttp.ClientSession, proxy_url: str, body: dict[str, Any], timeout: float, *,
@@ -263,7 +270,7 @@ class Sampler:
         self.rows: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._http = httpx.Client(timeout=max(0.2, interval))
+        self._http = httpx.Client(timeout=max(0.2, interval), headers=auth_headers())
 
     def levels(self, names: list[str] | None = None) -> dict[str, dict[str, float]]:
         """One reading of the pool levels of `names` (default all) that answer now."""
