@@ -321,13 +321,112 @@ def device_time(repeats: int = 50) -> dict:
         torch.cuda.synchronize()
         return a.elapsed_time(b) / 1e3 / repeats
 
-    t_kernel = timed(lambda: cu.batch_copy(0, dsts, srcs, lens))
-    ok = torch.equal(dst.view(-1, SCATTER_BLOCK)[torch.as_tensor(order * 2, device="cuda")],
-                     src[:total].view(-1, SCATTER_BLOCK))
+    configs = {}
+    for threads, unroll in cuda_runtime.KERNEL_CONFIGS:
+        dst.zero_()
+        t = timed(lambda: cu.batch_copy(0, dsts, srcs, lens, config=(threads, unroll)))
+        ok = torch.equal(dst.view(-1, SCATTER_BLOCK)[torch.as_tensor(order * 2, device="cuda")],
+                         src[:total].view(-1, SCATTER_BLOCK))
+        configs[f"{threads}x{unroll}"] = {"us": t * 1e6, "gbps": total / t / 1e9, "landed": bool(ok)}
     t_memcpy = timed(lambda: cu.copy(dst.data_ptr(), src.data_ptr(), total))
-    return {"bytes": total, "blocks": SCATTER_BLOCKS, "kernel_us": t_kernel * 1e6, "memcpy_us": t_memcpy * 1e6,
-            "kernel_gbps": total / t_kernel / 1e9, "memcpy_gbps": total / t_memcpy / 1e9,
-            "kernel_vs_memcpy": t_memcpy / t_kernel, "kernel_landed": bool(ok)}
+    used = configs["%dx%d" % cuda_runtime.KERNEL_CONFIG]
+    return {"bytes": total, "blocks": SCATTER_BLOCKS, "kernel_config": "%dx%d" % cuda_runtime.KERNEL_CONFIG,
+            "kernel_us": used["us"], "memcpy_us": t_memcpy * 1e6, "kernel_gbps": used["gbps"],
+            "memcpy_gbps": total / t_memcpy / 1e9, "kernel_vs_memcpy": t_memcpy * 1e6 / used["us"],
+            "kernel_landed": all(c["landed"] for c in configs.values()), "configs": configs}
+
+
+NCCL_REPEATS = 20
+
+
+def two_gpus(sizes: tuple[int, ...], budget_s: float, timeout: float, log: Callable[[str], None]) -> list[Row]:
+    """GPU 0 to GPU 1: ``peer_copy`` (``copy_`` inside this process: the limit), ``cuda_gpu1`` (our
+    transport into a second process's memory on GPU 1, through CUDA IPC and peer access) and ``nccl``
+    (``torch.distributed`` send/recv between two processes, one per GPU, as vLLM's P2pNcclConnector; each
+    repeat ends when rank 1's 4-byte ack arrives, so the bytes are in place as for the others)."""
+    import torch
+    import torch.distributed as dist
+
+    from epd_lab.transfer import TransferEngine
+    from epd_lab.transfer.cuda_peer import CudaPeerProcess
+
+    rows: list[Row] = []
+    top = max(sizes)
+    src = torch.randint(0, 256, (top,), dtype=torch.uint8, device="cuda:0")
+    dst1 = torch.zeros(top, dtype=torch.uint8, device="cuda:1")
+
+    def peer_copy(n: int) -> None:
+        dst1[:n].copy_(src[:n])
+        torch.cuda.synchronize(1)
+        torch.cuda.synchronize(0)
+
+    with contextlib.ExitStack() as stack:
+        peer = stack.enter_context(CudaPeerProcess(protocol="auto", timeout=timeout))
+        far = peer.cuda_alloc(top, device=1)
+        eng = stack.enter_context(TransferEngine(protocol="cuda", timeout=timeout))
+        eng.register(src.data_ptr(), top)
+
+        def ours(n: int) -> None:
+            eng.transfer_sync_write(peer.session_id, src.data_ptr(), far, n)
+
+        for n in sizes:
+            for path, fn in (("peer_copy", peer_copy), ("cuda_gpu1", ours)):
+                rows.append(_row(path, n, 1, _measure(lambda: fn(n), budget_s)))
+                log(_fmt(rows[-1]))
+        import zlib
+
+        ok = peer.cuda_checksum(far, top) == zlib.crc32(src.cpu().numpy())
+        log(f"  cuda_gpu1 landed: {ok}")
+    # NCCL: rank 1 in a child process on GPU 1, rank 0 here
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_NVLS_ENABLE": "0"}
+    child = subprocess.Popen([sys.executable, "-m", "epd_lab.bench.transfer_cuda", "--nccl-rank1",
+                              ",".join(str(n) for n in sizes)], env=env)
+    try:
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_NVLS_ENABLE": "0"})
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=2, device_id=torch.device("cuda:0"))
+        ack = torch.zeros(1, dtype=torch.int32, device="cuda:0")
+        for n in sizes:
+            times = []
+            for r in range(NCCL_REPEATS + 2):
+                t0 = time.perf_counter()
+                dist.send(src[:n], dst=1)
+                dist.recv(ack, src=1)
+                torch.cuda.synchronize(0)
+                if r >= 2:
+                    times.append(time.perf_counter() - t0)
+            rows.append(_row("nccl", n, 1, times))
+            log(_fmt(rows[-1]))
+        dist.destroy_process_group()
+    finally:
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    return rows
+
+
+def nccl_rank1(sizes: list[int]) -> None:
+    """`two_gpus`' NCCL receiver: for each size, receive and ack each repeat."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(1)
+    dist.init_process_group("nccl", rank=1, world_size=2, device_id=torch.device("cuda:1"))
+    buf = torch.empty(max(sizes), dtype=torch.uint8, device="cuda:1")
+    ack = torch.ones(1, dtype=torch.int32, device="cuda:1")
+    for n in sizes:
+        for _ in range(NCCL_REPEATS + 2):
+            dist.recv(buf[:n], src=0)
+            dist.send(ack, dst=0)
+    torch.cuda.synchronize(1)
+    dist.destroy_process_group()
 
 
 def model_shape(name: str) -> dict:
@@ -407,6 +506,11 @@ def ratios(rows: list[dict], kv: list[dict]) -> list[dict]:
             add(f"cuda / pinned_staging @ {_size(size)}", g("cuda", size), g("pinned_staging", size), 5.0)
     for size in (16 * MiB, 256 * MiB):
         add(f"cuda / zmq_pickle @ {_size(size)} (report)", g("cuda", size), g("zmq_pickle", size), 0.0)
+    for size in SIZES:
+        if size >= MiB:
+            add(f"two GPUs: cuda_gpu1 / peer_copy @ {_size(size)}", g("cuda_gpu1", size), g("peer_copy", size),
+                0.8 if size >= 16 * MiB else 0.0)
+            add(f"two GPUs: cuda_gpu1 / nccl @ {_size(size)}", g("cuda_gpu1", size), g("nccl", size), 1.0)
     for k in kv:
         add(f"KV 4k {k['shape']} (lists) / d2d of the same bytes (report)", k["gbps"]["lists"],
             k["gbps"]["limit"], 0.0)
@@ -463,10 +567,21 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
                     f"ms ({k['gbps']['arrays']:.0f} GB/s), d2d limit {k['ms']['limit']:.3f} ms "
                     f"({k['gbps']['limit']:.0f} GB/s); landed {k['landed_checked']}")
         skipped = bench.skipped
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        try:
+            rows += two_gpus(tuple(n for n in sizes if n >= MiB), budget_s, timeout, log)
+        except Exception as exc:  # reported; the one-GPU results stand
+            skipped["two_gpus"] = f"{type(exc).__name__}: {exc}"
+            log(f"  two GPUs: skipped ({skipped['two_gpus']})")
+    else:
+        skipped["two_gpus"] = f"{torch.cuda.device_count()} GPU here (kind nvidia-h200-x2 has two)"
     gpu_time = device_time()
     log(f"  device time, 256 x 64 KiB scattered: kernel {gpu_time['kernel_us']:.1f} us "
         f"({gpu_time['kernel_gbps']:.0f} GB/s) vs one cudaMemcpyAsync of 16 MiB {gpu_time['memcpy_us']:.1f} us "
-        f"({gpu_time['memcpy_gbps']:.0f} GB/s): {gpu_time['kernel_vs_memcpy']:.2f}")
+        f"({gpu_time['memcpy_gbps']:.0f} GB/s): {gpu_time['kernel_vs_memcpy']:.2f}; configs (threads x vectors) "
+        + ", ".join(f"{k} {v['us']:.1f} us" for k, v in gpu_time["configs"].items()))
     for name in shapes:
         try:
             models.append(model_shape(name))
@@ -477,9 +592,9 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
     result = {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "rows": [asdict(r) for r in rows], "skipped": skipped, "device_time": gpu_time, "kv_4k": kv,
               "models": models,
-              "untested": ["two GPUs (peer copy in one process, NCCL send/recv, cuda across GPUs): "
-                           "not measured in this run",
-                           "GPU memory across hosts (tcp staging through pinned memory; GPUDirect RDMA)"]}
+              "untested": ["GPU memory across hosts (a GPU destination on another host is refused; GPU sources "
+                           "to another host staged through pinned memory run only between two processes here); "
+                           "GPUDirect RDMA"]}
     result["ratios"] = ratios(result["rows"], kv)
     result["ratios"].append({"name": "device time: kernel 256 scattered / memcpy contiguous @ 16 MiB",
                              "value": gpu_time["kernel_vs_memcpy"], "target": 0.7,
@@ -499,7 +614,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="qwen2-vl-2b,qwen2-vl-7b",
                     help="model shapes for the 4k-token KV transfer and the GPU build ('' for none)")
     ap.add_argument("--zmq-receiver", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--nccl-rank1", metavar="SIZES", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.nccl_rank1:
+        nccl_rank1([int(n) for n in args.nccl_rank1.split(",")])
+        return 0
     if args.zmq_receiver:
         zmq_receiver()
         return 0

@@ -27,8 +27,13 @@ _IPC_LAZY_PEER = 1
 _MEM_TYPE_DEVICE = 2
 # Batch kernel: copies per launch (the descriptors are one kernel parameter: 3 x 8 x 1024 + 16 bytes, under
 # the 32 KiB that CUDA 12.1+ allows), threads per block, and 16-byte vectors per thread per iteration.
-BATCH_MAX, THREADS, UNROLL = 1024, 256, 4
-CHUNK = THREADS * UNROLL * 16  # bytes one block moves per iteration
+BATCH_MAX = 1024
+# (threads per block, 16-byte vectors per thread per iteration): KERNEL_CONFIGS are the ones the bench
+# measures (device_time); KERNEL_CONFIG is the transport's, the fastest there on the H200.
+KERNEL_CONFIGS = ((256, 4), (512, 4), (256, 8), (512, 8))
+KERNEL_CONFIG = (256, 4)
+# Descriptor tables compiled: a launch passes the smallest that holds its blocks (less parameter to copy).
+TABLE_SIZES = (256, BATCH_MAX)
 
 BATCH_COPY_SOURCE = r"""
 #define BATCH_MAX %(max)d
@@ -68,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(%(threads)d) epd_batch_copy(const _
             dst[k] = src[k];
     }
 }
-""" % {"max": BATCH_MAX, "unroll": UNROLL, "threads": THREADS}
+"""
 
 
 class _PointerAttributes(ctypes.Structure):
@@ -149,7 +154,7 @@ class Cuda:
         drv.cuModuleGetFunction.argtypes = (ctypes.POINTER(vp), vp, ctypes.c_char_p)
         drv.cuFuncSetAttribute.argtypes = (vp, ctypes.c_int, ctypes.c_int)
         self.multi_gpu = torch.cuda.device_count() > 1  # else the current device never needs switching
-        self._kernels: dict[int, int] = {}  # device -> CUfunction of the batch copy
+        self._kernels: dict[tuple, int] = {}  # (device, table, threads, unroll) -> CUfunction of the batch copy
         self._lock = threading.Lock()
         self._tls = threading.local()
 
@@ -216,25 +221,38 @@ class Cuda:
         self.check(self.rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
 
     def batch_copy(self, device: int, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray,
-                   dst_offset: int = 0) -> None:
+                   dst_offset: int = 0, config: tuple[int, int] | None = None) -> None:
         """Queue a batch of copies as one kernel launch per `BATCH_MAX` blocks (uint64 arrays); the kernel
-        writes to ``dst + dst_offset`` (modulo 2**64)."""
-        fn = self._kernel(device)
-        params = getattr(self._tls, "params", None)
-        if params is None:  # one parameter buffer per thread: launches copy it at the call
-            params = self._tls.params = np.zeros(3 * BATCH_MAX + 2, dtype=np.uint64)
-            self._tls.argv = (ctypes.c_void_p * 1)(params.ctypes.data)
-        params[3 * BATCH_MAX + 1] = dst_offset
+        writes to ``dst + dst_offset`` (modulo 2**64). `config`: (threads, vectors per thread), else
+        `KERNEL_CONFIG`."""
+        threads, unroll = config or KERNEL_CONFIG
+        chunk = threads * unroll * 16  # bytes one block moves per iteration
         longest = int(lengths.max())
         for lo in range(0, len(dsts), BATCH_MAX):
             n = min(BATCH_MAX, len(dsts) - lo)
+            table = next(t for t in TABLE_SIZES if t >= n)
+            fn, params, argv = self._launchable(device, table, threads, unroll)
             params[0:n] = srcs[lo:lo + n]
-            params[BATCH_MAX:BATCH_MAX + n] = dsts[lo:lo + n]
-            params[2 * BATCH_MAX:2 * BATCH_MAX + n] = lengths[lo:lo + n]
-            params[3 * BATCH_MAX] = n
-            gx = max(1, min(-(-longest // CHUNK), max(1, 4096 // n)))  # enough blocks in flight, none idle
-            self.check_drv(self.drv.cuLaunchKernel(fn, gx, n, 1, THREADS, 1, 1, 0, None, self._tls.argv, None),
+            params[table:table + n] = dsts[lo:lo + n]
+            params[2 * table:2 * table + n] = lengths[lo:lo + n]
+            params[3 * table] = n
+            params[3 * table + 1] = dst_offset
+            gx = max(1, min(-(-longest // chunk), max(1, 4096 // n)))  # enough blocks in flight, none idle
+            self.check_drv(self.drv.cuLaunchKernel(fn, gx, n, 1, threads, 1, 1, 0, None, argv, None),
                            "cuLaunchKernel(epd_batch_copy)")
+
+    def _launchable(self, device: int, table: int, threads: int, unroll: int):
+        """The kernel for this table size and config, and this thread's parameter buffer for it (a launch
+        copies its parameters at the call, so the buffer is free again when cuLaunchKernel returns)."""
+        key = (device, table, threads, unroll)
+        bufs = getattr(self._tls, "bufs", None)
+        if bufs is None:
+            bufs = self._tls.bufs = {}
+        entry = bufs.get(key)
+        if entry is None:
+            params = np.zeros(3 * table + 2, dtype=np.uint64)
+            entry = bufs[key] = (self._kernel(key), params, (ctypes.c_void_p * 1)(params.ctypes.data))
+        return entry
 
     def batch_copy_api(self, device: int, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray) -> None:
         """The same batch through ``cudaMemcpyBatchAsync`` (the driver's own batched copy)."""
@@ -252,22 +270,22 @@ class Cuda:
                                  ctypes.byref(zero), 1, stream), "cudaMemcpyBatchAsync")
         self.check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
-    def _kernel(self, device: int) -> int:
-        fn = self._kernels.get(device)
+    def _kernel(self, key: tuple[int, int, int, int]) -> int:
+        fn = self._kernels.get(key)
         if fn is None:
             with self._lock:
-                fn = self._kernels.get(device)
+                fn = self._kernels.get(key)
                 if fn is None:
-                    fn = self._kernels[device] = self._compile(device)
+                    fn = self._kernels[key] = self._compile(*key)
         return fn
 
-    def _compile(self, device: int) -> int:
+    def _compile(self, device: int, table: int, threads: int, unroll: int) -> int:
         import torch
 
         major, minor = torch.cuda.get_device_capability(device)
         nvrtc = _open(r"^libnvrtc\.so", ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"))
         prog = ctypes.c_void_p()
-        src = BATCH_COPY_SOURCE.encode()
+        src = (BATCH_COPY_SOURCE % {"max": table, "unroll": unroll, "threads": threads}).encode()
         if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"epd_batch_copy.cu", 0, None, None) != 0:
             raise TransferError("nvrtcCreateProgram failed")
         opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]

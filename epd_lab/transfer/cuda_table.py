@@ -38,6 +38,7 @@ _SLOT_DTYPE = np.dtype({"names": ["addr", "length", "state", "inflight", "key"],
                         "formats": ["<u8", "<u8", "<u4", "<i4", "<u8"],
                         "offsets": [0, 8, 16, 32, 40], "itemsize": _SLOT})
 _SEQ_CST = 5
+_SLOT_LIVE = struct.Struct("<QQI20xQ")  # addr, length, state, (kind, arena, inflight, pad), key
 
 
 def _atomics():
@@ -125,9 +126,8 @@ class PeerTable:
 
     def _live(self, slot: int, addr: int, stop: int, key: int) -> bool:
         """Whether the shared slot still holds exactly this live registration."""
-        a, n, state = struct.unpack_from("<QQI", self._map, _SLOTS + slot * _SLOT)
-        return state == SLOT_ACTIVE and a == addr and a + n == stop and \
-            struct.unpack_from("<Q", self._map, _SLOTS + slot * _SLOT + 40)[0] == key
+        a, n, state, k = _SLOT_LIVE.unpack_from(self._map, _SLOTS + slot * _SLOT)
+        return state == SLOT_ACTIVE and a == addr and a + n == stop and k == key
 
     def _find(self, dsts: np.ndarray, ends: np.ndarray, keys: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Per block, the snapshot row covering it (and carrying its key) and whether there is one."""
@@ -207,7 +207,7 @@ class PeerTable:
                     break
                 rows.append(r)
             if len(rows) == len(dsts):
-                slots, ok = self._pin_rows(sorted(set(rows)))
+                slots, ok = self._pin_rows(rows if len(rows) == 1 else sorted(set(rows)))
                 if ok:
                     return Pins(self, slots, len(dsts), sum(lengths))
                 Pins(self, slots, 0, 0).release(landed=False)
