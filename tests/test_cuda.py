@@ -250,3 +250,22 @@ def test_cuda_protocol_opens_and_deregister_unexports(gpu_peer):
         eng.deregister(t.data_ptr())
         assert (eng.stats()["cuda_regions"], eng.stats()["cuda_exports"]) == (0, 0)
 
+
+
+@gpu
+def test_write_into_the_peers_memory_on_another_gpu(gpu_peer, gpu_writer):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (kind nvidia-h200-x2)")
+    eng, src = gpu_writer
+    dst = gpu_peer.cuda_alloc(4 * MiB, device=1)
+    try:
+        eng.transfer_sync_write(gpu_peer.session_id, src.data_ptr(), dst, 4 * MiB)  # peer to peer, through IPC
+        eng.batch_transfer_sync_write(gpu_peer.session_id, [src.data_ptr() + i * 4096 for i in range(64)],
+                                      [dst + (63 - i) * 4096 for i in range(64)], [4096] * 64)
+        assert gpu_peer.cuda_checksum(dst + 64 * 4096, 4 * MiB - 64 * 4096) == _crc(src[64 * 4096:4 * MiB])
+        assert gpu_peer.cuda_checksum(dst, 4096) == _crc(src[63 * 4096:64 * 4096])
+    finally:
+        gpu_peer.call("deregister", ptr=dst)
+        gpu_peer.call("cuda_free", ptr=dst)
