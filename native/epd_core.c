@@ -547,15 +547,16 @@ static int recv_all(int fd, void *buf, uint64_t len, uint64_t *got, int timeout_
 
 /* Wait for the next small message by polling for up to SPIN_NS before sleeping in recv: a thread
  * that sleeps between a request and its reply pays a wake-up, which on these VMs costs 20-80 us. */
-static void spin_until_readable(int fd) {
+static int spin_until_readable(int fd) { /* 1: readable (bytes, end of stream or an error) */
     uint64_t end = now_ns() + SPIN_NS;
     char c;
     while (now_ns() < end) {
         ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (r > 0 || r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return;
+        if (r > 0 || r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return 1;
         /* Sockets wake their peer thread onto the waker's CPU: yield, or we would spin in its way. */
         sched_yield();
     }
+    return 0;
 }
 
 static int send_all(int fd, struct iovec *iov, int cnt, int flags) {
@@ -696,9 +697,10 @@ static void *conn_main(void *arg) {
         int rc;
         /* Between requests a connection may idle for idle_ms (a writer's pooled connection); within one, each
          * step must progress within timeout_ms. */
-        spin_until_readable(c->fd);
         struct pollfd pf = {c->fd, POLLIN, 0};
-        while ((rc = poll(&pf, 1, s->idle_ms > 0 ? s->idle_ms : -1)) < 0 && errno == EINTR) {
+        rc = spin_until_readable(c->fd); /* a pipelined batch's next header is usually there: no poll */
+        while (!rc && (rc = poll(&pf, 1, s->idle_ms > 0 ? s->idle_ms : -1)) < 0 && errno == EINTR) {
+            rc = 0;
         }
         if (rc == 0) {
             ADD(&s->idle_closed, 1);

@@ -64,7 +64,7 @@ def test_idle_flood_is_capped_refused_counted_and_closed_while_writers_keep_writ
             assert peer.read(dst, 4) == b"\x07" * 4
             # the idle ones are closed after the idle timeout, and counted
             wait_for(lambda: peer.stats()["conns_idle_closed"] >= cap - 1, 10, "the idle flood closed")
-            assert threads_of(peer.pid) <= base
+            wait_for(lambda: threads_of(peer.pid) <= base, 5, "the closed connections' threads joined")
             # ... and the cap frees up for new writers
             with TransferEngine(protocol="tcp", timeout=2.0) as late:
                 late.register_buffer(src)
@@ -84,8 +84,8 @@ def test_idle_connection_is_closed_after_the_idle_timeout():
             start = time.monotonic()
             assert s.recv(1) == b""  # closed by the engine, not by us
             assert 0.4 < time.monotonic() - start < 5
-        wait_for(lambda: peer.stats()["conns_idle_closed"] == 1, 5, "the idle close counted")
-        assert peer.stats()["conns_active"] == 0
+        wait_for(lambda: (lambda st: (st["conns_idle_closed"], st["conns_active"]) == (1, 0))(peer.stats()), 5,
+                 "the idle close counted and the connection's thread gone")
 
 
 def test_writer_reconnects_when_the_peer_closed_its_pooled_connection_for_idleness():
