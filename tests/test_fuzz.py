@@ -170,12 +170,12 @@ def cluster():
 
 
 def _reported_bug(failure: dict[str, Any]) -> bool:
-    """The two bugs reported to their owners (each a strict xfail below): decode's 502 for KV its producer does not
-    hold, and decode's sampling at a tiny positive temperature."""
+    """The two bugs reported to their owners (each a strict xfail below): decode's 502/504 for KV its producer does
+    not hold, and decode's sampling at a tiny positive temperature."""
     detail = failure.get("detail") or ""
-    return failure.get("status") == 502 and (
-        (failure.get("case", {}).get("path") == "/v1/decode" and "TRANS_ERROR" in detail)
-        or "probability tensor contains" in detail)
+    return (failure.get("status") in (502, 504) and failure.get("case", {}).get("path") == "/v1/decode"
+            and ("TRANS_ERROR" in detail or "no answer from the producer" in detail)) or (
+        failure.get("status") == 502 and "probability tensor contains" in detail)
 
 
 def test_fuzz_leg_finds_no_5xx_crash_or_hang(cluster) -> None:
@@ -192,11 +192,12 @@ def test_fuzz_leg_finds_no_5xx_crash_or_hang(cluster) -> None:
     assert {"engine", "http", "zmq:ROUTER", "zmq:PULL"} <= kinds, kinds
     assert all(rep["frames"] > 0 for rep in report["sockets"].values())
     for name, rep in report["sockets"].items():
-        assert rep["outcomes"].get("hang", 0) == 0, name
+        assert rep["outcomes"].get("hang", 0) == 0 and rep["alive_after"], name
 
 
 @pytest.mark.xfail(strict=True, reason="bug reported to decode/KV connector owners: a /v1/decode naming KV its "
-                   "producer does not hold (unknown or aborted) is a 502 (TRANS_ERROR carries no cause), not a 4xx")
+                   "producer does not hold is a 502 at once when aborted, and when never prefilled a 502 or 504 after "
+                   "the whole timeout (the producer waits for an announce that never comes); not a 4xx")
 def test_decode_naming_kv_its_producer_does_not_hold_is_a_client_error(cluster) -> None:
     kv_url = httpx.get(cluster.prefill_urls[0] + "/health", timeout=10).json()["kv_url"]
     body = {"request_id": "fuzz-unheld", "max_tokens": 1,

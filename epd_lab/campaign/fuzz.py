@@ -33,6 +33,7 @@ import random
 import socket
 import struct
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,6 +45,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisWarning
 
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
 from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
@@ -71,26 +73,29 @@ class _Stop(Exception):
     """The time budget ran out: Hypothesis's loop is left at once."""
 
 
-def _run(strategy: st.SearchStrategy, n: int, seed: int, deadline: float, fn: Callable[[Any], None]) -> int:
-    """Draw up to `n` examples of `strategy` from `seed` (no shrinking, no database: the same seed draws the same
-    sequence) and call `fn` on each until `deadline` (monotonic); returns how many were called."""
+def _run(strategy: st.SearchStrategy, n: int, seed: int, deadline: float, fn: Callable[[Any], bool | None]) -> int:
+    """Draw examples of `strategy` from `seed` (no shrinking, no database: the same seed draws the same sequence)
+    and call `fn` on each until it has taken `n` (a call returning False did not take its example: a repeat) or
+    until `deadline` (monotonic); returns how many it took."""
     calls = 0
 
     @hypothesis_seed(seed)
-    @settings(max_examples=max(1, n), database=None, deadline=None, phases=[Phase.generate], derandomize=False,
+    @settings(max_examples=max(1, 4 * n), database=None, deadline=None, phases=[Phase.generate], derandomize=False,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(strategy)
     def run(example: Any) -> None:
         nonlocal calls
         if calls >= n or time.monotonic() > deadline:
             raise _Stop
-        calls += 1
-        fn(example)
+        if fn(example) is not False:
+            calls += 1
 
-    try:
-        run()
-    except _Stop:
-        pass
+    with warnings.catch_warnings():  # leaving by _Stop makes Hypothesis repr the last example: large ones warn
+        warnings.simplefilter("ignore", HypothesisWarning)
+        try:
+            run()
+        except _Stop:
+            pass
     return calls
 
 
@@ -273,10 +278,16 @@ def fuzz_http(url: str, spec: dict[str, Any], *, n: int, seed: int, deadline: fl
     """Send up to `n` generated requests to the server at `url` (its OpenAPI `spec`) until `deadline`; outcome
     counts by status class and by route, and the failing cases (5xx, broken answer, no answer within `timeout`)."""
     tally, by_route, samples = _Tally(), Counter(), {}
+    seconds_by_route: Counter = Counter()
+    slowest: list[tuple[float, dict[str, Any]]] = []  # the five slowest answers, with their cases
     t0 = time.monotonic()
     known = known or {}
+    seen: set[HttpCase] = set()
     with httpx.Client(base_url=url, timeout=timeout) as client:
-        def send(case: HttpCase) -> None:
+        def send(case: HttpCase) -> bool:
+            if case in seen:  # Hypothesis draws small cases again; each input is sent once
+                return False
+            seen.add(case)
             headers = {"content-type": case.content_type} if case.content_type else {}
             t0 = time.monotonic()
             try:
@@ -295,16 +306,25 @@ def fuzz_http(url: str, spec: dict[str, Any], *, n: int, seed: int, deadline: fl
                 outcome, failed, status, detail = "broken", True, None, repr(exc)
             key = f"{case.method} {case.path} {outcome}"
             by_route[key] += 1
+            seconds = time.monotonic() - t0
+            seconds_by_route[key] += seconds
+            slowest.append((seconds, {"case": case.record(), "status": status, "detail": detail,
+                                      "seconds": round(seconds, 3)}))
+            slowest.sort(key=lambda t: -t[0])
+            del slowest[5:]
             if key not in samples:
                 samples[key] = {"case": case.record(), "status": status, "detail": detail}
             tally.add(outcome, failed, {"case": case.record(), "status": status, "detail": detail,
-                                        "seconds": round(time.monotonic() - t0, 3)})
+                                        "seconds": round(seconds, 3)})
             if status == 200 and case.path == "/v1/prefill" and case.body:
                 _abort_prefill(client, case.body)  # a prefill that succeeded holds KV for a decode that never comes
+            return True
 
         _run(_http_strategy(spec, known), n, seed, deadline, send)
     return {"inputs": tally.sent, "elapsed_s": round(time.monotonic() - t0, 1), "outcomes": dict(tally.outcomes),
-            "by_route": dict(sorted(by_route.items())), "samples": samples, "failures": tally.failures}
+            "by_route": dict(sorted(by_route.items())),
+            "seconds_by_route": {k: round(v, 2) for k, v in sorted(seconds_by_route.items())},
+            "slowest": [case for _, case in slowest], "samples": samples, "failures": tally.failures}
 
 
 def _abort_prefill(client: httpx.Client, body: bytes) -> None:
@@ -375,6 +395,20 @@ def _is_engine(host: str, port: int, timeout: float = 1.0) -> bool:
     outcome, rep = _engine_exchange(host, port, WIRE_REQ.pack(WIRE_MAGIC, WIRE_VERSION, OP_HELLO, 0, 0, 0, 0),
                                     False, timeout)
     return outcome == "ok" and rep is not None and rep[0] == WIRE_MAGIC
+
+
+def _socket_alive(kind: str, host: str, port: int) -> bool:
+    """Whether the socket still answers its own protocol: an engine its HELLO, ZMQ its handshake, HTTP a GET."""
+    if kind == "engine":
+        return _is_engine(host, port)
+    if kind.startswith("zmq:"):
+        return zmtp_socket_type(host, port) == kind[4:]
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: fuzz\r\nConnection: close\r\n\r\n")
+            return s.recv(12).startswith(b"HTTP/1.1") if kind == "http" else True
+    except OSError:
+        return False
 
 
 def _ready_socket_type(cmd: bytes) -> str | None:
@@ -698,8 +732,12 @@ def fuzz(cluster: Any, *, inputs_per_server: int, frames_per_socket: int, seed: 
     for i, (name, host, port, kind) in enumerate(targets):
         share = start + (frames_end - start) * (i + 1) / max(1, len(targets))
         kind_run = "http" if kind == "tcp" else kind  # an unknown protocol gets raw junk
-        sockets[f"{name} {host}:{port}"] = {"owner": name, **fuzz_socket(
-            host, port, kind_run, n=frames_per_socket, seed=seed + 100 + i, deadline=min(share, end), timeout=timeout)}
+        rep = fuzz_socket(host, port, kind_run, n=frames_per_socket, seed=seed + 100 + i, deadline=min(share, end),
+                          timeout=timeout)
+        rep["alive_after"] = _socket_alive(kind, host, port)  # it still speaks its protocol to a fresh peer
+        if not rep["alive_after"]:
+            rep["failures"].append({"outcome": "dead_after_frames"})
+        sockets[f"{name} {host}:{port}"] = {"owner": name, **rep}
         say(f"fuzz: {name} {host}:{port} ({kind}) {sockets[f'{name} {host}:{port}']['frames']} frames")
 
     guarded = fuzz_guarded_engine(n=frames_per_socket, seed=seed + 1000, deadline=max(end, time.monotonic() + 1))
