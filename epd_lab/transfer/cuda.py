@@ -119,15 +119,24 @@ class CudaTransport:
 
     # ---- owner side ----
     def export(self, ptr: int, length: int, device: int) -> None:
-        """Record GPU memory the engine just registered; export its allocation once."""
-        base, size = self.cu.allocation(ptr)
-        if ptr + length > base + size:
-            raise ValueError(f"0x{ptr:x} + {length} bytes runs past its GPU allocation (0x{base:x}, {size} bytes)")
-        with self._lock:
-            if base not in self._allocs:
-                self._allocs[base] = _Export(base, size, device, self.cu.ipc_handle(base))
-            self._regions[ptr] = (length, base, device)
-            self._index_regions()
+        """Record GPU memory the engine just registered; export its allocation once (in the context of the
+        GPU that holds it: the driver finds an allocation only there)."""
+        cu = self.cu
+        prev = cu.current_device() if cu.multi_gpu else device
+        if prev != device:
+            cu.set_device(device)
+        try:
+            base, size = cu.allocation(ptr)
+            if ptr + length > base + size:
+                raise ValueError(f"0x{ptr:x} + {length} bytes runs past its GPU allocation (0x{base:x}, {size} bytes)")
+            with self._lock:
+                if base not in self._allocs:
+                    self._allocs[base] = _Export(base, size, device, cu.ipc_handle(base))
+                self._regions[ptr] = (length, base, device)
+                self._index_regions()
+        finally:
+            if prev != device:
+                cu.set_device(prev)
 
     def unexport(self, ptr: int) -> None:
         """Forget a deregistered region; its allocation leaves the list when no region uses it."""
