@@ -206,7 +206,8 @@ class Cluster:
     def spans(self, request_id: str | None = None, extra: Iterable[Span] = (), since_ns: int = 0) -> pd.DataFrame:
         """Every server's spans (optionally of one request, and `extra` ones such as an in-process
         receiver's) as one frame on this host's clock (`epd_lab.trace.collect`)."""
-        return collect(self.urls(), request_id, since_ns, extra, timeout=self.topology.timeout)
+        return collect(self.urls(), request_id, since_ns, extra, timeout=self.topology.timeout,
+                       secret=self.topology.secret)
 
     def receiver(self, recorder: Recorder | None = None, **overrides) -> EmbeddingReceiver:
         """A receiver (the prefill side) wired to this cluster's encoders."""

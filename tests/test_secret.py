@@ -236,3 +236,6 @@ def test_mooncake_engine_is_refused_when_a_secret_is_set(monkeypatch):
     monkeypatch.setenv(security.ENV_SECRET, SECRET)
     with pytest.raises(TransportUnavailable, match="cannot check the shared secret"):
         open_engine("mooncake")
+        # the request's timeline is collected from every role with the topology's secret
+        frame = cluster.spans(reply.id)
+        assert not frame.attrs["unreachable"] and {"prefill", "kv_transfer", "decode_step"} <= set(frame["stage"])

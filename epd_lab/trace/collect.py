@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import httpx
 import msgspec
 
+from epd_lab import security
 from epd_lab.trace.frame import spans_frame
 from epd_lab.trace.spans import Recorder, Span, of_request
 
@@ -68,18 +69,19 @@ def estimate_clock_offset(client: httpx.Client, url: str, samples: int = 8, forc
 
 
 def collect(urls: Iterable[str], request_id: str | None = None, since_ns: int = 0, extra: Iterable[Span] = (),
-            timeout: float = 10.0) -> pd.DataFrame:
+            timeout: float = 10.0, secret: str | bytes | None = None) -> pd.DataFrame:
     """Every span the servers at `urls` hold and `extra` ones (e.g. an in-process receiver's), of one
     request only when `request_id` is given (`of_request`), in one frame, each node's timestamps brought
     onto this host's clock. ``frame.attrs``: ``clock_offsets`` (ns per node), ``clocks`` (each node's
     `ClockOffset`, as dicts), ``dropped`` (spans each recorder had to drop) and ``unreachable`` (URL →
-    error, for servers that did not answer within `timeout`: the others are still collected)."""
+    error, for servers that did not answer within `timeout`: the others are still collected). `secret`: the
+    deployment's shared secret, sent as the bearer token (default: the environment's, `epd_lab.security`)."""
     spans = of_request(extra, request_id)
     clocks: dict[str, ClockOffset] = {}
     dropped: dict[str, int] = {}
     params: dict[str, Any] = {"since_ns": since_ns, **({"request_id": request_id} if request_id else {})}
     unreachable: dict[str, str] = {}
-    with httpx.Client(timeout=timeout) as client:
+    with httpx.Client(timeout=timeout, headers=security.bearer_header(security.resolve(secret))) as client:
         for url in urls:
             try:
                 page = msgspec.json.decode(client.get(f"{url}/v1/spans", params=params).raise_for_status().content,
