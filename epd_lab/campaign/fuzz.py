@@ -32,8 +32,10 @@ import os
 import random
 import socket
 import struct
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -274,50 +276,62 @@ def _http_strategy(spec: dict[str, Any], known: dict[str, list[str]]) -> st.Sear
 
 
 def fuzz_http(url: str, spec: dict[str, Any], *, n: int, seed: int, deadline: float, timeout: float,
-              known: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    """Send up to `n` generated requests to the server at `url` (its OpenAPI `spec`) until `deadline`; outcome
-    counts by status class and by route, and the failing cases (5xx, broken answer, no answer within `timeout`)."""
+              known: dict[str, list[str]] | None = None, concurrency: int = 4) -> dict[str, Any]:
+    """Send up to `n` distinct generated requests to the server at `url` (its OpenAPI `spec`) until `deadline`,
+    `concurrency` at a time (Hypothesis draws in this thread; answers that wait on a timeout do not stall the
+    draw); outcome counts by status class and by route, and the failing cases (5xx, broken answer, no answer
+    within `timeout`)."""
     tally, by_route, samples = _Tally(), Counter(), {}
     seconds_by_route: Counter = Counter()
     slowest: list[tuple[float, dict[str, Any]]] = []  # the five slowest answers, with their cases
     t0 = time.monotonic()
     known = known or {}
     seen: set[HttpCase] = set()
-    with httpx.Client(base_url=url, timeout=timeout) as client:
+    lock = threading.Lock()
+    slots = threading.BoundedSemaphore(concurrency)
+
+    def exchange(client: httpx.Client, case: HttpCase) -> None:
+        headers = {"content-type": case.content_type} if case.content_type else {}
+        start = time.monotonic()
+        try:
+            with client.stream(case.method, case.path, params=case.params, content=case.body,
+                               headers=headers) as response:
+                text = b"".join(response.iter_bytes())
+            status = response.status_code
+            outcome = f"{status // 100}xx"
+            failed = status >= 500
+            if status == 200 and b'"error"' in text and b"data:" in text:
+                outcome, failed = "stream_error", True  # an SSE stream that ended in an error event
+            detail = text[:300].decode(errors="replace")
+        except httpx.TimeoutException as exc:
+            outcome, failed, status, detail = "hang", True, None, f"no answer within {timeout} s ({exc!r})"
+        except httpx.HTTPError as exc:
+            outcome, failed, status, detail = "broken", True, None, repr(exc)
+        finally:
+            slots.release()
+        if status == 200 and case.path == "/v1/prefill" and case.body:
+            _abort_prefill(client, case.body)  # a prefill that succeeded holds KV for a decode that never comes
+        seconds = time.monotonic() - start
+        key = f"{case.method} {case.path} {outcome}"
+        found = {"case": case.record(), "status": status, "detail": detail, "seconds": round(seconds, 3)}
+        with lock:
+            by_route[key] += 1
+            seconds_by_route[key] += seconds
+            slowest.append((seconds, found))
+            slowest.sort(key=lambda t: -t[0])
+            del slowest[5:]
+            samples.setdefault(key, found)
+            tally.add(outcome, failed, found)
+
+    with httpx.Client(base_url=url, timeout=timeout,
+                      limits=httpx.Limits(max_connections=concurrency + 1)) as client, \
+            ThreadPoolExecutor(concurrency, thread_name_prefix="fuzz-http") as pool:
         def send(case: HttpCase) -> bool:
             if case in seen:  # Hypothesis draws small cases again; each input is sent once
                 return False
             seen.add(case)
-            headers = {"content-type": case.content_type} if case.content_type else {}
-            t0 = time.monotonic()
-            try:
-                with client.stream(case.method, case.path, params=case.params, content=case.body,
-                                   headers=headers) as response:
-                    text = b"".join(response.iter_bytes())
-                status = response.status_code
-                outcome = f"{status // 100}xx"
-                failed = status >= 500
-                if status == 200 and b'"error"' in text and b"data:" in text:
-                    outcome, failed = "stream_error", True  # an SSE stream that ended in an error event
-                detail = text[:300].decode(errors="replace")
-            except httpx.TimeoutException as exc:
-                outcome, failed, status, detail = "hang", True, None, f"no answer within {timeout} s ({exc!r})"
-            except httpx.HTTPError as exc:
-                outcome, failed, status, detail = "broken", True, None, repr(exc)
-            key = f"{case.method} {case.path} {outcome}"
-            by_route[key] += 1
-            seconds = time.monotonic() - t0
-            seconds_by_route[key] += seconds
-            slowest.append((seconds, {"case": case.record(), "status": status, "detail": detail,
-                                      "seconds": round(seconds, 3)}))
-            slowest.sort(key=lambda t: -t[0])
-            del slowest[5:]
-            if key not in samples:
-                samples[key] = {"case": case.record(), "status": status, "detail": detail}
-            tally.add(outcome, failed, {"case": case.record(), "status": status, "detail": detail,
-                                        "seconds": round(seconds, 3)})
-            if status == 200 and case.path == "/v1/prefill" and case.body:
-                _abort_prefill(client, case.body)  # a prefill that succeeded holds KV for a decode that never comes
+            slots.acquire()
+            pool.submit(exchange, client, case)
             return True
 
         _run(_http_strategy(spec, known), n, seed, deadline, send)
