@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
+import httpx
 import pytest
 from fastapi import Request
 from fastapi.testclient import TestClient
@@ -215,3 +223,32 @@ def test_every_role_has_its_command_line(command, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main([command, "--help"])
     assert info.value.code == 0 and "--timeout" in capsys.readouterr().out
+
+
+def test_a_server_caps_its_connections_and_closes_idle_ones() -> None:
+    """A real server process (the proxy: no model to load) with a cap of 8 connections and a 1 s first-byte idle
+    timeout: 8 idle sockets fill it, a ninth is closed as it is accepted, unanswered; a second later the idle
+    ones are closed by the server, and it serves again, reporting both counts."""
+    env = {**os.environ, "EPD_HTTP_MAX_CONNECTIONS": "8", "EPD_HTTP_IDLE_S": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "epd_lab.servers.proxy", "--prefill", "http://127.0.0.1:9",
+                             "--decode", "http://127.0.0.1:9"], stdout=subprocess.PIPE, env=env,
+                            start_new_session=True)
+    try:
+        url = json.loads(proc.stdout.readline())["url"]
+        host, port = url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port))) for _ in range(8)]
+        time.sleep(0.2)  # accepted: all 8 open
+        with socket.create_connection((host, int(port))) as ninth:
+            ninth.settimeout(5)
+            ninth.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ninth.recv(1024) == b""  # closed unanswered
+        for sock in idle:
+            sock.settimeout(5)
+            assert sock.recv(1024) == b""  # the server closed it after 1 s of silence
+            sock.close()
+        http = httpx.get(url + "/health", timeout=5).json()["http"]
+        assert http["connections_refused"] == 1 and http["connections_idle_closed"] == 8
+        assert http["max_connections"] == 8 and http["connections_open"] == 1
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -7,6 +7,10 @@ The HTTP stack is uvloop + httptools where installed (the fastest in `epd-lab be
 h11; ``EPD_HTTP_LOOP`` / ``EPD_HTTP_PARSER`` force one. Idle connections stay open `KEEPALIVE_S`, well past
 the `CLIENT_KEEPALIVE_S` our clients keep them, so that the client always retires a connection first and
 never sends a request into one the server is closing.
+
+Bounds: at most `MAX_CONNECTIONS` connections at once (``EPD_HTTP_MAX_CONNECTIONS``); one past it is closed as
+it is accepted, unanswered, and counted. A connection that sends nothing for `KEEPALIVE_S` after it opened
+(``EPD_HTTP_IDLE_S``) is closed too, as uvicorn closes one idle between requests: idle sockets cannot pile up.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ PARSERS = ("httptools", "h11")
 # response"), and a client that keeps connections longer (http.client) writes into a closed socket.
 KEEPALIVE_S = 75
 CLIENT_KEEPALIVE_S = 60.0  # what our clients should keep idle connections (httpx.Limits(keepalive_expiry=...))
+MAX_CONNECTIONS = 1024  # per server: far above a proxy's kept-alive connections to it under 200 concurrent clients
 
 
 @dataclasses.dataclass
@@ -38,6 +43,10 @@ class _Served:
     parser: str | None = None
     accepted: int = 0
     open: int = 0
+    refused: int = 0  # closed at accept: `max_connections` were open
+    idle_closed: int = 0  # closed before their first byte came
+    max_connections: int = MAX_CONNECTIONS
+    idle_s: float = KEEPALIVE_S
 
 
 _served = _Served()
@@ -69,12 +78,35 @@ def _counted(protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
     """uvicorn's HTTP `protocol` (one instance per TCP connection) counting the connections it serves."""
 
     class Counted(protocol):  # type: ignore[valid-type,misc]
+        _refused = False
+        _first_byte: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            if _served.open >= _served.max_connections:
+                _served.refused += 1
+                self._refused = True
+                transport.close()
+                return
             _served.accepted += 1
             _served.open += 1
+            self._first_byte = asyncio.get_running_loop().call_later(_served.idle_s, self._idle, transport)
             super().connection_made(transport)
 
+        def _idle(self, transport: asyncio.BaseTransport) -> None:
+            _served.idle_closed += 1
+            transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._first_byte is not None:
+                self._first_byte.cancel()
+                self._first_byte = None
+            super().data_received(data)
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            if self._first_byte is not None:
+                self._first_byte.cancel()
             _served.open -= 1
             super().connection_lost(exc)
 
@@ -91,7 +123,9 @@ def http_info() -> dict[str, Any]:
     except RuntimeError:
         loop = None
     return {"loop": loop, "parser": _served.parser, "keepalive_s": KEEPALIVE_S,
-            "connections_accepted": _served.accepted, "connections_open": _served.open}
+            "connections_accepted": _served.accepted, "connections_open": _served.open,
+            "max_connections": _served.max_connections, "connections_refused": _served.refused,
+            "connections_idle_closed": _served.idle_closed}
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -118,6 +152,8 @@ def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: floa
     from uvicorn.importer import import_from_string
 
     loop, _served.parser = http_stack(loop, parser)
+    _served.max_connections = int(os.environ.get("EPD_HTTP_MAX_CONNECTIONS", MAX_CONNECTIONS))
+    _served.idle_s = float(os.environ.get("EPD_HTTP_IDLE_S", KEEPALIVE_S))
     protocol = _counted(import_from_string(HTTP_PROTOCOLS[_served.parser]))
     # access_log off: at log_level "warning" its lines are dropped anyway, after their fields were built
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
