@@ -294,7 +294,8 @@ def kv_transfer(name: str, peer, budget_s: float, timeout: float) -> dict:
 
 
 def device_time(repeats: int = 50) -> dict:
-    """GPU time alone (CUDA events over back-to-back launches, no host work between): the batch kernel on
+    """GPU time alone (CUDA events around back-to-back launches queued behind a sleeping kernel, so host work
+    between launches does not count): the batch kernel on
     256 scattered 64 KiB blocks against one cudaMemcpyAsync of the same 16 MiB, inside this process. What
     the wall-clock rows add on top of this is host work per call."""
     import torch
@@ -314,6 +315,7 @@ def device_time(repeats: int = 50) -> dict:
         fn()
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000_000)  # hold the GPU while the launches queue, so none waits for the host
         a.record()
         for _ in range(repeats):
             fn()
