@@ -303,16 +303,22 @@ class CudaTransport:
             total = pins.nbytes
         else:
             s, d, ln = self._arrays(srcs, dsts, lengths)
-            lo, hi = int(d.min()), int((d + ln).max())
+            # one pass of reductions serves every check below; KV blocks share one length, so their spans
+            # need no per-block end addresses
+            shortest, longest = int(ln.min()), int(ln.max())
+            uniform = shortest == longest
+            lo = int(d.min())
+            hi = int(d.max()) + longest if uniform else int((d + ln).max())
             if lo < export.base or hi > export.end:
                 return self._device_write_split(state, device, s, d, ln, rkeys)
-            self._check_sources(s, ln)
-            pins = state.table.pin(d, ln, rkeys, span=(lo, hi))
+            self._check_sources(s, ln, longest if uniform else None)
+            pins = state.table.pin(d, ln, rkeys, span=(lo, hi),
+                                   sizes=(shortest, shortest * n if uniform else int(ln.sum())))
             off = (export.local - export.base) % (1 << 64)  # the kernel adds it modulo 2**64
             cu, landed = self.cu, False
             try:
                 if self.batch_copy == "kernel":
-                    cu.batch_copy(device, d, s, ln, off)
+                    cu.batch_copy(device, d, s, ln, off, longest=longest)
                 elif self.batch_copy == "api":
                     cu.batch_copy_api(device, d + np.uint64(off), s, ln)
                 else:
@@ -341,14 +347,15 @@ class CudaTransport:
             raise RegistrationError(f"source 0x{src:x} ({length} bytes) of write {i} is not inside memory "
                                     f"registered with this engine; register() it first")
 
-    def _check_sources(self, s: np.ndarray, ln: np.ndarray) -> None:
+    def _check_sources(self, s: np.ndarray, ln: np.ndarray, length: int | None = None) -> None:
         """Every source block inside one of this engine's registrations (the lkey's role): first whether the
         GPU region of the first block holds the whole span, else one sorted search; a block outside the GPU
-        regions is asked of the engine's table (host memory)."""
+        regions is asked of the engine's table (host memory). `length`: every block's, where they share one."""
         s0 = int(s[0])
         for start, stop, _ in self._local:
             if start <= s0 < stop:
-                if int(s.min()) >= start and int((s + ln).max()) <= stop:
+                end = int(s.max()) + length if length is not None else int((s + ln).max())
+                if int(s.min()) >= start and end <= stop:
                     return
                 break
         starts, stops = self._local_starts, self._local_stops

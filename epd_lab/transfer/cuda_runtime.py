@@ -31,8 +31,8 @@ _MEM_TYPE_DEVICE = 2
 BATCH_MAX = 1024
 # (threads per block, 16-byte vectors per thread per iteration): KERNEL_CONFIGS are the ones the bench
 # measures (device_time); KERNEL_CONFIG is the transport's, the fastest there on the H200.
-# Measured there (256 scattered 64 KiB blocks, GPU time): 256x4 15.0 us, 512x4 8.9, 256x8 9.2, 512x8 8.6,
-# one cudaMemcpyAsync of the same 16 MiB 7.0 us.
+# Measured on the H200 (256 scattered 64 KiB blocks, GPU time): 256x4 7.4 us, 512x4 7.3, 256x8 7.6,
+# 512x8 6.7; one cudaMemcpyAsync of the same 16 MiB 7.0 us (data/bench/transfer-cuda-h200.json).
 KERNEL_CONFIGS = ((256, 4), (512, 4), (256, 8), (512, 8))
 KERNEL_CONFIG = (512, 8)
 # Descriptor tables compiled: a launch passes the smallest that holds its blocks (less parameter to copy).
@@ -224,16 +224,17 @@ class Cuda:
         self.check(self.rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
 
     def batch_copy(self, device: int, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray,
-                   dst_offset: int = 0, config: tuple[int, int] | None = None) -> None:
+                   dst_offset: int = 0, config: tuple[int, int] | None = None, longest: int | None = None) -> None:
         """Queue a batch of copies as one kernel launch per `BATCH_MAX` blocks (uint64 arrays); the kernel
         writes to ``dst + dst_offset`` (modulo 2**64). `config`: (threads, vectors per thread), else
-        `KERNEL_CONFIG`."""
+        `KERNEL_CONFIG`; `longest`: the longest block, where the caller knows it."""
         threads, unroll = config or KERNEL_CONFIG
         chunk = threads * unroll * 16  # bytes one block moves per iteration
-        longest = int(lengths.max())
+        if longest is None:
+            longest = int(lengths.max())
         for lo in range(0, len(dsts), BATCH_MAX):
             n = min(BATCH_MAX, len(dsts) - lo)
-            table = next(t for t in TABLE_SIZES if t >= n)
+            table = TABLE_SIZES[0] if n <= TABLE_SIZES[0] else BATCH_MAX
             fn, params, argv = self._launchable(device, table, threads, unroll)
             params[0:n] = srcs[lo:lo + n]
             params[table:table + n] = dsts[lo:lo + n]

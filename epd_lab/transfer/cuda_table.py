@@ -153,10 +153,12 @@ class PeerTable:
         return slots, ok
 
     def pin(self, dsts: np.ndarray | Sequence[int], lengths: np.ndarray | Sequence[int],
-            keys: Sequence[int] | None = None, span: tuple[int, int] | None = None) -> Pins:
+            keys: Sequence[int] | None = None, span: tuple[int, int] | None = None,
+            sizes: tuple[int, int] | None = None) -> Pins:
         """Pin the registration covering each ``[dst, dst+length)`` (with `keys`: under that key).
 
-        `span`: ``(min(dsts), max(dst + length))`` where the caller has it already. Raises
+        `span`: ``(min(dsts), max(dst + length))`` and `sizes`: ``(min(lengths), sum(lengths))``, where the
+        caller has them already. Raises
         `RemoteAccessError` (and counts one refused write in the owner's table) when a block is not inside
         a live registration; nothing stays pinned then.
         """
@@ -166,9 +168,9 @@ class PeerTable:
         ln = np.asarray(lengths, dtype=np.uint64)
         karr = None if keys is None else np.asarray(keys, dtype=np.uint64)
         lo, hi = span if span is not None else (int(d.min()), int((d + ln).max()))
-        if int(ln.min()) == 0:
+        shortest, total = sizes if sizes is not None else (int(ln.min()), int(ln.sum()))
+        if shortest == 0:
             self._refuse(lo, 0, False)
-        total = int(ln.sum())
         hit = None
         for attempt in (0, 1):
             # the common case: every block inside one registration (a request's blocks in one KV tensor)
