@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fuzz(count: int, frames: int, seed: int, budget: float, progress) -> dict:
-    """The fuzz leg (`epd_lab.campaign.fuzz`) against a 1E/1P/1D cluster with its proxy."""
+    """The fuzz leg (`epd_lab.campaign.fuzz`) against a 1E/1P/1D cluster with its proxy, with issue 11's
+    targets read from its report."""
+    from epd_lab.campaign.common import machine, target
     from epd_lab.campaign.fuzz import fuzz
     from epd_lab.launch import Cluster, Topology
 
@@ -89,6 +91,23 @@ def _fuzz(count: int, frames: int, seed: int, budget: float, progress) -> dict:
     with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True)) as cluster:
         result = dict(fuzz(cluster, inputs_per_server=count, frames_per_socket=frames, seed=seed,
                            time_budget_s=budget, progress=progress))
+    servers, sockets = result.get("servers", {}), result.get("sockets", {})
+    outcomes: dict[str, int] = {}
+    for server in servers.values():
+        for kind, n in server.get("outcomes", {}).items():
+            outcomes[kind] = outcomes.get(kind, 0) + n
+    inputs = min((s.get("inputs", 0) for s in servers.values()), default=0)
+    sent = min((s.get("frames", 0) for s in sockets.values()), default=0)
+    failures = result.get("failures", [])
+    result["targets"] = [
+        target("no crash", not result.get("crashes"), len(result.get("crashes", [])), "0 crashes"),
+        target("no 5xx, hang or stray write", not failures, len(failures),
+               "0 5xx on bad input, 0 hangs, 0 writes outside registered memory"),
+        target("inputs per server", inputs >= count, inputs, f">= {count} generated inputs per server"),
+        target("frames per socket", sent >= frames, sent, f">= {frames} frames per socket"),
+    ]
+    result["passed"] = all(t["passed"] for t in result["targets"])
+    result["counts"] = outcomes
     result.setdefault("leg", "fuzz")
-    result.setdefault("seed", seed)
+    result.setdefault("machine", machine())
     return result
