@@ -437,7 +437,7 @@ def test_consumer_reuses_its_socket_and_replaces_one_whose_ask_timed_out(produce
         for i in range(3):
             ask(consumer, f"reuse-{i}")
         assert consumer.sockets_created == 1  # one connection for three round trips
-        consumer.timeout = 0.3  # the producer holds an unknown request's ask for its own 1 s
+        consumer.timeout = 0.3  # + REPLY_SLACK_S 0.5: the producer holds an unknown request's ask for its own 1 s
         with pytest.raises(KVTransferError, match="no answer from the producer"):
             ask(consumer, "never-readied-slowly", ready=False)
         consumer.timeout = 3.0

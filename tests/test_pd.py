@@ -382,13 +382,15 @@ def test_decode_against_a_dead_producer_fails_within_the_timeout(stack):
 
 
 def test_decode_of_an_unknown_request_is_trans_error(stack):
+    """A request the producer never held: its TRANS_ERROR says "not found", and decode answers 404 (the caller
+    named KV that is not there; it once answered 502, a server error)."""
     kv_url = stack.aux.health()["kv_url"]
     kv = {"remote_url": kv_url, "remote_request_id": "never-prefilled", "prompt_len": 20, "rope_delta": 0,
           "first_token": 1, "num_blocks": 2}
     start = time.monotonic()
     r = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body("unknown", kv))
     assert time.monotonic() - start < AUX_TIMEOUT + SLACK
-    assert r.status_code == 502 and "TRANS_ERROR" in r.json()["detail"] and "not found" in r.json()["detail"]
+    assert r.status_code == 404 and "TRANS_ERROR" in r.json()["detail"] and "not found" in r.json()["detail"]
 
 
 def test_prefill_frees_blocks_decode_never_asks_for(stack):
@@ -487,7 +489,7 @@ def test_pipelined_decode_fails_at_once_when_its_prefill_fails(stack, images):
         assert r.status_code == 400
         start = time.monotonic()
         out = decoded.result(DECODE_TIMEOUT + SLACK)
-    assert out.status_code == 502 and "aborted" in out.json()["detail"], out.text
+    assert out.status_code == 409 and "aborted" in out.json()["detail"], out.text  # TRANS_ERROR "aborted"
     assert time.monotonic() - start < 1.0  # the producer answered the waiting query when prefill failed
     r = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body(
         "x", {"remote_url": kv["remote_url"], "remote_request_id": "r", "prompt_len": 3}))

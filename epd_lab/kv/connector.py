@@ -110,8 +110,15 @@ def _peer_address(frame: zmq.Frame) -> str:
         return ""
 
 
+REPLY_SLACK_S = 0.5  # a consumer waits this much past its timeout for the producer's answer (see KVConsumer)
+
+
 class KVTransferError(RuntimeError):
-    """The KV of a request did not arrive: ``TRANS_ERROR``, a timeout, or a dead producer."""
+    """The KV of a request did not arrive: ``TRANS_ERROR`` (its `reason`), a timeout, or a dead producer."""
+
+    def __init__(self, message: str, reason: str = "failed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class KVTransferTimeout(KVTransferError):
@@ -319,7 +326,8 @@ class KVProducer:
             self._expire_waiting()
             self._expire_held()
         for item in self._waiting.values():  # answered, not left waiting for the consumer's timeout
-            self._reply(item.envelope, TransError(item.request_ids, "the producer is shutting down"))
+            self._reply(item.envelope, TransError(item.request_ids, "the producer is shutting down",
+                                                      reason="busy"))
         self._waiting.clear()
 
     def _poll_ms(self) -> int:
@@ -389,7 +397,7 @@ class KVProducer:
         if aborted:  # the other requests of the ask stay held: they may be asked for again
             if isinstance(item, _Ask):
                 self._count("transfers_failed")
-            self._reply(item.envelope, TransError(rids, f"request(s) {aborted} aborted"))
+            self._reply(item.envelope, TransError(rids, f"request(s) {aborted} aborted", reason="aborted"))
         elif isinstance(item, _Query):
             if plan is None:
                 return False
@@ -404,7 +412,7 @@ class KVProducer:
         self._count("asks_refused")
         if isinstance(item, _Ask):
             self._count("transfers_failed")
-        self._reply(item.envelope, TransError(rids, error))
+        self._reply(item.envelope, TransError(rids, error, reason="busy"))
 
     def _wait(self, item: _Ask | _Query) -> None:
         seq = next(self._seq)
@@ -441,7 +449,7 @@ class KVProducer:
                     missing = [rid for rid in item.request_ids if rid not in self._held]
                 self._count("transfers_failed")
                 error = f"request(s) {missing} not found on the producer within {self.timeout} s"
-            self._reply(item.envelope, TransError(item.request_ids, error))
+            self._reply(item.envelope, TransError(item.request_ids, error, reason="not_found"))
 
     def send_kv_to_decode(self, ask: _Ask, entries: list[_Held]) -> None:
         """Write the finished requests of `ask` into decode's blocks (`_send_blocks`), answer ``TRANS_DONE``
@@ -553,7 +561,8 @@ class KVConsumer:
     Args:
         engine: the transfer engine the cache is registered with (the writes' destination).
         cache: the decode's registered `PagedKVCache`.
-        timeout: seconds `receive_kv` waits for the producer's answer.
+        timeout: seconds `receive_kv` waits for the producer's answer, plus `REPLY_SLACK_S`: a producer with the
+            same timeout answers an ask it could not serve (``TRANS_ERROR`` "not found") before this gives up.
         secret: the shared secret asks are tagged with and replies must carry (`epd_lab.security`); None takes
             ``EPD_SECRET`` from the environment.
     """
@@ -656,7 +665,7 @@ class KVConsumer:
         sock = self._socket(producer_url)
         try:
             sock.send(security.sign(self._secret, security.KV_ASK, payload))
-            if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
+            if not sock.poll(int((self.timeout + REPLY_SLACK_S) * 1000), zmq.POLLIN):
                 raise KVTransferTimeout(f"request {request_id!r}: no answer from the producer at {producer_url} "
                                         f"within {self.timeout} s (dead or stuck)")
             frame = sock.recv(copy=False)
@@ -672,5 +681,6 @@ class KVConsumer:
         except msgspec.DecodeError as exc:
             raise KVTransferError(f"request {request_id!r}: unreadable reply from {producer_url}: {exc}") from None
         if isinstance(reply, TransError):
-            raise KVTransferError(f"request {request_id!r}: TRANS_ERROR from {producer_url}: {reply.error}")
+            raise KVTransferError(f"request {request_id!r}: TRANS_ERROR from {producer_url}: {reply.error}",
+                                  reason=reply.reason)
         return reply

@@ -89,11 +89,20 @@ class TransDone(msgspec.Struct, tag="TRANS_DONE"):
     aux: list[KVAux] = []
 
 
+TRANS_ERROR_REASONS = ("failed", "not_found", "aborted", "busy")
+
+
 class TransError(msgspec.Struct, tag="TRANS_ERROR"):
-    """Prefill → decode: the transfer failed (or a request was not found); decode fails the requests."""
+    """Prefill → decode: the transfer failed (or a request was not found); decode fails the requests.
+
+    `reason` (epd_lab's; the seed gives no bytes for this message) lets decode answer its caller the right status:
+    ``not_found`` (no request of that id finished on the producer within its timeout, or its KV was freed),
+    ``aborted``, ``busy`` (refused at one of the producer's bounds, or it is shutting down: ask again later),
+    ``failed`` (the write, or anything else, failed)."""
 
     request_ids: list[str]
     error: str
+    reason: str = "failed"
 
 
 Ask = MooncakeAgentMetadata | KVQuery

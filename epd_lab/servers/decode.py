@@ -4,7 +4,8 @@
 
 1. Allocate the request's blocks, ask the producer named by ``kv_transfer_params.remote_url`` for them over the
    ZMQ side channel (`KVConsumer.receive_kv`), gather them into a `DynamicCache` and free the blocks at once
-   (the cache is a copy). ``TRANS_ERROR`` → 502, no answer within ``--timeout`` (producer dead or stuck) → 504,
+   (the cache is a copy). ``TRANS_ERROR`` → by its reason (no such request on the producer 404, aborted 409,
+   producer busy 503, else 502), no answer within ``--timeout`` (producer dead or stuck) → 504,
    with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
    before they go back to the pool: a producer that was only slow may still write into them.
 2. Generate: token 0 is prefill's ``first_token``; token i+1 comes from the logits of feeding token i at
@@ -20,7 +21,7 @@ steps. KV transfers run in other threads meanwhile. A streaming client that disc
 cancelled; the scheduler drops it (and its cache) before its next step.
 
 Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
-KV pool exhausted 503, TRANS_ERROR 502, timeout 504. An error after streaming began is a last NDJSON line
+KV pool exhausted 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after streaming began is a last NDJSON line
 `StreamError` (``{"type": "error", "detail": "..."}``).
 
 ``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
@@ -61,8 +62,8 @@ from epd_lab.servers.messages import (
     StreamToken,
     encode,
 )
-from epd_lab.serving import (Admission, BadGateway, BadRequest, Forbidden, GatewayTimeout, Metric, ServingError,
-                             Unavailable, option, read_struct, role_app, serve_main)
+from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
+                             ServingError, Unavailable, option, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -70,6 +71,10 @@ from epd_lab.transfer.engine import ENGINES
 T = TypeVar("T")
 
 _DONE = object()  # the queue's end marker
+# a TRANS_ERROR's reason as decode's answer (any other: 502): the producer holds no such request (never prefilled
+# there, or freed after its free timeout), the request was aborted, the producer is at one of its bounds
+_TRANS_ERRORS: dict[str, Callable[[str], ServingError]] = {
+    "not_found": NotFound, "aborted": Conflict, "busy": lambda detail: Unavailable(detail, retry_after=1)}
 
 
 class _TimedOut(GatewayTimeout):
@@ -210,8 +215,9 @@ class DecodeServer:
                 self.blocks.free(ids)
 
     def _kv_call(self, p: KVTransferParams, call: Callable[[], T]) -> T:
-        """One side-channel exchange; its failures as `ServingError`s: TRANS_ERROR 502, no answer 504 (`_TimedOut`),
-        an unusable `remote_url` 400."""
+        """One side-channel exchange; its failures as `ServingError`s: TRANS_ERROR by its reason (the producer
+        holds no such request 404, aborted 409, busy 503, else 502), no answer 504 (`_TimedOut`), an unusable
+        `remote_url` 400."""
         try:
             return call()
         except KVTransferTimeout as exc:
@@ -219,7 +225,7 @@ class DecodeServer:
             raise _TimedOut(str(exc)) from None
         except KVTransferError as exc:
             self._count("kv_errors")
-            raise BadGateway(str(exc)) from None
+            raise _TRANS_ERRORS.get(exc.reason, BadGateway)(str(exc)) from None
         except zmq.ZMQError as exc:
             raise BadRequest(f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
 
