@@ -27,7 +27,7 @@ from epd_lab.models import (
     monolithic_generate,
     preprocess,
 )
-from epd_lab.servers.decode import _DONE, DecodeServer, DecodeSettings
+from epd_lab.servers.decode import _DONE, DecodeServer, DecodeSettings, sampling_probs
 from epd_lab.servers.messages import DecodeRequest, KVTransferParams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
@@ -163,6 +163,6 @@ def _sampled_replay(model, p: PrefillResult, seed: int, temperature: float) -> l
     generator = torch.Generator().manual_seed(seed)
     tokens = [int(p.logits.argmax(-1))]
     for i in range(N_TOKENS - 1):
-        probs = torch.softmax(runner.step(tokens[-1], cache, p.next_position + i).float() / temperature, dim=-1)
+        probs = sampling_probs(runner.step(tokens[-1], cache, p.next_position + i), temperature)
         tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
     return tokens

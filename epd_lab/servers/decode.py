@@ -77,6 +77,13 @@ _TRANS_ERRORS: dict[str, Callable[[str], ServingError]] = {
     "not_found": NotFound, "aborted": Conflict, "busy": lambda detail: Unavailable(detail, retry_after=1)}
 
 
+def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``softmax(logits / temperature)`` for any temperature > 0: in float64 and shifted by the largest logit
+    first, so that a tiny temperature (1e-198) gives the argmax's one-hot instead of inf/inf = NaN."""
+    scaled = logits.double()
+    return torch.softmax((scaled - scaled.max()) / temperature, dim=-1)
+
+
 class _TimedOut(GatewayTimeout):
     """The producer did not answer in time (504): blocks it was asked to write into are quarantined."""
 
@@ -338,8 +345,7 @@ class DecodeServer:
         """The next token from one request's logits [vocab]: argmax, or a draw from its seeded generator."""
         if gen.generator is None:
             return int(logits.argmax(-1))
-        probs = torch.softmax(logits.float() / gen.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen.generator))
+        return int(torch.multinomial(sampling_probs(logits, gen.temperature), 1, generator=gen.generator))
 
     # ---- health, metrics, lifetime ----
     def _count(self, *names: str, **amounts: int) -> None:
