@@ -117,8 +117,9 @@ class TransferEngine:
 
     Args:
         hostname: address to listen on and to publish in `session_id` (loopback by default).
-        protocol: ``"auto"`` (verbs where an RDMA device exists, else shm for a same-host peer, else tcp),
-            or force ``"tcp"``, ``"shm"`` or ``"verbs"``.
+        protocol: ``"auto"`` (verbs where an RDMA device exists, else shm for a same-host peer, else tcp;
+            cuda for GPU memory of a same-host peer), or force ``"tcp"``, ``"shm"``, ``"verbs"`` or
+            ``"cuda"`` (shm for host memory, cuda for GPU memory; needs a GPU and a same-host peer).
         port: 0 lets the OS choose.
         timeout: seconds a peer may make no progress before a transfer fails (idle timeout), also the
             bound on connecting and on a deregister waiting for writes in flight.
