@@ -33,13 +33,14 @@ async def _drive(proxy_url: str, prompts: Prompts, count: int, concurrency: int,
     """`count` requests, at most `concurrency` at once; none started after `deadline`."""
     gate = asyncio.Semaphore(concurrency)
     done = 0
+    chosen = [rng.randrange(prompts.count) for _ in range(count)]  # drawn up front: the seed names the run
 
     async def one(i: int, session) -> Outcome | None:
         nonlocal done
         async with gate:
             if time.monotonic() > deadline:
                 return None
-            p = rng.randrange(prompts.count)
+            p = chosen[i]
             out = await chat(session, proxy_url, prompts.body(p), client_timeout, index=i, prompt=p, t0=t0)
             done += 1
             if done % max(1, count // 10) == 0 or done == count:
