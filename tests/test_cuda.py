@@ -269,3 +269,20 @@ def test_write_into_the_peers_memory_on_another_gpu(gpu_peer, gpu_writer):
     finally:
         gpu_peer.call("deregister", ptr=dst)
         gpu_peer.call("cuda_free", ptr=dst)
+
+
+@gpu
+def test_an_address_registered_again_in_a_new_allocation_is_written_there(gpu_peer, gpu_writer):
+    eng, src = gpu_writer
+    size = 96 * MiB  # a segment of its own, which empty_cache gives back to the driver
+    first = gpu_peer.cuda_alloc(size)
+    eng.transfer_sync_write(gpu_peer.session_id, src.data_ptr(), first, MiB)  # maps the first allocation
+    gpu_peer.call("deregister", ptr=first)
+    gpu_peer.call("cuda_free", ptr=first, release=True)
+    second = gpu_peer.cuda_alloc(size)  # often at the same address, always under a new IPC handle and key
+    try:
+        eng.transfer_sync_write(gpu_peer.session_id, src.data_ptr() + MiB, second, MiB)
+        assert gpu_peer.cuda_checksum(second, MiB) == _crc(src[MiB:2 * MiB])
+    finally:
+        gpu_peer.call("deregister", ptr=second)
+        gpu_peer.call("cuda_free", ptr=second, release=True)

@@ -72,6 +72,7 @@ class _Export:
     size: int
     device: int
     handle: bytes
+    keys: frozenset = frozenset()  # the registrations inside it: a write pinned under another key is not here
     local: int = 0
 
     @property
@@ -109,6 +110,7 @@ class CudaTransport:
         self._regions: dict[int, tuple[int, int, int]] = {}  # registered ptr -> (length, allocation base, device)
         self._index_regions()
         self._allocs: dict[int, _Export] = {}  # allocation base -> export, while a region uses it
+        self._keys: dict[int, int] = {}  # registered ptr -> its registration key
         self._peers: dict[str, _PeerState] = {}
         self._staging: tuple[Any, int] | None = None  # (pinned tensor, ptr), registered with the engine
         self._staging_lock = threading.Lock()
@@ -118,7 +120,7 @@ class CudaTransport:
             raise ValueError(f"EPD_CUDA_BATCH={self.batch_copy!r}; choose one of {', '.join(BATCH_COPIES)}")
 
     # ---- owner side ----
-    def export(self, ptr: int, length: int, device: int) -> None:
+    def export(self, ptr: int, length: int, device: int, key: int) -> None:
         """Record GPU memory the engine just registered; export its allocation once (in the context of the
         GPU that holds it: the driver finds an allocation only there)."""
         cu = self.cu
@@ -133,6 +135,7 @@ class CudaTransport:
                 if base not in self._allocs:
                     self._allocs[base] = _Export(base, size, device, cu.ipc_handle(base))
                 self._regions[ptr] = (length, base, device)
+                self._keys[ptr] = key
                 self._index_regions()
         finally:
             if prev != device:
@@ -142,6 +145,7 @@ class CudaTransport:
         """Forget a deregistered region; its allocation leaves the list when no region uses it."""
         with self._lock:
             entry = self._regions.pop(ptr, None)
+            self._keys.pop(ptr, None)
             self._index_regions()
             if entry is not None and all(b != entry[1] for _, b, _ in self._regions.values()):
                 self._allocs.pop(entry[1], None)
@@ -158,11 +162,14 @@ class CudaTransport:
         return ptr in self._regions
 
     def handle_control(self, request: bytes) -> bytes:
-        """Answer `CONTROL_EXPORTS`: the allocations that hold registered GPU memory, with their handles."""
+        """Answer `CONTROL_EXPORTS`: the allocations that hold registered GPU memory, with their handles and
+        the keys of the registrations inside each (a writer maps an allocation once and, by the keys, knows
+        when an address is registered again inside a new allocation)."""
         if request != CONTROL_EXPORTS:
             raise ProtocolError(f"unknown cuda control request {request[:32]!r}")
         with self._lock:
-            items = [{"base": e.base, "size": e.size, "device": e.device, "handle": e.handle.hex()}
+            items = [{"base": e.base, "size": e.size, "device": e.device, "handle": e.handle.hex(),
+                      "keys": [self._keys[p] for p, (_, b, _) in self._regions.items() if b == e.base]}
                      for e in self._allocs.values()]
         return json.dumps(items).encode()
 
@@ -198,8 +205,8 @@ class CudaTransport:
         """Fetch the peer's export list; map new allocations, keep mapped ones, close vanished ones."""
         try:
             items = json.loads(state.control(CONTROL_EXPORTS))
-            fresh = [_Export(int(i["base"]), int(i["size"]), int(i["device"]), bytes.fromhex(i["handle"]))
-                     for i in items]
+            fresh = [_Export(int(i["base"]), int(i["size"]), int(i["device"]), bytes.fromhex(i["handle"]),
+                             frozenset(int(k) for k in i["keys"])) for i in items]
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"the peer's cuda export list is malformed: {exc}") from exc
         with state.lock:
@@ -208,10 +215,14 @@ class CudaTransport:
             for e in sorted(fresh, key=lambda e: e.base):
                 old = known.pop((e.base, e.handle), None)
                 if old is not None:
+                    old.keys = e.keys
                     keep.append(old)
                     continue
                 if state.table is not None:
                     e.local = self.cu.ipc_open(e.handle)
+                    # the size is the peer's word: bound writes by the mapping this process really got
+                    base, size = self.cu.allocation(e.local)
+                    e.size = min(e.size, base + size - e.local)
                 keep.append(e)
             for e in known.values():
                 if e.local:
@@ -283,14 +294,17 @@ class CudaTransport:
         return None
 
     def _device_write(self, state: _PeerState, export: _Export, device: int, srcs: Sequence[int],
-                      dsts: Sequence[int], lengths: Sequence[int], rkeys: Sequence[int] | None) -> int:
+                      dsts: Sequence[int], lengths: Sequence[int], rkeys: Sequence[int] | None,
+                      retried: bool = False) -> int:
         n = len(lengths)
         if n <= SMALL_BATCH:  # plain Python: a handful of blocks costs less than numpy's setup
             for i in range(n):
                 if not (export.base <= dsts[i] and dsts[i] + lengths[i] <= export.end):
                     return self._device_write_split(state, device, *self._arrays(srcs, dsts, lengths), rkeys)
                 self._check_source(srcs[i], lengths[i], i)
-            pins = state.table.pin(dsts, lengths, rkeys)
+            pins = self._pin_in(state, export, dsts, lengths, rkeys)
+            if pins is None:
+                return self._remapped(state, device, srcs, dsts, lengths, rkeys, retried)
             off = export.local - export.base
             cu, landed = self.cu, False
             try:
@@ -312,8 +326,10 @@ class CudaTransport:
             if lo < export.base or hi > export.end:
                 return self._device_write_split(state, device, s, d, ln, rkeys)
             self._check_sources(s, ln, longest if uniform else None)
-            pins = state.table.pin(d, ln, rkeys, span=(lo, hi),
-                                   sizes=(shortest, shortest * n if uniform else int(ln.sum())))
+            pins = self._pin_in(state, export, d, ln, rkeys, span=(lo, hi),
+                                sizes=(shortest, shortest * n if uniform else int(ln.sum())))
+            if pins is None:
+                return self._remapped(state, device, srcs, dsts, lengths, rkeys, retried)
             off = (export.local - export.base) % (1 << 64)  # the kernel adds it modulo 2**64
             cu, landed = self.cu, False
             try:
@@ -333,6 +349,26 @@ class CudaTransport:
             self._counts["cuda_writes_out"] += n
             self._counts["cuda_bytes_out"] += total
         return total
+
+    def _pin_in(self, state: _PeerState, export: _Export, dsts, lengths, rkeys, **hints):
+        """Pin the blocks' registrations, and confirm each lies in `export` by its key; None (nothing pinned)
+        when one does not: the address was registered again inside an allocation mapped since."""
+        pins = state.table.pin(dsts, lengths, rkeys, **hints)
+        if all(k in export.keys for k in pins.keys):
+            return pins
+        pins.release(landed=False)
+        return None
+
+    def _remapped(self, state: _PeerState, device: int, srcs, dsts, lengths, rkeys, retried: bool) -> int:
+        """Look at the peer's allocations again and write once more; fail if the keys still do not match."""
+        export = None
+        if not retried:
+            self._refresh(state)
+            export = self._export_of(state, int(dsts[0]))
+        if export is None:
+            raise TransferError(f"0x{int(dsts[0]):x} is registered with pid {state.table.pid}, but in none of the "
+                                f"GPU allocations it exports")
+        return self._device_write(state, export, device, srcs, dsts, lengths, rkeys, retried=True)
 
     @staticmethod
     def _arrays(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -40,8 +40,13 @@ class _CudaTarget(_Target):
         key = self.engine.register(ptr, nbytes) if register else 0
         return {"ptr": ptr, "key": key}
 
-    def cuda_free(self, ptr: int) -> dict:
+    def cuda_free(self, ptr: int, release: bool = False) -> dict:
+        """Drop the tensor; `release`: hand PyTorch's cached segments back to the driver (cudaFree) too."""
         self.tensors.pop(ptr)
+        if release:
+            import torch
+
+            torch.cuda.empty_cache()
         return {}
 
     def _view(self, ptr: int, nbytes: int) -> Any:

@@ -57,15 +57,17 @@ def _atomics():
 class Pins:
     """Registrations pinned for one write; `release` them once the bytes are in place (or not)."""
 
-    __slots__ = ("_table", "_slots", "_writes", "_nbytes")
+    __slots__ = ("_table", "_slots", "_writes", "_nbytes", "keys")
 
     @property
     def nbytes(self) -> int:
         """The bytes of the blocks pinned."""
         return self._nbytes
 
-    def __init__(self, table: "PeerTable", slots: list[int], writes: int, nbytes: int) -> None:
+    def __init__(self, table: "PeerTable", slots: list[int], writes: int, nbytes: int,
+                 keys: tuple[int, ...] = ()) -> None:
         self._table, self._slots, self._writes, self._nbytes = table, slots, writes, nbytes
+        self.keys = keys  # of the registrations pinned
 
     def release(self, landed: bool) -> None:
         """Unpin; count the blocks and bytes in the owner's ``writes_in``/``bytes_in`` if they landed."""
@@ -140,6 +142,9 @@ class PeerTable:
             hit &= (keys == 0) | (keys == self._c_keys[jj])
         return jj, hit
 
+    def _keys_of(self, rows: list[int]) -> tuple[int, ...]:
+        return tuple(self._l_rows[r][3] for r in rows)
+
     def _pin_rows(self, rows: list[int]) -> tuple[list[int], bool]:
         """Pin the snapshot rows' slots, then confirm each is still that registration (pin first, then
         re-check: the owner marks a slot REVOKING before it waits for pins, epd_core.c)."""
@@ -184,7 +189,7 @@ class PeerTable:
             if distinct is not None:
                 slots, ok = self._pin_rows(distinct)
                 if ok:
-                    return Pins(self, slots, len(d), total)
+                    return Pins(self, slots, len(d), total, self._keys_of(distinct))
                 Pins(self, slots, 0, 0).release(landed=False)
             if attempt == 0:
                 self._rebuild()  # a registration came or went since the snapshot: look again
@@ -209,9 +214,10 @@ class PeerTable:
                     break
                 rows.append(r)
             if len(rows) == len(dsts):
-                slots, ok = self._pin_rows(rows if len(rows) == 1 else sorted(set(rows)))
+                distinct = rows if len(rows) == 1 else sorted(set(rows))
+                slots, ok = self._pin_rows(distinct)
                 if ok:
-                    return Pins(self, slots, len(dsts), sum(lengths))
+                    return Pins(self, slots, len(dsts), sum(lengths), self._keys_of(distinct))
                 Pins(self, slots, 0, 0).release(landed=False)
             if attempt == 0:
                 self._rebuild()

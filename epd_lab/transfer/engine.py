@@ -201,7 +201,7 @@ class TransferEngine:
         key = self._owner.register(ptr, length)
         if device is not None:
             try:
-                self._cuda_transport().export(ptr, length, device)
+                self._cuda_transport().export(ptr, length, device, key)
             except BaseException:
                 self._owner.deregister(ptr)
                 raise
