@@ -16,7 +16,8 @@ What is sent, each by Hypothesis from `seed` (so a run is replayable: the same s
   a matching ZMQ socket, plus raw bytes that are not ZMTP; HTTP ports get raw bytes that are not HTTP.
 - **A guarded engine** in this process (the same native server as every role's): frames aimed around one
   registered region with guard bytes on both sides; every accepted write must lie inside the region, with its
-  key or key 0, land byte for byte, and leave the guards intact.
+  key or key 0, land byte for byte, and leave the guards intact (with the shared secret in the environment, no
+  frame may land: none has passed the engine's handshake).
 
 A failure is a 5xx, a reset or broken answer, no answer within the bound (a hang), a process that exited, or,
 after the frames, a legitimate chat through the proxy that no longer succeeds. Each failure is listed with the
@@ -49,6 +50,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisWarning
 
+from epd_lab import security
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
 from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
 
@@ -323,7 +325,7 @@ def fuzz_http(url: str, spec: dict[str, Any], *, n: int, seed: int, deadline: fl
             samples.setdefault(key, found)
             tally.add(outcome, failed, found)
 
-    with httpx.Client(base_url=url, timeout=timeout,
+    with httpx.Client(base_url=url, timeout=timeout, headers=_auth(),
                       limits=httpx.Limits(max_connections=concurrency + 1)) as client, \
             ThreadPoolExecutor(concurrency, thread_name_prefix="fuzz-http") as pool:
         def send(case: HttpCase) -> bool:
@@ -339,6 +341,12 @@ def fuzz_http(url: str, spec: dict[str, Any], *, n: int, seed: int, deadline: fl
             "by_route": dict(sorted(by_route.items())),
             "seconds_by_route": {k: round(v, 2) for k, v in sorted(seconds_by_route.items())},
             "slowest": [case for _, case in slowest], "samples": samples, "failures": tally.failures}
+
+
+def _auth() -> dict[str, str]:
+    """The bearer of the deployment's shared secret, when this process's environment holds one (`EPD_SECRET`):
+    the inputs then reach the routes behind it."""
+    return security.bearer_header(security.load_secret())
 
 
 def _abort_prefill(client: httpx.Client, body: bytes) -> None:
@@ -405,10 +413,22 @@ def zmtp_socket_type(host: str, port: int, timeout: float = 1.0) -> str | None:
 
 
 def _is_engine(host: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether a transfer engine listens at host:port (it answers a HELLO header with its reply magic)."""
-    outcome, rep = _engine_exchange(host, port, WIRE_REQ.pack(WIRE_MAGIC, WIRE_VERSION, OP_HELLO, 0, 0, 0, 0),
-                                    False, timeout)
-    return outcome == "ok" and rep is not None and rep[0] == WIRE_MAGIC
+    """Whether a transfer engine listens at host:port: a writer's connection (with the deployment's shared
+    secret, when the environment holds one) gets its HELLO answered."""
+    from epd_lab import _native
+    from epd_lab.transfer.errors import TransferError
+
+    try:
+        conn = _native.TcpConn(host, port, int(timeout * 1000), security.load_secret() or b"")
+    except (TransferError, OSError):
+        return False
+    try:
+        conn.hello()
+        return True
+    except (TransferError, OSError):
+        return False
+    finally:
+        conn.close()
 
 
 def _socket_alive(kind: str, host: str, port: int) -> bool:
@@ -592,6 +612,9 @@ def _fuzz_zmq(host: str, port: int, peer_type: str, n: int, seed: int, deadline:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
     sock.connect(f"tcp://{host}:{port}")
+    # with the shared secret, most frames carry a valid tag so that they reach the decoder behind it
+    secret = security.load_secret()
+    domain = security.KV_ASK if peer_type == "ROUTER" else security.EP_NOTIFY
     try:
         def send(example: tuple[bool, Any]) -> None:
             raw, data = example
@@ -599,6 +622,8 @@ def _fuzz_zmq(host: str, port: int, peer_type: str, n: int, seed: int, deadline:
                 outcome = _raw_exchange(host, port, data, timeout)
                 tally.add(f"raw_{outcome}", outcome in ("hang", "conn_refused"), {"frame": _repro(data, 256)})
                 return
+            if secret is not None and tally.sent % 8:
+                data = [security.sign(secret, domain, data[0]), *data[1:]]
             frames = ([b""] if peer_type == "ROUTER" else []) + data  # a REQ's empty delimiter, or none
             try:
                 sock.send_multipart(frames)
@@ -621,8 +646,9 @@ def fuzz_guarded_engine(*, n: int, seed: int, deadline: float, region: int = 64 
                         timeout: float = 2.0) -> dict[str, Any]:
     """Frames at a transfer engine in this process whose one registered region has `guard` bytes of a known
     pattern on each side. Checks, frame by frame, that a write is accepted only inside the region (with its
-    key, or key 0: bounds only) and, at the end, that the region holds exactly the accepted payloads and the
-    guards are intact; the owner's refused-writes counter is reported."""
+    key, or key 0: bounds only; none at all when the environment holds the shared secret, as no frame passed the
+    handshake) and, at the end, that the region holds exactly the accepted payloads and the guards are intact;
+    the owner's refused-writes counter is reported."""
     from epd_lab.transfer.engine import TransferEngine
 
     tally = _Tally()
@@ -630,6 +656,9 @@ def fuzz_guarded_engine(*, n: int, seed: int, deadline: float, region: int = 64 
     buf = pattern.copy()
     shadow = pattern.copy()  # what the buffer must hold: the pattern, with every accepted write applied
     base = buf.ctypes.data + guard
+    # with the shared secret in the environment the engine runs its handshake first: a frame sent without it must
+    # never land, so then no write may be accepted at all
+    authenticated = security.load_secret() is not None
     with TransferEngine(protocol="tcp", timeout=timeout) as engine:
         rkey = engine.register(base, region)
         host, port = engine.session_id.rsplit(":", 1)
@@ -639,7 +668,7 @@ def fuzz_guarded_engine(*, n: int, seed: int, deadline: float, region: int = 64 
             outcome, _ = _engine_exchange(host, int(port), frame, short, timeout)
             inside = base <= f["addr"] and f["addr"] + f["length"] <= base + region and f["length"] > 0
             may = (inside and f["key"] in (0, rkey) and f["op"] == OP_WRITE and f["magic"] == WIRE_MAGIC
-                   and f["version"] == WIRE_VERSION)
+                   and f["version"] == WIRE_VERSION and not authenticated)
             failed = outcome == "hang" or (outcome == "ok" and f["op"] == OP_WRITE and not may)
             if may and len(frame) >= WIRE_REQ.size:
                 # an allowed write lands as far as its bytes came (a cut one too: the owner receives in place)
@@ -659,7 +688,8 @@ def fuzz_guarded_engine(*, n: int, seed: int, deadline: float, region: int = 64 
     elif not region_exact:
         tally.add("region_mismatch", True, {})
     return {"frames": tally.sent, "outcomes": dict(tally.outcomes), "guards_intact": guards_intact,
-            "region_exact": region_exact, "writes_in": stats["writes_in"], "writes_refused": stats["writes_refused"],
+            "region_exact": region_exact, "authenticated": authenticated, "writes_in": stats["writes_in"],
+            "writes_refused": stats["writes_refused"],
             "failures": tally.failures}
 
 
@@ -677,7 +707,7 @@ def _legit_chat(proxy_url: str, timeout: float) -> tuple[bool, str]:
     body = {"model": "any", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": _tiny_png()}}, {"type": "text", "text": "what is it?"}]}]}
     try:
-        r = httpx.post(proxy_url + "/v1/chat/completions", json=body, timeout=timeout)
+        r = httpx.post(proxy_url + "/v1/chat/completions", json=body, timeout=timeout, headers=_auth())
     except httpx.HTTPError as exc:
         return False, repr(exc)
     return r.status_code == 200, f"{r.status_code} {r.text[:300]}"
@@ -722,7 +752,7 @@ def fuzz(cluster: Any, *, inputs_per_server: int, frames_per_socket: int, seed: 
     servers: dict[str, Any] = {}
     for i, (name, url, _) in enumerate(roles):
         share = t0 + (http_end - t0) * (i + 1) / len(roles)
-        spec = httpx.get(url + "/openapi.json", timeout=timeout)
+        spec = httpx.get(url + "/openapi.json", timeout=timeout, headers=_auth())
         if spec.status_code != 200:
             servers[name] = {"url": url, "inputs": 0, "outcomes": {"openapi_5xx": 1}, "failures": [
                 {"outcome": "openapi_5xx", "case": {"method": "GET", "path": "/openapi.json"},
