@@ -34,15 +34,11 @@ def prompts():
 
 CELLS = [
     "encoder:kill:before_encode_reply",
-    pytest.param("encoder:freeze:before_notify", marks=pytest.mark.xfail(
-        reason="issue 11: an encoder frozen before its notify keeps the parts it held (embeddings_held, admitted) "
-               "after it resumes, past the cell's idle bound: they wait for the encoder's 60 s embedding_ttl")),
+    "encoder:freeze:before_notify",
     "prefill:kill:mid_kv_write",
     "prefill:freeze:kv_handshake",
     "decode:kill:mid_stream",
-    pytest.param("decode:freeze:kv_handshake", marks=pytest.mark.xfail(
-        reason="issue 11: a request whose decode is frozen during the KV handshake ends only once decode resumes "
-               "(a 502 or a timeout 6.4-7.6 s after the fault at a 5 s timeout), not within the timeout + 1 s")),
+    "decode:freeze:kv_handshake",
 ]
 
 

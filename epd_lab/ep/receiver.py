@@ -71,6 +71,9 @@ from epd_lab.trace import Recorder
 from epd_lab.transfer import TransferEngine, as_array, open_engine
 
 
+RELEASE_RETRY_S = 120.0  # a part whose /release got no answer is retried while its encoder may still hold it
+
+
 class EPDError(RuntimeError):
     """A request could not be served: which part, which encoder and why. `status` is the encoder's HTTP status
     where an encoder answered one (a 4xx is the request's fault), else None."""
@@ -232,6 +235,8 @@ class EmbeddingReceiver:
         self._io = ThreadPoolExecutor(max_workers=32, thread_name_prefix="epd-receiver")
         self._pending: dict[str, Future] = {}
         self._owner: dict[str, int] = {}  # part id -> the encoder that took it (its /encode answered)
+        # parts whose /release got no answer (the encoder stalled), per encoder: sent again once it answers
+        self._unreleased: list[dict[str, float]] = [{} for _ in config.encoder_urls]
         self._liveness = [Liveness(config.retry_after) for _ in config.encoder_urls]
         self._lock = threading.Lock()
         self.counters = collections.Counter()
@@ -396,8 +401,14 @@ class EmbeddingReceiver:
         is found stalled."""
         while not self._closing.wait(PROBE_INTERVAL):
             for i, url in enumerate(self.config.encoder_urls):
-                if self._liveness[i].probed(_health_answers(url)):
+                answered = _health_answers(url)
+                if self._liveness[i].probed(answered):
                     self._stalled(i)
+                if answered and self._unreleased[i]:
+                    with self._lock:
+                        keys, self._unreleased[i] = list(self._unreleased[i]), {}
+                    for key in keys:
+                        self._io.submit(self._release, key, i)
 
     def _stalled(self, encoder: int) -> None:
         """Encoder `encoder` stopped making progress: cut its exchanges in flight (an /encode goes on to another
@@ -413,13 +424,20 @@ class EmbeddingReceiver:
                 fut.set_exception(error)
 
     def _release(self, key: str, encoder: int) -> None:
-        """Best effort: tell `encoder` to drop part `key`, held for a /send that will not come (its TTL bounds it
-        anyway)."""
+        """Tell `encoder` to drop part `key`, held for a /send that will not come; one that does not answer is
+        told again once it answers its probes (for up to `RELEASE_RETRY_S`; its own TTL bounds the hold anyway)."""
         try:
             status, _ = self._http.post(self.config.encoder_urls[encoder] + "/release",
                                         msgspec.json.encode(ReleaseRequest(key)))
         except HTTPError:
-            status = 0
+            now = time.monotonic()
+            with self._lock:
+                pending = self._unreleased[encoder]
+                for stale in [k for k, since in pending.items() if now - since > RELEASE_RETRY_S]:
+                    del pending[stale]
+                pending.setdefault(key, now)
+            self.counters["parts_release_deferred"] += 1
+            return
         self.counters["parts_released" if status == 200 else "parts_release_failed"] += 1
 
     def _start_part(self, rid: str, num_parts: int, plan: PartPlan) -> tuple[PartPlan, EncodeResponse]:

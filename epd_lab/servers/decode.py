@@ -21,8 +21,8 @@ steps. KV transfers run in other threads meanwhile. A streaming client that disc
 cancelled; the scheduler drops it (and its cache) before its next step.
 
 Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
-KV pool exhausted 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after streaming began is a last NDJSON line
-`StreamError` (``{"type": "error", "detail": "..."}``).
+KV pool exhausted 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after streaming began is
+a last NDJSON line `StreamError` (``{"type": "error", "detail": "..."}``).
 
 ``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
 batched steps, so ``tokens_generated`` over it is about the mean batch), ``GET /metrics`` (Prometheus).

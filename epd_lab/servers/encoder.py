@@ -89,9 +89,9 @@ from epd_lab.ep.messages import (
 )
 from epd_lab.ep.push import PushSockets
 from epd_lab.faults import failpoint
-from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric,
-                             NotFound, ServingError, Unavailable, decode_body, json_response, option, read_body,
-                             read_struct, role_app, serve_main)
+from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
+                             Metric, NotFound, ServingError, Unavailable, decode_body, json_response, option,
+                             read_body, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -122,7 +122,8 @@ class EncoderSettings:
     transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=TRANSPORTS)
     timeout: float = option(10.0, "seconds; bounds every wait: media fetch, embedding, receive URL, transfer, "
                                   "ZMQ send")
-    embedding_ttl: float = option(60.0, "seconds a held embedding waits for /send before it is released")
+    embedding_ttl: float = option(10.0, "seconds a held embedding waits for /send before it is released (a /send "
+                                        "comes within milliseconds; past the receiver's timeout, never)")
     cache_bytes: int = option(256 << 20, "embedding cache capacity in bytes (0: off)")
     max_parts: int = option(64, "parts admitted at once, from /encode until sent, released or expired; more are "
                                 "refused with 503")
@@ -604,7 +605,14 @@ def create_app(settings: EncoderSettings) -> FastAPI:
     async def encode(request: Request) -> Response:
         server: MMEncoder = app.state.server
         server.admission.enter()  # refused before its body is even read: it costs nothing more
-        return json_response(await server.encode(read_body(request)))
+
+        async def body() -> bytes:
+            raw = await read_body(request)
+            if await request.is_disconnected():  # e.g. read on waking from a freeze the receiver passed over
+                raise ClientClosed("the client closed /encode before it was read: nothing is held for it")
+            return raw
+
+        return json_response(await server.encode(body()))
 
     @app.post("/send")
     async def send(request: Request) -> Response:

@@ -52,8 +52,8 @@ from epd_lab.servers.messages import (
     PrefillResponse,
     encode,
 )
-from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body, error_for_status,
-                             option, read_body, read_struct, role_app, serve_main)
+from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body,
+                             error_for_status, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES

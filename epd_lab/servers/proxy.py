@@ -174,19 +174,22 @@ def _transport_error(backend: Backend, exc: BaseException) -> ServingError:
     return BadGateway(f"{what} failed: {type(exc).__name__}: {exc}")
 
 
-async def _progressing(backend: Backend, aw: Awaitable[T]) -> T:
-    """`aw`'s result, unless `backend` is found stalled first: then `aw` is cancelled and `_Stalled` raised."""
+async def _progressing(backend: Backend, aw: Awaitable[T], timeout: float | None = None) -> T:
+    """`aw`'s result, unless `backend` is found stalled first (then `aw` is cancelled and `_Stalled` raised) or
+    `timeout` seconds pass (`asyncio.TimeoutError`)."""
     task = asyncio.ensure_future(aw)
     stall = asyncio.ensure_future(backend.stall.wait())
     try:
-        done, _ = await asyncio.wait((task, stall), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait((task, stall), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stall.cancel()
         if not task.done():
-            task.cancel()  # stalled, or this caller cancelled
+            task.cancel()  # stalled, timed out, or this caller cancelled
     if task in done:
         return task.result()
-    raise _Stalled()
+    if stall in done:
+        raise _Stalled()
+    raise asyncio.TimeoutError()
 
 
 def _decode_json(backend: Backend, raw: bytes, typ: type[Any]) -> Any:
@@ -336,6 +339,9 @@ class Proxy:
         """
         payload = msgspec.json.encode(body)  # msgspec: the body carries the images' data: URIs (~0.2 MB each)
         tried: set[str] = set()
+        # one bound for the answer, however many backends are tried: one passed over as stalled after 2.5 s does
+        # not give the next a whole --timeout more
+        deadline = time.monotonic() + self.settings.timeout
         busy: ServingError | None = None  # the last 503 or stall: what the client gets when no backend takes it
         while (backend := await self._choose(pool, tried, only)) is not None:
             tried.add(backend.url)
@@ -344,7 +350,8 @@ class Proxy:
             try:
                 try:
                     response = await _progressing(backend, self.session.post(backend.url + path, data=payload,
-                                                                             headers=JSON_HEADERS))
+                                                                             headers=JSON_HEADERS),
+                                                  max(0.0, deadline - time.monotonic()))
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                     backend.liveness.refused()  # the request never reached it: the next one may take it
                     continue
