@@ -3,8 +3,8 @@ solo answers, and the sampler of pool levels and RSS over time.
 
 Pool levels come from each server's ``/metrics`` (Prometheus text): the gauges that must return to their idle
 value once nothing is in flight (`LEAK_GAUGES`: embeddings held for ``/send``, KV blocks used or quarantined,
-requests admitted or in flight, KV requests held for decode, the proxy's in-flight per backend; and
-registrations or engine pins wherever a server exposes them under those names), plus informative ones
+requests admitted or in flight, KV requests held for decode, the proxy's in-flight per backend, the transfer
+engines' registrations, pinning writes and managed buffers), plus informative ones
 (`INFO_GAUGES`: the encoder's embedding cache bytes). RSS is read from ``/proc/<pid>/status``.
 """
 from __future__ import annotations
@@ -30,13 +30,9 @@ from epd_lab.launch import Cluster
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
 # /metrics gauges (name suffixes after "epd_<role>_") that must be back at their idle value after the last answer
 LEAK_GAUGES = ("embeddings_held", "kv_blocks_used", "kv_blocks_quarantined", "inflight", "admitted",
-               "kv_requests_held", "active_requests", "backend_inflight", "registrations", "engine_regions",
-               "engine_pins")
+               "kv_requests_held", "active_requests", "backend_inflight", "engine_regions",
+               "engine_writes_in_flight", "engine_managed_buffers")
 INFO_GAUGES = ("cache_bytes",)
-# what no server exposes today (checked against every role's /metrics and /health): reported, not guessed
-NOT_EXPOSED_NOTE = ("the transfer engines' registrations and pins are not in any server's /metrics or /health; "
-                    "a leaked registration shows only as RSS or as a leaked buffer or block here")
-
 Progress = Callable[[str], None]
 
 

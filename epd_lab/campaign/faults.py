@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from epd_lab.campaign.netns import Hosts, available
-from epd_lab.campaign.common import (NOT_EXPOSED_NOTE, Outcome, Progress, Prompts, Sampler, chat, client_session,
+from epd_lab.campaign.common import (Outcome, Progress, Prompts, Sampler, chat, client_session,
                                      counts, judge, machine, percentiles, process_names, target, wait_idle)
 from epd_lab.faults import POINTS, arm, disarm, is_stopped, wait_stopped
 from epd_lab.launch import Cluster, Topology
@@ -365,6 +365,6 @@ def faults(*, cells: tuple[str, ...] = (), inflight: int = 4, concurrency: int =
             "parameters": {"cells": [c.name for c in chosen], "inflight": inflight, "concurrency": concurrency,
                            "timeout": timeout, "fault_s": window, "time_budget_s": time_budget_s,
                            "max_tokens": max_tokens, "image_size": image_size},
-            "points": POINTS, "skipped": skipped, "not_measured": NOT_EXPOSED_NOTE,
+            "points": POINTS, "skipped": skipped,
             "cells": results, "targets": targets, "passed": bool(results) and all(r["passed"] for r in results),
             "wall_s": time.monotonic() - started}

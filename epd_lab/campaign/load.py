@@ -16,7 +16,7 @@ import random
 import time
 from typing import Any
 
-from epd_lab.campaign.common import (NOT_EXPOSED_NOTE, Outcome, Progress, Prompts, Sampler, chat, client_session,
+from epd_lab.campaign.common import (Outcome, Progress, Prompts, Sampler, chat, client_session,
                                      counts, judge, machine, percentiles, target, wait_idle)
 from epd_lab.launch import Cluster, Topology
 
@@ -118,5 +118,5 @@ def load(*, count: int = 200, concurrency: int = 200, seed: int = 0, time_budget
             "parameters": {"count": count, "concurrency": concurrency, "time_budget_s": time_budget_s,
                            "timeout": timeout, "max_tokens": max_tokens, "image_size": image_size,
                            "topologies": list(topologies)},
-            "not_measured": NOT_EXPOSED_NOTE, "runs": runs, "targets": targets,
+            "runs": runs, "targets": targets,
             "passed": all(t["passed"] for t in targets), "wall_s": time.monotonic() - started}

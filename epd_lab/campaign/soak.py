@@ -14,7 +14,7 @@ import random
 import time
 from typing import Any
 
-from epd_lab.campaign.common import (MODEL_ID, NOT_EXPOSED_NOTE, Outcome, Progress, Prompts, Sampler, chat,
+from epd_lab.campaign.common import (MODEL_ID, Outcome, Progress, Prompts, Sampler, chat,
                                      client_session, counts, judge, machine, percentiles, target, wait_idle)
 from epd_lab.launch import Cluster, Topology
 
@@ -157,5 +157,5 @@ def soak(*, count: int = 10_000, concurrency: int = 16, seed: int = 0, time_budg
             "parameters": {"count": count, "concurrency": concurrency, "time_budget_s": time_budget_s,
                            "abort_share": abort_share, "bad_share": bad_share, "timeout": timeout,
                            "max_tokens": max_tokens, "image_size": image_size},
-            "not_measured": NOT_EXPOSED_NOTE, "runs": [run], "targets": targets,
+            "runs": [run], "targets": targets,
             "passed": all(t["passed"] for t in targets), "wall_s": time.monotonic() - started}

@@ -63,7 +63,7 @@ from epd_lab.servers.messages import (
     encode,
 )
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
-                             ServingError, Unavailable, option, read_struct, role_app, serve_main)
+                             ServingError, Unavailable, engine_metrics, option, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -386,7 +386,7 @@ class DecodeServer:
             ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
             ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
             ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
-        )]
+        )] + engine_metrics(self.engine)
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""

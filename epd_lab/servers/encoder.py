@@ -90,8 +90,8 @@ from epd_lab.ep.messages import (
 from epd_lab.ep.push import PushSockets
 from epd_lab.faults import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
-                             Metric, NotFound, ServingError, Unavailable, decode_body, json_response, option,
-                             read_body, read_struct, role_app, serve_main)
+                             Metric, NotFound, ServingError, Unavailable, decode_body, engine_metrics, json_response,
+                             option, read_body, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -568,7 +568,7 @@ class MMEncoder:
             ("cache_evictions_total", "counter", self.cache.evictions, "cache entries evicted"),
             ("cache_entries", "gauge", len(self.cache), "images in the cache"),
             ("cache_bytes", "gauge", self.cache.num_bytes, "bytes in the cache"),
-        )]
+        )] + engine_metrics(self.engine)
 
     def close(self) -> None:
         """Stop the worker, close the sockets and the engine."""

@@ -53,7 +53,7 @@ from epd_lab.servers.messages import (
     encode,
 )
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body,
-                             error_for_status, option, read_body, read_struct, role_app, serve_main)
+                             engine_metrics, error_for_status, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -289,7 +289,7 @@ class PrefillServer:
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
             ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
             ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
-        )]
+        )] + engine_metrics(self.engine, self.receiver.engine if self.receiver is not None else None)
 
     def close(self) -> None:
         """Stop the workers, answer waiting asks, free and deregister the cache, close the engines."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Iterable, Mapping, NamedTuple
 
-__all__ = ["CountRequests", "Metric", "metrics_text"]
+__all__ = ["CountRequests", "Metric", "engine_metrics", "metrics_text"]
 
 Labels = Mapping[str, Any]
 
@@ -28,6 +28,18 @@ class Metric(NamedTuple):
         if isinstance(value, Mapping):
             return cls(name, kind, help_, tuple(("", {label: k}, v) for k, v in sorted(value.items())))
         return cls(name, kind, help_, (("", {}, value),))
+
+
+def engine_metrics(*engines: Any) -> list[Metric]:
+    """A role's transfer engines as gauges, summed over `engines` (None ones skipped): ``engine_regions``
+    (registrations; at idle only the long-lived ones, such as a KV cache, remain), ``engine_writes_in_flight``
+    (incoming writes pinning a registration) and ``engine_managed_buffers``: what a leak check reads."""
+    stats = [e.stats() for e in engines if e is not None]
+    return [Metric.of(f"engine_{key}", "gauge", help_, sum(s.get(key, 0) for s in stats)) for key, help_ in (
+        ("regions", "memory regions registered with the role's transfer engines"),
+        ("writes_in_flight", "incoming one-sided writes placing bytes now (each pins its registration)"),
+        ("managed_buffers", "buffers the engines allocated (receive pools)"),
+    )]
 
 
 class CountRequests:
