@@ -223,6 +223,8 @@ class Cluster:
 
     def close(self) -> None:
         """SIGTERM every process (its whole session), SIGKILL what is left after 5 s. Idempotent."""
+        if not self.procs:  # closed already (at exit, `__del__` comes after the modules it would need are gone)
+            return
         for p in self.procs:
             if p.poll() is None:
                 _signal_group(p, signal.SIGTERM)
