@@ -203,3 +203,27 @@ def test_tiny_positive_temperature_is_served(cluster) -> None:
             "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(cluster.proxy_url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, (r.status_code, r.text)
+
+
+# ---- regressions of what the campaign's 10,000-input run found (seed 7) ----
+@pytest.mark.parametrize("typ, body", [
+    (ep_messages.EncodeRequest, {"mm_items": ["a\u0000b"], "num_parts": 1, "part_idx": 0, "req_id": "r"}),
+    (server_messages.PrefillRequest, {"request_id": "r", "prompt": "", "images": ["/tmp/x\u0000.png"]}),
+    (server_messages.DecodeRequest, {"request_id": "r", "max_tokens": 1, "seed": 2**64,
+                                     "kv_transfer_params": {"remote_url": "tcp://h:1", "remote_request_id": "x"}}),
+], ids=["nul-in-mm_items", "nul-in-images", "seed-past-int64"])
+def test_values_no_server_can_use_are_refused_on_decode(typ: type, body: dict) -> None:
+    with pytest.raises(BadRequest):
+        decode_body(json.dumps(body).encode(), typ)
+
+
+@pytest.mark.parametrize("extra, image", [({}, "/tmp/a\u0000.png"), ({"seed": 2**64}, None)],
+                         ids=["nul-image-was-502", "huge-seed-was-502"])
+def test_proxy_answers_400_for_values_that_were_5xx(cluster, extra: dict, image: str | None) -> None:
+    content: Any = [{"type": "text", "text": "hi"}]
+    if image is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": image}})
+    body = {"model": "any", "max_tokens": 2, "temperature": 1.0, "messages": [{"role": "user", "content": content}],
+            **extra}
+    r = httpx.post(cluster.proxy_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, (r.status_code, r.text)

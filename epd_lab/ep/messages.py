@@ -29,6 +29,9 @@ MAX_ZMQ_BYTES = 1 << 31
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# a media item (path, data: URI, URL) never holds a NUL: no file name, URI or URL can, and the OS refuses it with
+# an error the media readers do not expect (a 500 the fuzz leg found: "embedded null byte")
+MediaItem = Annotated[str, msgspec.Meta(pattern="^[^\x00]*$")]
 
 # An RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
@@ -100,7 +103,7 @@ class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     records the latest one in ``/health`` (which position its receivers give it); nothing else depends on it.
     """
 
-    mm_items: list[str]
+    mm_items: list[MediaItem]
     num_parts: Positive
     part_idx: NonNegative
     req_id: str

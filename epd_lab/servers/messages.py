@@ -24,6 +24,10 @@ MAX_TOKENS = 4096  # the tiny model's max_position_embeddings bounds prompt + ge
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+# a media item (path, data: URI, URL) never holds a NUL: no file name, URI or URL can, and the OS refuses it with
+# an error the media readers do not expect (a 500 the fuzz leg found: "embedded null byte")
+MediaItem = Annotated[str, msgspec.Meta(pattern="^[^\x00]*$")]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # int64: within what torch.Generator.manual_seed takes
 
 
 class PrefillKVParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -37,7 +41,7 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     request_id: NonEmpty
     prompt: str
-    images: list[str] = []  # media items: file paths, data: URIs, http(s) URLs
+    images: list[MediaItem] = []  # media items: file paths, data: URIs, http(s) URLs
     kv_transfer_params: PrefillKVParams = msgspec.field(default_factory=PrefillKVParams)
 
 
@@ -101,7 +105,7 @@ class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     kv_transfer_params: KVTransferParams
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
-    seed: int | None = None  # the sampler's torch.Generator seed (None: random)
+    seed: Seed | None = None  # the sampler's torch.Generator seed (None: random); past 64 bits a 400, not a 500
     stream: bool = False
     return_logits: bool = False  # the non-streaming answer carries each decode step's logits (bit-exact checks)
 
