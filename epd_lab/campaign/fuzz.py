@@ -19,8 +19,12 @@ What is sent, each by Hypothesis from `seed` (so a run is replayable: the same s
   key or key 0, land byte for byte, and leave the guards intact (with the shared secret in the environment, no
   frame may land: none has passed the engine's handshake).
 
-A failure is a 5xx, a reset or broken answer, no answer within the bound (a hang), a process that exited, or,
-after the frames, a legitimate chat through the proxy that no longer succeeds. Each failure is listed with the
+HTTP inputs are sent once each (Hypothesis draws small cases again), 4 at a time while the next are drawn. With
+the shared secret in the environment (`epd_lab.security`) the inputs carry its bearer and most ZMQ frames its tag.
+
+A failure is a 5xx, a reset or broken answer, a streamed 200 that ends in an error event, no answer within the
+bound (a hang), a process that exited, a socket that no longer speaks its protocol after its frames, or, after
+the frames, a legitimate chat through the proxy that no longer succeeds. Each failure is listed with the
 case that produced it (its body, or frame bytes) and the seed.
 """
 from __future__ import annotations
