@@ -241,7 +241,11 @@ def test_a_server_caps_its_connections_and_closes_idle_ones() -> None:
         with socket.create_connection((host, int(port))) as ninth:
             ninth.settimeout(5)
             ninth.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert ninth.recv(1024) == b""  # closed unanswered
+            try:
+                answer = ninth.recv(1024)
+            except ConnectionResetError:  # the request reached a socket already closed
+                answer = b""
+            assert answer == b""  # closed unanswered
         for sock in idle:
             sock.settimeout(5)
             assert sock.recv(1024) == b""  # the server closed it after 1 s of silence

@@ -180,6 +180,8 @@ def fetch_media(item: str, timeout: float, max_bytes: int, policy: MediaPolicy |
     `policy` (a server fetching for a client), what it does not allow is refused."""
     if not isinstance(item, str) or not item:
         raise MediaError("empty media item")
+    if "\0" in item:  # no path or URL holds one (os.open would raise ValueError, not OSError)
+        raise MediaError("a media item with a NUL character")
     if item.startswith("data:"):
         return _from_data_uri(item, max_bytes)
     if item.startswith(("http://", "https://")):

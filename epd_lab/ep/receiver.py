@@ -460,6 +460,9 @@ class EmbeddingReceiver:
             except EPDError as exc:
                 if not (exc.lost or exc.status == 503):  # 503: at capacity, it holds nothing
                     raise
+                if exc.lost and not exc.refused and self.config.backend == "mooncake":
+                    # it may have taken the part (the answer was lost, or it reads the request on waking)
+                    self._io.submit(self._release, part_req_id(rid, plan.part_idx), plan.encoder)
                 spare = [i for i in self._up_encoders() if i not in tried]
                 if not spare:
                     raise

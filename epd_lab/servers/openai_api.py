@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from epd_lab.servers.messages import MAX_TOKENS
 from epd_lab.servers.text import PromptError, completion_prompt, messages_to_prompt
 from epd_lab.serving import BadRequest, ServingError
 
@@ -96,8 +97,8 @@ def parse_request(body: Any, kind: str, t0: int) -> tuple[Job, str, list[str]]:
         raise BadRequest(str(exc)) from None
     max_tokens = next((n for n in (sampling.max_completion_tokens, sampling.max_tokens) if n is not None),
                       DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}")
+    if not 1 <= max_tokens <= MAX_TOKENS:  # decode's own bound: refused here, not after a streamed 200
+        raise BadRequest(f"max_tokens must be in [1, {MAX_TOKENS}], got {max_tokens}")
     temperature = 1.0 if sampling.temperature is None else sampling.temperature  # OpenAI's default
     if not 0 <= temperature <= 2:
         raise BadRequest(f"temperature must be in [0, 2], got {temperature}")
