@@ -11,6 +11,7 @@ Each prints ``{"port": ...}`` (and ``"ack_port"`` for zmq) on stdout, then serve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pickle
 import socket
@@ -48,14 +49,34 @@ def serve_socket(max_bytes: int) -> None:
                 conn.sendall(b"k")
 
 
-def serve_zmq(pickled: bool) -> None:
-    ctx = zmq.Context()
+def bind_pull_ack(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+    """A receiving child's PULL (the data) and PUSH (its acks) on loopback ports, announced on stdout as
+    ``{"port", "ack_port"}`` for `connect_push_ack`."""
     pull, ack = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (pull, ack):
         s.setsockopt(zmq.LINGER, 0)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     ack_port = ack.bind_to_random_port("tcp://127.0.0.1")
     print(json.dumps({"port": port, "ack_port": ack_port}), flush=True)
+    return pull, ack
+
+
+def connect_push_ack(stack: contextlib.ExitStack, info: dict) -> tuple[zmq.Socket, zmq.Socket]:
+    """The sender's PUSH and ack PULL connected to a `bind_pull_ack` child's announced ports, closed by `stack`."""
+    ctx = zmq.Context()
+    stack.callback(ctx.term)
+    push, ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for s in (push, ack):
+        s.setsockopt(zmq.LINGER, 0)
+        stack.callback(s.close)
+    push.connect(f"tcp://127.0.0.1:{info['port']}")
+    ack.connect(f"tcp://127.0.0.1:{info['ack_port']}")
+    return push, ack
+
+
+def serve_zmq(pickled: bool) -> None:
+    ctx = zmq.Context()
+    pull, ack = bind_pull_ack(ctx)
     try:
         while True:
             if pickled:

@@ -208,18 +208,9 @@ class _Bench:
         return write, None
 
     def _zmq(self, kind: str):
-        import zmq  # only the zmq baselines need pyzmq
+        from epd_lab.bench.receivers import connect_push_ack  # imports pyzmq: only the zmq baselines need it
 
-        info = self.stack.enter_context(_child(kind, self.max))
-        ctx = zmq.Context()
-        self.stack.callback(ctx.term)
-        push, ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        for s in (push, ack):
-            s.setsockopt(zmq.LINGER, 0)
-            self.stack.callback(s.close)
-        push.connect(f"tcp://127.0.0.1:{info['port']}")
-        ack.connect(f"tcp://127.0.0.1:{info['ack_port']}")
-        return push, ack
+        return connect_push_ack(self.stack, self.stack.enter_context(_child(kind, self.max)))
 
     def _setup_zmq(self):
         push, ack = self._zmq("zmq")

@@ -176,20 +176,12 @@ class _GpuBench:
         return write, None
 
     def _setup_zmq_pickle(self):
-        import zmq
+        from epd_lab.bench.receivers import connect_push_ack  # imports pyzmq: only this baseline needs it
 
         proc = subprocess.Popen([sys.executable, "-m", "epd_lab.bench.transfer_cuda", "--zmq-receiver"],
                                 stdout=subprocess.PIPE, text=True)
         self.stack.callback(_stop, proc)
-        info = json.loads(proc.stdout.readline())
-        ctx = zmq.Context()
-        self.stack.callback(ctx.term)
-        push, ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        for s in (push, ack):
-            s.setsockopt(zmq.LINGER, 0)
-            self.stack.callback(s.close)
-        push.connect(f"tcp://127.0.0.1:{info['port']}")
-        ack.connect(f"tcp://127.0.0.1:{info['ack_port']}")
+        push, ack = connect_push_ack(self.stack, json.loads(proc.stdout.readline()))
         offset = self._rotor()
 
         def write(n: int) -> None:
@@ -219,14 +211,10 @@ def zmq_receiver() -> None:
     import torch
     import zmq
 
+    from epd_lab.bench.receivers import bind_pull_ack
+
     torch.zeros(1, device="cuda")
-    ctx = zmq.Context()
-    pull, ack = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for s in (pull, ack):
-        s.setsockopt(zmq.LINGER, 0)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    ack_port = ack.bind_to_random_port("tcp://127.0.0.1")
-    print(json.dumps({"port": port, "ack_port": ack_port}), flush=True)
+    pull, ack = bind_pull_ack(zmq.Context())
     while True:
         obj = pickle.loads(pull.recv())  # noqa: S301 - the bench's own child, on loopback
         assert obj["embedding"].is_cuda

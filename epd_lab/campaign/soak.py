@@ -36,7 +36,7 @@ def bad_body(kind: str, rng: random.Random, prompts: Prompts) -> dict[str, Any]:
         body["messages"] = [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + cut}}, text]}]
     elif kind == "bad_max_tokens":
-        body["max_tokens"] = rng.choice([-1, "many", None, 2.5])
+        body["max_tokens"] = rng.choice([-1, "many", 2.5, 0])  # not null: OpenAI reads null as "the default"
     elif kind == "bad_temperature":
         body["temperature"] = rng.choice(["hot", -3, [1]])
     elif kind == "no_messages":

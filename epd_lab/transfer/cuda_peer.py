@@ -12,14 +12,12 @@ ones: ``cuda_alloc`` (a PyTorch tensor on the GPU, registered), ``cuda_checksum`
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 import zlib
 from typing import Any
 
-from epd_lab.transfer.peer import PeerProcess, _Target
+from epd_lab.transfer.peer import PeerProcess, _Target, command_loop
 from epd_lab.transfer.registry import open_engine
 
 
@@ -64,22 +62,8 @@ class _CudaTarget(_Target):
 
 def serve(protocol: str, timeout: float) -> None:
     """The command loop of `epd_lab.transfer.peer.serve`, with `_CudaTarget`'s commands."""
-    out = sys.stdout
     with open_engine(protocol, timeout=timeout) as engine:
-        target = _CudaTarget(engine)
-        print(json.dumps({"session_id": engine.session_id, "pid": os.getpid()}), file=out, flush=True)
-        for line in sys.stdin:
-            try:
-                msg = json.loads(line)
-                cmd = msg.pop("cmd")
-                if cmd == "exit":
-                    break
-                if cmd.startswith("_") or not hasattr(target, cmd):
-                    raise ValueError(f"unknown command {cmd!r}")
-                reply: dict[str, Any] = {"ok": True, **getattr(target, cmd)(**msg)}
-            except Exception as exc:  # the error goes back to the driver; the peer keeps serving
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            print(json.dumps(reply), file=out, flush=True)
+        command_loop(_CudaTarget(engine), engine.session_id)
 
 
 class CudaPeerProcess(PeerProcess):

@@ -94,24 +94,29 @@ def serve(protocol: str, timeout: float, engine_args: dict[str, Any] | None = No
     """Run the command loop on stdin/stdout until ``{"cmd": "exit"}`` or end of input. `engine_args`: more
     keyword arguments of `TransferEngine` (``max_connections``, ``idle_timeout``); the secret comes from the
     environment (``EPD_SECRET``), as in every role."""
-    out = sys.stdout
     engine = (TransferEngine("127.0.0.1", protocol, timeout=timeout, **engine_args) if engine_args
               else open_engine(protocol, timeout=timeout))
     with engine:
-        target = _Target(engine)
-        print(json.dumps({"session_id": engine.session_id, "pid": os.getpid()}), file=out, flush=True)
-        for line in sys.stdin:
-            try:
-                msg = json.loads(line)
-                cmd = msg.pop("cmd")
-                if cmd == "exit":
-                    break
-                if cmd.startswith("_") or not hasattr(target, cmd):
-                    raise ValueError(f"unknown command {cmd!r}")
-                reply: dict[str, Any] = {"ok": True, **getattr(target, cmd)(**msg)}
-            except Exception as exc:  # the error goes back to the driver; the peer keeps serving
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            print(json.dumps(reply), file=out, flush=True)
+        command_loop(_Target(engine), engine.session_id)
+
+
+def command_loop(target: Any, session_id: str) -> None:
+    """Announce ``{"session_id", "pid"}``, then answer each JSON-line command on stdin with `target`'s method of
+    that name until ``{"cmd": "exit"}`` or end of input."""
+    out = sys.stdout
+    print(json.dumps({"session_id": session_id, "pid": os.getpid()}), file=out, flush=True)
+    for line in sys.stdin:
+        try:
+            msg = json.loads(line)
+            cmd = msg.pop("cmd")
+            if cmd == "exit":
+                break
+            if cmd.startswith("_") or not hasattr(target, cmd):
+                raise ValueError(f"unknown command {cmd!r}")
+            reply: dict[str, Any] = {"ok": True, **getattr(target, cmd)(**msg)}
+        except Exception as exc:  # the error goes back to the driver; the peer keeps serving
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), file=out, flush=True)
 
 
 class PeerError(RuntimeError):
