@@ -476,6 +476,12 @@ def test_a_busy_encoder_passes_the_part_on_and_a_failed_request_releases_its_par
         answer = httpx.post(busy + "/release", json={"req_id": held.req_id}, timeout=10).json()
         assert answer == {"req_id": held.req_id, "released": True}
         assert httpx.get(busy + "/health", timeout=10).json()["admitted"] == 0
+        # a /release that overtakes its part's /encode (a cut link, a freeze): that /encode then holds nothing
+        late = msgspec.structs.replace(held, req_id="late_local_part_0")
+        assert httpx.post(busy + "/release", json={"req_id": late.req_id}, timeout=10).json()["released"] is False
+        refused = httpx.post(busy + "/encode", content=msgspec.json.encode(late), timeout=10)
+        assert refused.status_code == 409 and "released before" in refused.text
+        assert httpx.get(busy + "/health", timeout=10).json()["embeddings_held"] == 0
 
         bad = tmp_path / "bad.png"
         bad.write_bytes(b"not an image")  # refused by its /encode, while the other part's /encode is held

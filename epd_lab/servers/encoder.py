@@ -17,7 +17,8 @@ Routes:
   the `/encode` answer itself plus ``session_id`` and ``buffer_address`` (the seed's). Once a /send is
   accepted, the receiver always gets a notify, with ``error`` set when the write could not be done.
 - ``POST /release`` (mooncake; `ReleaseRequest`, epd_lab's): drop a held embedding whose /send will not come
-  (the receiver's request failed elsewhere) now, not after its TTL.
+  (the receiver's request failed elsewhere) now, not after its TTL; a part not held yet is remembered for the
+  TTL, and its /encode, should it still come (a freeze, a cut link), is refused (409).
 - ``POST /scheduler_receive_url`` (zmq_to_scheduler; `SchedulerReceiveUrl`), ``GET /health``, ``GET /metrics``.
 
 Admission: at most ``--max-parts`` parts at once, from /encode until sent (mooncake: held for /send, released or
@@ -106,6 +107,7 @@ from epd_lab.transfer.engine import ENGINES
 TRANSPORTS = ENGINES
 SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes
 ROUTES = ("/encode", "/send", "/release", "/scheduler_receive_url")
+MAX_RELEASED_IDS = 65536  # /release calls remembered for parts not held (yet)
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -218,6 +220,7 @@ class MMEncoder:
         self.embeddings_expired = 0
         self.embeddings_released = 0
         self.held_bytes = 0  # Σ embedding_size of `held`
+        self.released_ids: dict[str, float] = {}  # /release for a part not held: when (kept for the TTL)
         self.refused = {"at_capacity": 0, "held_bytes": 0}
         self.admission = Admission("encoder", settings.max_parts, f"max_parts {settings.max_parts}",
                                    lambda: self._count_refused("at_capacity"))
@@ -245,6 +248,8 @@ class MMEncoder:
                                   [list(models.image_grid(s)) for s in sizes])
             if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
                 raise Conflict(f"req_id {req.req_id!r} is already held here, waiting for /send")
+            if req.req_id in self.released_ids:  # its /release overtook it (a cut link, a freeze): hold nothing
+                raise Conflict(f"req_id {req.req_id!r} was released before its /encode was read")
             if self.settings.backend == "mooncake":
                 self._check_held_bytes(resp.embedding_size)
             future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, load_span)
@@ -286,6 +291,10 @@ class MMEncoder:
         if held is not None:
             held.future.cancel()
             self.embeddings_released += 1
+        else:  # not held (yet): an /encode of it still in flight is refused when it is read
+            self.released_ids[req.req_id] = time.monotonic()
+            while len(self.released_ids) > MAX_RELEASED_IDS:  # oldest first: a flood cannot grow it
+                del self.released_ids[next(iter(self.released_ids))]
         return {"req_id": req.req_id, "released": held is not None}
 
     def _read_request(self, body: bytes | bytearray) -> tuple[EncodeRequest, Modality, list[_Item], Span]:
@@ -533,6 +542,8 @@ class MMEncoder:
             self.embeddings_expired += 1
         for req_id in [r for r, u in self.receive_urls.items() if u.created < cutoff and not u.awaited]:
             del self.receive_urls[req_id]
+        for req_id in [r for r, since in self.released_ids.items() if since < cutoff]:
+            del self.released_ids[req_id]
 
     async def run(self) -> None:
         """For the server's life (the floor runs it): sweep expired embeddings and receive URLs."""
