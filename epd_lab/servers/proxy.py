@@ -23,11 +23,12 @@ them; ties in round-robin order). A backend that refuses connections is marked d
 ``--retry-after`` seconds; the request goes on to the next one (it never reached the failed one). When every
 backend of a role is down, their ``/health`` is probed once before the request fails with 503.
 
-Frozen backends (`epd_lab.serving.liveness`): every backend's ``/health`` is probed each second; one that misses
+Frozen backends (`epd_lab.serving.liveness`): every backend's ``/health`` is probed every 0.5 s; one that misses
 two probes in a row is *stalled* and skipped until it answers again. The exchanges waiting on it give up at
-once: a request not yet answered goes on to the next backend (a prefill is sent an abort, as it may take the
-request up when it wakes), a decode stream already begun ends with a 504 error event. A request reaches its
-client within seconds of a freeze instead of after ``--timeout``.
+once: a request not yet answered goes on to the next backend (a prefill is sent an abort, retried until it
+wakes, as it may take the request up then), a decode stream already begun ends with a 504 error event. One
+deadline (``--timeout``) bounds a request's answer however many backends it is offered to, so a request reaches
+its client within seconds of a freeze, and never later than the timeout.
 
 Failures are OpenAI error objects ``{"error": {"message", "type", "code"}}``: 400 for bad input (including a
 backend's 400/413/422, whose ``detail`` is passed on: an image that does not decode is the client's error),
