@@ -57,7 +57,8 @@ def test_campaign_load_cli(tmp_path):
 
 
 def test_campaign_soak_cli(tmp_path):
-    r = campaign("soak", "--count", "60", "--concurrency", "6", "--seed", "3", "--abort-share", "0.3",
+    # enough requests for a few seconds of run: the RSS verdict needs samples (every 0.25 s) in its second half
+    r = campaign("soak", "--count", "300", "--concurrency", "6", "--seed", "3", "--abort-share", "0.3",
                  "--bad-share", "0.2", "--image-size", "112", "--max-tokens", "6", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     report = check_report(tmp_path, "soak")

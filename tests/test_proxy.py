@@ -391,7 +391,8 @@ def test_models_health_metrics(basic: tuple) -> None:
      "'video_url' is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "'n' is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "'stop' is not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, r"max_tokens must be in \[1, 4096\]"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4097}, r"max_tokens must be in \[1, 4096\]"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
 ])
 def test_bad_requests_are_400(basic: tuple, extra: dict[str, Any], error: str) -> None:
