@@ -213,6 +213,9 @@ def test_openai_clients_pass_the_secret_as_api_key_and_a_request_crosses_e_p_d(c
         chunks = list(good.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=4, temperature=0,
                                                    stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    # the request's timeline is collected from every role with the topology's secret
+    frame = cluster.spans(reply.id)
+    assert not frame.attrs["unreachable"] and {"prefill", "kv_transfer", "decode_step"} <= set(frame["stage"])
 
 
 def test_cluster_side_channels_refuse_clients_without_the_secret(cluster):
@@ -236,6 +239,3 @@ def test_mooncake_engine_is_refused_when_a_secret_is_set(monkeypatch):
     monkeypatch.setenv(security.ENV_SECRET, SECRET)
     with pytest.raises(TransportUnavailable, match="cannot check the shared secret"):
         open_engine("mooncake")
-        # the request's timeline is collected from every role with the topology's secret
-        frame = cluster.spans(reply.id)
-        assert not frame.attrs["unreachable"] and {"prefill", "kv_transfer", "decode_step"} <= set(frame["stage"])
