@@ -129,6 +129,11 @@ def decode_app(state: StandIn) -> FastAPI:
         state.requests.append(body)
         if state.status != 200:
             return JSONResponse({"detail": f"{state.name} failed on purpose"}, status_code=state.status)
+        if "first_token" not in body["kv_transfer_params"]:  # asked early (pipelined): the real decode waits for
+            while not await request.is_disconnected():  # prefill's KV, this one for the proxy to drop the request
+                await asyncio.sleep(0.01)
+            state.closed_early.append(body["request_id"])
+            return Response(status_code=499)
         tokens = decode_tokens(body["kv_transfer_params"]["first_token"], body["max_tokens"])
         rid = body["request_id"]
         if not body["stream"]:
@@ -593,6 +598,7 @@ def test_pipelined_proxy_passes_a_busy_prefill_on(rig: Rig) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert len(busy.requests) == 1 and len(free.requests) == 1 and busy.aborts == []
     assert d.requests[-1]["kv_transfer_params"]["prompt_len"] is not None  # the serial way: prefill's own answer
+    wait_for(lambda: d.closed_early == [d.requests[0]["request_id"]])  # the one asked early was dropped
 
 
 def test_a_proxy_cancelled_mid_prefill_aborts_the_request_there(rig: Rig) -> None:
