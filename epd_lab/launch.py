@@ -37,6 +37,7 @@ from epd_lab.servers.decode import DecodeSettings
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
+from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP
 from epd_lab.trace import Recorder, Span, collect
 from epd_lab.transfer.engine import ENGINES
 
@@ -49,10 +50,11 @@ _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
     "encoder": ("epd_lab.servers.encoder", EncoderSettings,
-                ("model", "dtype", "timeout", "transport", "backend", "media_roots")),
+                ("model", "device", "dtype", "timeout", "transport", "backend", "media_roots")),
     "prefill": ("epd_lab.servers.prefill", PrefillSettings,
-                ("model", "dtype", "timeout", "transport", "backend", "kv_blocks")),
-    "decode": ("epd_lab.servers.decode", DecodeSettings, ("model", "dtype", "timeout", "transport", "kv_blocks")),
+                ("model", "device", "dtype", "timeout", "transport", "backend", "kv_blocks")),
+    "decode": ("epd_lab.servers.decode", DecodeSettings,
+               ("model", "device", "dtype", "timeout", "transport", "kv_blocks")),
     "proxy": ("epd_lab.servers.proxy", ProxySettings, ("timeout", "pipelined")),
 }
 
@@ -66,8 +68,10 @@ class Topology:
     encoders: int = option(1, "encode servers")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
     transport: str = option("auto", "the transfer engines' protocol", choices=ENGINES)
-    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
-    dtype: str = option("float32", "the model's dtype", choices=("float32", "bfloat16"))
+    model: str | None = option(None, MODEL_HELP)
+    device: str = option("cpu", DEVICE_HELP + " (every model role; one role's own: settings={'prefill': "
+                                "{'device': 'cuda:1'}})")
+    dtype: str = option("auto", DTYPE_HELP + " (each role's own device decides)", choices=DTYPE_NAMES)
     timeout: float = option(10.0, "seconds for a request (and for each process to come up, times 6)")
     pool_bytes: int = option(0, "the in-driver receiver's persistent pool (0: a buffer per request, as the seed)")
     prefills: int = option(0, "prefill servers, each fanning images out to all encoders (0: the prefill role "
@@ -94,8 +98,8 @@ class Topology:
             raise ValueError(f"encoders must be >= 1, got {self.encoders}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive")
         if self.secret is not None:
@@ -215,7 +219,8 @@ class Cluster:
         if recorder is None and not t.trace:
             recorder = Recorder("prefill", enabled=False)
         config = ReceiverConfig(self.encoder_urls, t.backend, overrides.pop("timeout", t.timeout),
-                                overrides.pop("pool_bytes", t.pool_bytes), transport=t.transport, **overrides)
+                                overrides.pop("pool_bytes", t.pool_bytes), transport=t.transport,
+                                **{"device": t.device, **overrides})
         return EmbeddingReceiver(config, recorder)
 
     def alive(self) -> list[bool]:

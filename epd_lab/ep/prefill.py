@@ -10,6 +10,7 @@ from PIL import Image
 
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceivedEmbeddings
 from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids, monolithic_prefill, preprocess
+from epd_lab.serving.placement import synchronize
 from epd_lab.trace import Span
 
 
@@ -43,6 +44,7 @@ class EPDPrefill:
             before_forward(input_ids)
         with self.receiver.recorder.span("prefill", rid):
             result = self.runner.prefill(input_ids, got.embeddings["image"], torch.tensor(grids))
+            synchronize(result.logits.device)  # GPU kernels run asynchronously: the span ends when they did
         return EPDResult(rid, result, got, self.receiver.recorder.spans(rid))
 
 

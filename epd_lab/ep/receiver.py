@@ -72,6 +72,19 @@ from epd_lab.transfer import TransferEngine, as_array, open_engine
 
 
 RELEASE_RETRY_S = 120.0  # a part whose /release got no answer is retried while its encoder may still hold it
+RECV_BUFFERS = ("auto", "host", "pinned", "device")  # where a request's buffer lives; auto: `resolve_recv_buffer`
+
+
+def resolve_recv_buffer(buffer: str, device: str) -> str:
+    """``auto`` is pinned host memory where the prefill runs on CUDA (as the seed's receiver allocates it; the
+    embeddings then go to the GPU in one copy), else pageable host memory; a named one is checked."""
+    if buffer not in RECV_BUFFERS:
+        raise ValueError(f"unknown receive buffer {buffer!r}; choose one of {', '.join(RECV_BUFFERS)}")
+    if buffer == "auto":
+        return "pinned" if device.startswith("cuda") else "host"
+    if buffer != "host" and not device.startswith("cuda"):
+        raise ValueError(f"a {buffer} receive buffer needs a CUDA device, got device={device!r}")
+    return buffer
 
 
 class EPDError(RuntimeError):
@@ -161,6 +174,10 @@ class ReceiverConfig:
         seed: seeds the shuffle of encoders (None: random).
         retry_after: seconds an encoder that refused a connection is left out of the plans (its parts go to
             the others meanwhile; after that it is tried again).
+        buffer: where a request's buffer lives (mooncake, no pool): ``auto`` (`resolve_recv_buffer`), ``host``
+            (pageable), ``pinned`` (page-locked host memory, as the seed's receiver allocates it) or ``device``
+            (GPU memory on `device`: the encoder's GPU writes into it directly).
+        device: the GPU of a ``device`` buffer, and where the prefill's model runs.
     """
 
     encoder_urls: list[str]
@@ -171,8 +188,14 @@ class ReceiverConfig:
     transport: str = "auto"
     seed: int | None = None
     retry_after: float = 5.0
+    buffer: str = "auto"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        self.buffer = resolve_recv_buffer(self.buffer, self.device)
+        if self.buffer != "host" and self.pool_bytes:
+            raise ValueError(f"pool_bytes needs buffer='host' (the pool is the engine's managed host memory), "
+                             f"not {self.buffer!r}")
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
         if not self.encoder_urls:
@@ -336,7 +359,7 @@ class EmbeddingReceiver:
                 pool_off = self._pool.alloc(total)
                 buf = self._pool.view[pool_off:pool_off + total]
             else:
-                buf = torch.empty(total, dtype=torch.uint8)
+                buf = self._buffer(total)
         base = buf.data_ptr()
         try:
             with self.recorder.span("register", rid, nbytes=total):
@@ -358,6 +381,13 @@ class EmbeddingReceiver:
         finally:
             if self._pool is not None:
                 self._pool.release(pool_off, total)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A request's own buffer (registered, written, viewed in place): pinned and GPU memory come from
+        PyTorch's caching allocators, so a steady stream of requests allocates nothing from the driver."""
+        if self.config.buffer == "device":
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.config.device)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.config.buffer == "pinned")
 
     def _assemble(self, rid: str, plans: list[PartPlan], messages: list[EmbeddingNotify],
                   tensors: list[torch.Tensor]) -> ReceivedEmbeddings:

@@ -4,8 +4,9 @@ Per layer there is a K and a V tensor ``[num_blocks, block_size, num_kv_heads, h
 FlashAttention layout with K and V apart), so block `b` of a layer's K is one contiguous run of `block_len`
 bytes at ``base + b * block_len``: the seed's ``block_address = layer_base_addr + block_id * block_len``.
 
-With an engine, all tensors are carved out of ONE managed buffer (a same-host peer writes into it with a
-memcpy) and every tensor is registered as its own region (`register_kv_caches`, the seed's name), whose key
+With an engine, all tensors are carved out of ONE buffer: the engine's managed host memory (a same-host peer
+writes into it with a memcpy), or on a GPU one allocation of GPU memory (a same-host peer's GPU writes into it
+over CUDA IPC, `epd_lab.transfer.cuda`); every tensor is registered as its own region (`register_kv_caches`, the seed's name), whose key
 (the rkey's role) a writer names. `base_addrs` (the seed's ``kv_caches_base_addr``) and `keys` list the regions
 in the order ``[K0, V0, K1, V1, ...]``: layer by layer, K before V.
 """
@@ -31,18 +32,21 @@ class PagedKVCache:
         num_blocks: blocks per layer tensor.
         block_size: tokens per block.
         dtype: the model's dtype.
-        engine: allocate from this engine's managed memory and register with it; None: ``torch.empty``,
-            unregistered (`register_kv_caches` can register it later).
+        engine: allocate from this engine's managed memory (on a GPU: one GPU allocation) and register with
+            it; None: ``torch.empty``, unregistered (`register_kv_caches` can register it later).
+        device: where the cache lives (the model's device).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, engine: Any = None) -> None:
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, engine: Any = None,
+                 device: str | torch.device = "cpu") -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_len = block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         tensor_bytes = num_blocks * self.block_len
@@ -50,13 +54,16 @@ class PagedKVCache:
         self._allocator: Any = engine  # the engine whose managed buffer holds them
         self._managed_ptr: int | None = None
         self.keys: list[int] = []
-        if engine is not None:
+        if engine is not None and self.device.type == "cpu":
             self._managed_ptr = engine.allocate_managed_buffer(2 * num_layers * tensor_bytes)
             raw = torch.from_numpy(as_array(self._managed_ptr, 2 * num_layers * tensor_bytes))
+        elif engine is not None:  # one allocation: CUDA IPC exports (and a peer maps) it once for every region
+            raw = torch.empty(2 * num_layers * tensor_bytes, dtype=torch.uint8, device=self.device)
+        if engine is not None:
             regions = [raw[i * tensor_bytes:(i + 1) * tensor_bytes].view(dtype).view(shape)
                        for i in range(2 * num_layers)]
         else:
-            regions = [torch.empty(shape, dtype=dtype) for _ in range(2 * num_layers)]
+            regions = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2 * num_layers)]
         self._regions = regions  # [K0, V0, K1, V1, ...]
         if engine is not None:
             try:
@@ -67,12 +74,13 @@ class PagedKVCache:
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, *, num_blocks: int, block_size: int = 16,
-                    dtype: torch.dtype = torch.float32, engine: Any = None) -> "PagedKVCache":
+                    dtype: torch.dtype = torch.float32, engine: Any = None,
+                    device: str | torch.device = "cpu") -> "PagedKVCache":
         """A cache shaped for a model's text config (a Qwen2-VL config or its `text_config`)."""
         text = getattr(config, "text_config", config)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return cls(text.num_hidden_layers, text.num_key_value_heads, head_dim, num_blocks=num_blocks,
-                   block_size=block_size, dtype=dtype, engine=engine)
+                   block_size=block_size, dtype=dtype, engine=engine, device=device)
 
     # ---- the regions ----
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +134,7 @@ class PagedKVCache:
         if len(blocks) and not (0 <= int(blocks.min()) and int(blocks.max()) < self.num_blocks):
             raise ValueError(f"block ids outside [0, {self.num_blocks}): {list(block_ids)}")
         t = torch.arange(num_tokens)
-        return blocks[t // self.block_size] * self.block_size + t % self.block_size
+        return (blocks[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
 
     def write_from(self, cache: DynamicCache | KVLayers, block_ids: Sequence[int], num_tokens: int) -> None:
         """Scatter the first `num_tokens` positions of a prefill's KV (a `DynamicCache`, or per layer
@@ -168,4 +176,4 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         return (f"PagedKVCache({self.num_layers} layers × K/V [{self.num_blocks}, {self.block_size}, "
-                f"{self.num_kv_heads}, {self.head_dim}] {self.dtype}, block_len={self.block_len})")
+                f"{self.num_kv_heads}, {self.head_dim}] {self.dtype} on {self.device}, block_len={self.block_len})")

@@ -64,6 +64,7 @@ from epd_lab.servers.messages import (
 )
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
                              ServingError, Unavailable, engine_metrics, option, read_struct, role_app, serve_main)
+from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -95,8 +96,9 @@ class DecodeSettings:
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(0, "0: the OS picks (printed on stdout)")
     transport: str = option("auto", "the transfer engine's protocol", choices=ENGINES)
-    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
-    dtype: str = option("float32", "the model's dtype", choices=tuple(DTYPES))
+    model: str | None = option(None, MODEL_HELP)
+    device: str = option("cpu", DEVICE_HELP)
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
     kv_blocks: int = option(512, "blocks in the paged KV cache")
     block_size: int = option(16, "tokens per KV block")
     timeout: float = option(10.0, "seconds the side channel waits for the producer's answer")
@@ -109,8 +111,7 @@ class DecodeSettings:
                                                "ask; a request naming another is refused (none: any, unguarded)")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        check_placement(self)
         for name in ("kv_blocks", "block_size", "max_batch", "max_active"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -144,14 +145,16 @@ class DecodeServer:
         self.settings = settings
         models.configure_torch(threads=1)  # bit-identity with prefill
         dtype = DTYPES[settings.dtype]
-        self.model = models.load_model(settings.model, dtype=dtype)
+        self.device = models.resolve_device(settings.device)
+        self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
         self.runner = models.DecodeRunner(self.model)
         self.recorder = Recorder(node=f"decode:{settings.port}")
         self.node = self.recorder.node
         self.engine = open_engine(settings.transport, settings.host, settings.timeout)
         try:
             self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
-                                                  block_size=settings.block_size, dtype=dtype, engine=self.engine)
+                                                  block_size=settings.block_size, dtype=dtype, engine=self.engine,
+                                                  device=self.device)
         except BaseException:
             self.engine.close()
             raise
@@ -312,6 +315,9 @@ class DecodeServer:
             else:
                 logits = self.runner.step_batch([gen.tokens[-1] for gen in batch], [gen.cache for gen in batch],
                                                 [gen.next_position + len(gen.tokens) - 1 for gen in batch])
+            # one copy off the GPU per forward (a no-op on the CPU): the tokens are chosen on the host, where the
+            # requests' seeded generators are; float32 holds float32 and bfloat16 logits exactly
+            logits = logits.float().cpu()
         except Exception as exc:  # noqa: BLE001 - its requests fail, the scheduler keeps going
             self._count(requests_failed=len(batch))
             for gen in batch:
@@ -329,7 +335,7 @@ class DecodeServer:
                 continue
             gen.tokens.append(token)
             if gen.logits is not None:
-                gen.logits.append(row.float())  # float32 holds float32 and bfloat16 logits exactly
+                gen.logits.append(row)
             gen.spans.append(Span(gen.rid, len(gen.tokens) - 1, "decode_step", self.node, t0, time.monotonic_ns()))
             self.recorder.add(gen.spans[-1])
             self._count(tokens_generated=1)
@@ -359,7 +365,7 @@ class DecodeServer:
         with self._lock:
             active, quarantined, counters = len(self._active), self._quarantined, dict(self.counters)
         return {"status": "ok", "role": "decode", "model": self.settings.model or "tiny-qwen2-vl",
-                "dtype": self.settings.dtype, "session_id": self.engine.session_id,
+                "device": str(self.device), "dtype": self.settings.dtype, "session_id": self.engine.session_id,
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
                 "block_size": self.cache.block_size, "active_requests": active,

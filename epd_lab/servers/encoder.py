@@ -93,6 +93,8 @@ from epd_lab.faults import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                              Metric, NotFound, ServingError, Unavailable, decode_body, engine_metrics, json_response,
                              option, read_body, read_struct, role_app, serve_main)
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
+                                       synchronize)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -119,8 +121,9 @@ class EncoderSettings:
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(0, "0: the OS picks (printed on stdout)")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
-    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
-    dtype: str = option("float32", "the ViT's dtype", choices=tuple(DTYPES))
+    model: str | None = option(None, MODEL_HELP)
+    device: str = option("cpu", DEVICE_HELP)
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
     transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=TRANSPORTS)
     timeout: float = option(10.0, "seconds; bounds every wait: media fetch, embedding, receive URL, transfer, "
                                   "ZMQ send")
@@ -138,8 +141,7 @@ class EncoderSettings:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        check_placement(self)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if not 0 <= self.port < 65536:
@@ -201,8 +203,9 @@ class MMEncoder:
     def __init__(self, settings: EncoderSettings) -> None:
         self.settings = settings
         self.dtype = DTYPES[settings.dtype]
+        self.device = models.resolve_device(settings.device)
         models.configure_torch(threads=1)  # the same kernels, hence the same bits, as every other role
-        self.model = models.load_model(settings.model, dtype=self.dtype)
+        self.model = models.open_model(settings.model, dtype=self.dtype, device=self.device)
         self.vision = models.VisionEncoder(self.model)
         self.embedding_dim = self.vision.hidden_size
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -360,6 +363,7 @@ class MMEncoder:
                 self.cache.put(items[i].key, pieces[i])
         # a fresh tensor, owned by this request: it is registered and sent, the cache's pieces never are
         embedding = torch.cat(pieces)
+        synchronize(self.device)  # the span ends when the ViT did, and the engine's copy reads finished bytes
         spans.append(Span(req_id, part_idx, "vit", self.recorder.node, t0, time.monotonic_ns(), embedding.nbytes))
         self.recorder.extend(spans)
         return embedding, spans if self.recorder.enabled else []
@@ -554,7 +558,7 @@ class MMEncoder:
 
     def health(self) -> dict:
         return {"status": "ok", "backend": self.settings.backend, "model": self.settings.model_name,
-                "dtype": self.settings.dtype, "node": self.recorder.node,
+                "device": str(self.device), "dtype": self.settings.dtype, "node": self.recorder.node,
                 "session_id": self.engine.session_id if self.engine is not None else None,
                 "embeddings_held": len(self.held), "held_bytes": self.held_bytes,
                 "admitted": self.admission.admitted, "encoder_idx": self.encoder_idx}
@@ -604,8 +608,9 @@ def _decode_item(item: _Item) -> Image.Image:
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (msgpack copies them once into the frame); bfloat16 too."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    """The tensor's bytes without a copy on the CPU (msgpack copies them once into the frame), bfloat16 too;
+    from a GPU, one copy to the host (the zmq backends carry bytes)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).cpu().numpy())
 
 
 def create_app(settings: EncoderSettings) -> FastAPI:

@@ -40,7 +40,7 @@ from fastapi.responses import Response
 from epd_lab import models
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.ep.prefill import EPDPrefill
-from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
+from epd_lab.ep.receiver import RECV_BUFFERS, EmbeddingReceiver, EPDError, ReceiverConfig, resolve_recv_buffer
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
@@ -54,6 +54,7 @@ from epd_lab.servers.messages import (
 )
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body,
                              engine_metrics, error_for_status, option, read_body, read_struct, role_app, serve_main)
+from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement, synchronize
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -68,8 +69,12 @@ class PrefillSettings:
     encoders: tuple[str, ...] = option((), "encode servers' base URLs (none: text-only prompts)")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
     transport: str = option("auto", "the transfer engines' protocol (E→P receiver and KV producer)", choices=ENGINES)
-    model: str | None = option(None, "a local model directory (default: the tiny random Qwen2-VL)")
-    dtype: str = option("float32", "the model's dtype", choices=tuple(DTYPES))
+    model: str | None = option(None, MODEL_HELP)
+    device: str = option("cpu", DEVICE_HELP)
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
+    recv_buffer: str = option("auto", "where the E→P receiver's buffer for a request's embeddings lives: host, "
+                                      "pinned (page-locked host memory, as the seed) or device (GPU memory); auto: "
+                                      "pinned on CUDA, host on the CPU", choices=RECV_BUFFERS)
     kv_blocks: int = option(512, "blocks in the paged KV cache")
     block_size: int = option(16, "tokens per KV block")
     timeout: float = option(10.0, "seconds: E→P per request, and the side channel's wait for a request not yet "
@@ -83,8 +88,8 @@ class PrefillSettings:
         object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        check_placement(self)
+        object.__setattr__(self, "recv_buffer", resolve_recv_buffer(self.recv_buffer, self.device))
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         for name in ("kv_blocks", "block_size", "workers"):
@@ -129,6 +134,7 @@ class _KeptKV:
         assert ids is not None, "announce() first"
         with server.recorder.span("kv_write", self.rid, nbytes=server.cache.nbytes(len(ids))):
             server.cache.write_from(result.past_key_values, ids, result.prompt_len)
+            synchronize(server.device)
         try:
             server.producer.request_finished(self.rid, ids, KVAux(first_token, result.rope_delta))
         except RequestAborted:
@@ -161,7 +167,8 @@ class PrefillServer:
         self.settings = settings
         models.configure_torch(threads=1)  # bit-identity with the encoders and decode
         dtype = DTYPES[settings.dtype]
-        self.model = models.load_model(settings.model, dtype=dtype)
+        self.device = models.resolve_device(settings.device)
+        self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
         self.runner = models.PrefillRunner(self.model)
         self.max_positions = self.model.config.text_config.max_position_embeddings
         self.recorder = Recorder(node=f"prefill:{settings.port}")
@@ -172,14 +179,16 @@ class PrefillServer:
         self.cache = self.receiver = self.producer = None
         try:
             self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
-                                                  block_size=settings.block_size, dtype=dtype, engine=self.engine)
+                                                  block_size=settings.block_size, dtype=dtype, engine=self.engine,
+                                                  device=self.device)
             self.blocks = BlockManager(settings.kv_blocks)
             self.producer = KVProducer(self.engine, self.cache, free_blocks=self.blocks.free, host=settings.host,
                                        port=0, timeout=settings.timeout, free_timeout=settings.kv_free_timeout)
             if settings.encoders:
                 self.receiver = EmbeddingReceiver(
                     ReceiverConfig(list(settings.encoders), settings.backend, settings.timeout,
-                                   host=settings.host, transport=settings.transport), self.recorder)
+                                   host=settings.host, transport=settings.transport, buffer=settings.recv_buffer,
+                                   device=str(self.device)), self.recorder)
         except BaseException:
             self.close()
             raise
@@ -235,6 +244,7 @@ class PrefillServer:
                 before_forward(input_ids)
                 with self.recorder.span("prefill", rid):
                     result = self.runner.prefill(input_ids, None, None)
+                    synchronize(result.logits.device)
             first_token = int(result.logits.argmax(-1))
             params = kv.keep(result, first_token) if kv else None
         except BaseException:
@@ -264,7 +274,7 @@ class PrefillServer:
     def health(self) -> dict:
         producer = self.producer.stats()
         return {"status": "ok", "role": "prefill", "model": self.settings.model or "tiny-qwen2-vl",
-                "dtype": self.settings.dtype, "kv_url": self.producer.url, "session_id": self.engine.session_id,
+                "device": str(self.device), "dtype": self.settings.dtype, "recv_buffer": self.settings.recv_buffer, "kv_url": self.producer.url, "session_id": self.engine.session_id,
                 "encoders": list(self.settings.encoders), "num_blocks": self.blocks.num_blocks,
                 "free_blocks": self.blocks.num_free_blocks, "used_blocks": self.blocks.num_used_blocks,
                 "block_size": self.cache.block_size, "inflight": len(self._inflight), "producer": producer,

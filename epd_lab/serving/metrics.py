@@ -31,14 +31,19 @@ class Metric(NamedTuple):
 
 
 def engine_metrics(*engines: Any) -> list[Metric]:
-    """A role's transfer engines as gauges, summed over `engines` (None ones skipped): ``engine_regions``
+    """A role's transfer engines, summed over `engines` (None ones skipped): ``engine_regions``
     (registrations; at idle only the long-lived ones, such as a KV cache, remain), ``engine_writes_in_flight``
-    (incoming writes pinning a registration) and ``engine_managed_buffers``: what a leak check reads."""
+    (incoming writes pinning a registration) and ``engine_managed_buffers``: what a leak check reads; and as
+    counters what went GPU to GPU (``engine_cuda_writes_out_total``) or was staged through pinned host memory
+    (``engine_cuda_staged_bytes_total``)."""
     stats = [e.stats() for e in engines if e is not None]
-    return [Metric.of(f"engine_{key}", "gauge", help_, sum(s.get(key, 0) for s in stats)) for key, help_ in (
-        ("regions", "memory regions registered with the role's transfer engines"),
-        ("writes_in_flight", "incoming one-sided writes placing bytes now (each pins its registration)"),
-        ("managed_buffers", "buffers the engines allocated (receive pools)"),
+    return [Metric.of(f"engine_{key}" + ("_total" if kind == "counter" else ""), kind, help_,
+                      sum(s.get(key, 0) for s in stats)) for key, kind, help_ in (
+        ("regions", "gauge", "memory regions registered with the role's transfer engines"),
+        ("writes_in_flight", "gauge", "incoming one-sided writes placing bytes now (each pins its registration)"),
+        ("managed_buffers", "gauge", "buffers the engines allocated (receive pools)"),
+        ("cuda_writes_out", "counter", "blocks written into peers' GPU memory over CUDA IPC"),
+        ("cuda_staged_bytes", "counter", "bytes of GPU memory staged through pinned host memory to a peer"),
     )]
 
 

@@ -1,0 +1,155 @@
+"""The roles on a device: ``--device``, ``--dtype auto``, ``--model`` shapes and prefill's ``--recv-buffer``.
+
+The option checks and the refusal of a GPU that is not there run everywhere. The cluster tests are marked
+`cuda` and skip with the reason where there is no GPU (CI has none); they run on the device machine (an
+H200), where every role keeps its model, embeddings and KV cache in GPU memory and the answers through the
+proxy must equal the monolithic model's on the same GPU.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import re
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from epd_lab.ep.receiver import ReceiverConfig, resolve_recv_buffer
+from epd_lab.launch import Cluster, Topology
+from epd_lab.models import configure_torch, open_model
+from epd_lab.servers.decode import DecodeSettings
+from epd_lab.servers.encoder import EncoderSettings
+from epd_lab.servers.openai_api import MODEL_ID
+from epd_lab.servers.prefill import PrefillSettings
+from epd_lab.servers.reference import monolithic_chat
+from epd_lab.serving import from_argv, to_argv
+
+HAS_GPU = torch.cuda.is_available()
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def _image_uri(size: int, seed: int) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# ---- the options, everywhere ----
+@pytest.mark.parametrize("cls", [EncoderSettings, PrefillSettings, DecodeSettings])
+def test_dtype_auto_means_bfloat16_on_cuda_and_float32_on_the_cpu(cls):
+    assert cls().dtype == "float32" and cls().device == "cpu"
+    assert cls(device="cuda").dtype == cls(device="cuda:1").dtype == "bfloat16"
+    assert cls(device="cuda", dtype="float32").dtype == "float32"
+    with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
+        cls(device="gpu")
+    with pytest.raises(ValueError, match="dtype"):
+        cls(dtype="float16")
+    settings = cls(device="cuda:1", model="qwen2-vl-7b")  # the command line carries them to the process
+    assert from_argv(cls, to_argv(settings)) == settings
+
+
+def test_the_receive_buffer_follows_the_device():
+    assert PrefillSettings().recv_buffer == "host"
+    assert PrefillSettings(device="cuda").recv_buffer == "pinned"  # as the seed's receiver allocates
+    assert PrefillSettings(device="cuda", recv_buffer="device").recv_buffer == "device"
+    for buffer in ("pinned", "device"):  # page-locked and GPU memory need CUDA
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            PrefillSettings(recv_buffer=buffer)
+    with pytest.raises(ValueError, match="unknown receive buffer"):
+        resolve_recv_buffer("gpu", "cuda")
+    with pytest.raises(ValueError, match="pool_bytes needs buffer='host'"):
+        ReceiverConfig(["http://127.0.0.1:1"], pool_bytes=1 << 20, buffer="pinned", device="cuda")
+
+
+def test_topology_hands_the_device_to_each_model_role():
+    t = Topology(prefills=1, decodes=1, device="cuda", settings={"decode": {"device": "cuda:1"}})
+    assert t.role_settings("encoder").device == t.role_settings("prefill").device == "cuda"
+    assert (t.role_settings("decode").device, t.role_settings("decode").dtype) == ("cuda:1", "bfloat16")
+    assert Topology().role_settings("prefill").dtype == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        Topology(dtype="half")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is here: --device cuda starts")
+def test_a_role_on_a_gpu_that_is_not_there_fails_at_start_with_the_reason(tmp_path):
+    with pytest.raises(RuntimeError) as exc:
+        with Cluster(Topology(device="cuda", timeout=20), log_dir=str(tmp_path)):
+            pass
+    assert re.search(r"no CUDA device", str(exc.value) + "".join(p.read_text() for p in tmp_path.glob("*.log")))
+
+
+# ---- the whole path on a GPU ----
+@pytest.fixture(scope="module")
+def gpu_model():
+    configure_torch()
+    return open_model(None, dtype=torch.bfloat16, device="cuda")
+
+
+def _chat(cluster: Cluster, messages: list, max_tokens: int) -> str:
+    client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    chunks = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens,
+                                            temperature=0, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _metric(url: str, name: str) -> float:
+    """A `/metrics` sample's value (the unlabelled one)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
+    assert len(values) == 1, f"{url}/metrics has {len(values)} samples named {name}"
+    return values[0]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recv_buffer", ["pinned", "device", "host"])
+def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_buffer):
+    """2 encoders, a prefill and a decode on the GPU in bfloat16: embeddings and KV in GPU memory, moved by
+    the engine (GPU to GPU over CUDA IPC, or into the receiver's pinned or pageable host buffer); the streamed
+    answers equal the monolithic model's on the same GPU, and every pool is idle after."""
+    topology = Topology(encoders=2, prefills=1, decodes=1, proxy=True, device="cuda", timeout=60,
+                        settings={"prefill": {"recv_buffer": recv_buffer}})
+    with Cluster(topology) as cluster:
+        for url in (*cluster.encoder_urls, *cluster.prefill_urls, *cluster.decode_urls):
+            health = httpx.get(url + "/health", timeout=10).json()
+            assert (health["device"], health["dtype"]) == ("cuda:0", "bfloat16"), health
+        assert httpx.get(cluster.prefill_urls[0] + "/health", timeout=10).json()["recv_buffer"] == recv_buffer
+        for n_images, seed in ((0, 0), (1, 1), (2, 2)):
+            content = [{"type": "image_url", "image_url": {"url": _image_uri(224, seed * 10 + i)}}
+                       for i in range(n_images)] + [{"type": "text", "text": "what do you see?"}]
+            messages = [{"role": "user", "content": content}]
+            assert _chat(cluster, messages, 12) == monolithic_chat(gpu_model, messages, 12)
+        # the KV went GPU to GPU; the embeddings too into a GPU buffer, else through pinned staging
+        assert _metric(cluster.prefill_urls[0], "engine_cuda_writes_out_total") > 0
+        encoders = {name: sum(_metric(url, name) for url in cluster.encoder_urls)
+                    for name in ("engine_cuda_writes_out_total", "engine_cuda_staged_bytes_total")}
+        assert (encoders["engine_cuda_writes_out_total"] > 0) == (recv_buffer == "device"), encoders
+        assert (encoders["engine_cuda_staged_bytes_total"] > 0) == (recv_buffer != "device"), encoders
+        for url in (*cluster.prefill_urls, *cluster.decode_urls):
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/health", timeout=10).json()["used_blocks"]:
+                assert time.monotonic() < deadline, f"{url} kept KV blocks"
+                time.sleep(0.05)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.timeout(600)
+def test_a_real_size_shape_on_the_gpu_answers_as_the_monolithic_model():
+    """qwen2-vl-2b at its published size (seeded random weights, built on the GPU by every process alike):
+    a 448² image is 256 embeddings of 1536 wide, the KV 28 layers; the split's greedy tokens equal the
+    monolithic model's."""
+    configure_torch()
+    model = open_model("qwen2-vl-2b", dtype=torch.bfloat16, device="cuda")
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_uri(448, 7)}},
+                                             {"type": "text", "text": "describe it"}]}]
+    with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True, device="cuda", model="qwen2-vl-2b",
+                          timeout=120)) as cluster:
+        assert _chat(cluster, messages, 8) == monolithic_chat(model, messages, 8)
