@@ -1,10 +1,22 @@
-"""The workload the encode/prefill/decode roles run: a tiny random-weight Qwen2-VL (DESIGN.md §4).
+"""The workload the encode/prefill/decode roles run: a random-weight Qwen2-VL, tiny or at published sizes, or real
+weights from a directory (DESIGN.md §4).
 
 - `tiny`: the config, deterministic build, offline load (`load_model`), `configure_torch`.
 - `processor`: image preprocessing, image sizes → token counts, prompt ids without a tokenizer.
+- `catalog`: ``--model``/``--device``/``--dtype`` resolved (`open_model`: tiny, a published shape with random
+  weights, or a directory, on the device asked; `resolve_device`, `resolve_dtype`, `model_device`).
+- `shapes`: Qwen2-VL at its published sizes (qwen2-vl-2b, qwen2-vl-7b), seeded random weights on the device.
 - `runners`: `VisionEncoder` (encode), `PrefillRunner` (prefill), `DecodeRunner` (decode steps on a received
   KV cache), and the monolithic references.
 """
+from epd_lab.models.catalog import (
+    DTYPE_NAMES,
+    MODEL_SHAPES,
+    model_device,
+    open_model,
+    resolve_device,
+    resolve_dtype,
+)
 from epd_lab.models.processor import (
     build_input_ids,
     grid_tokens,
@@ -36,6 +48,8 @@ from epd_lab.models.tiny import (
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
+    "DTYPE_NAMES",
+    "MODEL_SHAPES",
     "IMAGE_PAD_ID",
     "VISION_END_ID",
     "VISION_START_ID",
@@ -50,11 +64,15 @@ __all__ = [
     "grid_tokens",
     "image_grid",
     "load_model",
+    "model_device",
     "monolithic_generate",
     "monolithic_prefill",
     "num_image_tokens",
     "num_parameters",
+    "open_model",
     "preprocess",
     "resized_size",
+    "resolve_device",
+    "resolve_dtype",
     "tiny_config",
 ]

@@ -5,6 +5,12 @@
 `get_image_features` call, the same `masked_scatter` into the text embeddings, the same 3-D mrope positions
 from `get_rope_index`, and `logits_to_keep=1`. The vision tower runs image by image in both (`models.vision`),
 so how the images are split over encoders cannot change a bit.
+
+Devices: every runner works where the model's parameters are (`catalog.model_device`): tensors it creates are
+made there, inputs given elsewhere (on the CPU, as the processor and the wire deliver them) are moved there
+(without blocking where the source is pinned: keep a pinned source unchanged until the GPU has used it), and
+results (logits, embeddings, the KV cache) stay there. A KV cache handed to `DecodeRunner` must already be on
+the model's device. On the CPU nothing is moved and the bits are those of before.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     eager_attention_forward,
 )
 
+from epd_lab.models.catalog import model_device
 from epd_lab.models.processor import preprocess
 
 
@@ -46,6 +53,20 @@ class PrefillResult:
         return [(layer.keys, layer.values) for layer in self.past_key_values.layers]
 
 
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself if already there; a copy otherwise, queued without blocking when it comes
+    from pinned host memory (the copy is ordered before the kernels that use it on the same stream)."""
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=tensor.device.type == "cpu" and tensor.is_pinned())
+
+
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    # Integer bookkeeping (image masks, mrope positions) is cheaper on the CPU than as many tiny GPU kernels and
+    # syncs; a tensor given on a GPU is fetched once.
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
 class VisionEncoder:
     """The encode role's model work: images → the merged vision embeddings the LLM consumes."""
 
@@ -59,12 +80,17 @@ class VisionEncoder:
 
     @torch.no_grad()
     def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """Embeddings [n_tokens, hidden] of all images, concatenated in order (the PatchMerger output)."""
-        features = self.model.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+        """Embeddings [n_tokens, hidden] of all images, concatenated in order (the PatchMerger output), on the
+        model's device. Both inputs are moved there: the tower's rotary positions come from `image_grid_thw`
+        and must be on the device of its activations."""
+        device = model_device(self.model)
+        features = self.model.model.get_image_features(_to(pixel_values, device), _to(image_grid_thw, device),
+                                                       return_dict=True)
         return torch.cat(features.pooler_output, dim=0)
 
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Preprocess and encode PIL images → (embeddings [n_tokens, hidden], image_grid_thw [n_images, 3])."""
+        """Preprocess and encode PIL images → (embeddings [n_tokens, hidden] on the model's device,
+        image_grid_thw [n_images, 3] on the CPU, as the processor made it)."""
         pixel_values, image_grid_thw = preprocess(images)
         return self.encode(pixel_values, image_grid_thw), image_grid_thw
 
@@ -80,21 +106,30 @@ class PrefillRunner:
                 image_grid_thw: torch.Tensor | None) -> PrefillResult:
         """Run the LLM over the prompt with `image_embeds` in place of the image_pad tokens.
 
-        Unlike `model.generate`, this leaves no per-request state on the model (`model.model.rope_deltas`).
+        Inputs may be on any device; the result's logits and cache are on the model's. Unlike `model.generate`,
+        this leaves no per-request state on the model (`model.model.rope_deltas`).
         """
-        image_mask = input_ids == self.model.config.image_token_id
-        n_pads = int(image_mask.sum())
+        device = model_device(self.model)
+        # The mrope positions are integers, the same wherever they are computed; on the CPU they cost no GPU
+        # syncs (get_rope_index walks the prompt in Python), and the count check below none either.
+        ids_cpu = _on_cpu(input_ids)
+        mask_cpu = ids_cpu == self.model.config.image_token_id
+        n_pads = int(mask_cpu.sum())
         n_embeds = 0 if image_embeds is None else image_embeds.shape[0]
         if n_pads != n_embeds:
             raise ValueError(f"prompt has {n_pads} image_pad tokens but {n_embeds} image embeddings were given")
+        position_ids, rope_deltas = self.model.model.get_rope_index(
+            ids_cpu, mm_token_type_ids=mask_cpu.int(),
+            image_grid_thw=None if image_grid_thw is None else _on_cpu(image_grid_thw),
+        )
+        input_ids = _to(input_ids, device)
         inputs_embeds = self.model.get_input_embeddings()(input_ids)
         if image_embeds is not None:
             # The monolithic forward casts to the embedding dtype before scattering; so do we.
-            image_embeds = image_embeds.to(inputs_embeds.device, inputs_embeds.dtype)
+            image_embeds = _to(image_embeds, device).to(inputs_embeds.dtype)
+            image_mask = input_ids == self.model.config.image_token_id  # made there: no host-to-device copy
             inputs_embeds = inputs_embeds.masked_scatter(image_mask.unsqueeze(-1), image_embeds)
-        position_ids, rope_deltas = self.model.model.get_rope_index(
-            input_ids, mm_token_type_ids=image_mask.int(), image_grid_thw=image_grid_thw,
-        )
+        position_ids = _to(position_ids, device)
         out = self.model(
             inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=True, logits_to_keep=1,
         )
@@ -118,9 +153,12 @@ class DecodeRunner:
 
     @torch.no_grad()
     def step(self, token: int, cache: DynamicCache, position: int) -> torch.Tensor:
-        """Feed one token at `position`; returns the next logits [1, vocab] (the cache grows by one)."""
-        input_ids = torch.tensor([[token]])
-        position_ids = torch.full((3, 1, 1), position, dtype=torch.long)
+        """Feed one token at `position`; returns the next logits [1, vocab] on the model's device (the cache,
+        which must be there too, grows by one)."""
+        device = model_device(self.model)
+        # torch.full: a fill on the device, where torch.tensor([[token]], device=...) would copy from the host
+        input_ids = torch.full((1, 1), token, dtype=torch.long, device=device)
+        position_ids = torch.full((3, 1, 1), position, dtype=torch.long, device=device)
         out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
                          logits_to_keep=1)
         return out.logits[:, -1, :]
@@ -148,8 +186,9 @@ class DecodeRunner:
         if text.has_sliding_layers:
             raise NotImplementedError("step_batch does not do sliding-window attention")
         # The decoder layer's own sequence (Qwen2VLDecoderLayer.forward), with attention split per row.
-        hidden = text.embed_tokens(torch.tensor(tokens, dtype=torch.long).unsqueeze(1))  # [B, 1, hidden]
-        position_ids = torch.tensor(positions, dtype=torch.long).view(1, -1, 1).expand(3, -1, -1)
+        device = model_device(self.model)
+        hidden = text.embed_tokens(torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1))  # [B, 1, h]
+        position_ids = torch.tensor(positions, dtype=torch.long, device=device).view(1, -1, 1).expand(3, -1, -1)
         cos, sin = text.rotary_emb(hidden, position_ids)
         for layer in text.layers:
             hidden = hidden + _ragged_attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, caches)
@@ -158,7 +197,8 @@ class DecodeRunner:
 
     def greedy(self, prefill_logits: torch.Tensor, cache: DynamicCache, next_position: int,
                max_new_tokens: int) -> list[int]:
-        """`max_new_tokens` greedy tokens: the first from the prefill's logits, then one step each."""
+        """`max_new_tokens` greedy tokens: the first from the prefill's logits, then one step each (each token
+        is read back to the host: the next step needs it)."""
         tokens = [int(prefill_logits.argmax(-1))]
         for i in range(max_new_tokens - 1):
             tokens.append(int(self.step(tokens[-1], cache, next_position + i).argmax(-1)))
@@ -190,16 +230,21 @@ def _vision_kwargs(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tens
                    image_grid_thw: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
     # transformers 5 refuses image inputs without mm_token_type_ids (it no longer infers them from input_ids),
     # and generate() chokes on an explicit pixel_values=None, so a text-only prompt passes nothing.
+    # `input_ids` is already on the model's device; the rest is moved there (the ViT needs its grid there).
     if pixel_values is None:
         return {}
+    device = input_ids.device
     mm_token_type_ids = (input_ids == model.config.image_token_id).int()
-    return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw, "mm_token_type_ids": mm_token_type_ids}
+    return {"pixel_values": _to(pixel_values, device), "image_grid_thw": _to(image_grid_thw, device),
+            "mm_token_type_ids": mm_token_type_ids}
 
 
 @torch.no_grad()
 def monolithic_prefill(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,
                        pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-    """Reference: last-position logits [1, vocab] of one ordinary forward that runs the ViT itself."""
+    """Reference: last-position logits [1, vocab] of one ordinary forward that runs the ViT itself (inputs moved
+    to the model's device, logits left there)."""
+    input_ids = _to(input_ids, model_device(model))
     out = model(input_ids=input_ids, logits_to_keep=1, **_vision_kwargs(model, input_ids, pixel_values, image_grid_thw))
     return out.logits[:, -1, :]
 
@@ -208,7 +253,9 @@ def monolithic_prefill(model: Qwen2VLForConditionalGeneration, input_ids: torch.
 def monolithic_generate(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,
                         pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
                         max_new_tokens: int) -> list[int]:
-    """Reference: the `max_new_tokens` greedy tokens of `model.generate` (EOS is off, so exactly that many)."""
+    """Reference: the `max_new_tokens` greedy tokens of `model.generate` (EOS is off, so exactly that many);
+    inputs are moved to the model's device."""
+    input_ids = _to(input_ids, model_device(model))
     sequences = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
