@@ -1,79 +1,148 @@
 """`epd-lab bench e2e`: TTFT, TPOT and requests/s, monolithic vs E→P→D through the proxy.
 
-- ``monolithic``: one process, the same model, the same prompt (the chat template the proxy renders, so the
-  same 140 tokens); TTFT = PNG decode + preprocessing + the ViT + one forward (the first token), TPOT = one
-  decode step on that cache. No HTTP: this is the floor.
-- ``epd/<backend>``: 2 encoders + a prefill server + a decode server + the proxy, on loopback; requests
-  go through the official `openai` client, streamed; TTFT = until the first content chunk, TPOT = the
-  rest divided by the remaining tokens. Concurrency 1, 4, 16 (threads), `--requests` per level.
-- ``kv_transfer``: a 512-token text prompt prefilled and decoded by the servers directly; the decode
-  server's `kv_transfer` span (side-channel round trip + one batch write) and its bytes.
+- ``monolithic``: one process, the same model on the same device in the same dtype, the same prompt (the
+  chat template the proxy renders, so the same 140 tokens with one 224² image); TTFT = PNG decode +
+  preprocessing + the ViT + one forward (the first token), TPOT = one decode step on that cache. No HTTP:
+  this is the floor. On a GPU every timed region ends on a host read of the chosen token (`int(argmax)`),
+  which waits for the kernels queued before it.
+- ``epd/<backend>``: 2 encoders + a prefill server + a decode server + the proxy, on loopback, every model
+  role on `--device`; requests go through the official `openai` client, streamed; TTFT = until the first
+  content chunk, TPOT = the rest divided by the remaining tokens. Concurrency 1, 4, 16 (threads),
+  `--requests` per level. The warm-up's answer is checked against the monolithic model's (`model.generate`
+  on the same device).
+- ``kv_transfer``: a `--kv-tokens` text prompt (512) prefilled and decoded by the first cluster's servers
+  directly; the decode server's `kv_transfer` span (side-channel round trip + one batch write), its bytes and
+  GB/s.
 
-Every request is one 224² image plus text, `--max-tokens` greedy tokens; the first request of each
-level is a warm-up.
+Every request is `--images` images of `--image-size`² (one of 224²: 64 image tokens) plus text,
+`--max-tokens` greedy tokens; the first request of each level is a warm-up. `--model` takes a shape
+(qwen2-vl-2b, qwen2-vl-7b: the real sizes with random weights, e.g. 896² is 1,024 tokens of 3,584 bf16
+values, 7 MiB, per image on 7B) or a local directory.
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import io
 import statistics
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import httpx
 import numpy as np
 import pandas as pd
+import torch
 from PIL import Image
 
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
-from epd_lab.ep.messages import BACKENDS
+from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import (
+    DTYPE_NAMES,
     DecodeRunner,
     PrefillRunner,
     VisionEncoder,
     build_input_ids,
     configure_torch,
-    load_model,
+    open_model,
     preprocess,
+    resolve_device,
+    resolve_dtype,
 )
+from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
+from epd_lab.serving.placement import DEVICE_HELP, MODEL_HELP
 from epd_lab.trace import critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"
-# the text around the image as the proxy renders the chat request (`messages_to_prompt`): the floor prefills it too
-PROMPT, _ = messages_to_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}},
-                                                             {"type": "text", "text": TEXT}]}])
 CONCURRENCY = (1, 4, 16)
+MIN_IMAGE_SIZE = 56  # the processor's smallest image side (MIN_PIXELS = 56²)
 
 
-def _image(seed: int) -> bytes:
+@dataclass(frozen=True)
+class Setup:
+    """What every path of one run shares: the model, where it runs, and the requests' images.
+
+    Args:
+        device: cpu, cuda or cuda:N, for the floor and every model role of the clusters.
+        model: tiny, a shape name (qwen2-vl-2b, qwen2-vl-7b) or a local model directory.
+        dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16.
+        image_size: the side of each square random RGB image, pixels.
+        images: images per request.
+        kv_tokens: the text prompt's length in the `kv_transfer` part (tokens: one per byte).
+    """
+
+    device: str = "cpu"
+    model: str = "tiny"
+    dtype: str = "auto"
+    image_size: int = 224
+    images: int = 1
+    kv_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.image_size < MIN_IMAGE_SIZE:
+            raise ValueError(f"image_size must be >= {MIN_IMAGE_SIZE}, got {self.image_size}")
+        for name in ("images", "kv_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        resolve_dtype(self.dtype, self.device)  # a bad name fails here, not in a server
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype `auto` means on this device."""
+        return DTYPES[resolve_dtype(self.dtype, self.device)]
+
+    def topology(self, **kwargs) -> Topology:
+        """A Topology with every model role on this device, in this dtype, running this model."""
+        return Topology(device=self.device, model=self.model, dtype=self.dtype, **kwargs)
+
+
+def _image(seed: int, size: int = 224) -> bytes:
+    """A random RGB image of `size`² as PNG bytes (noise: the PNG is about as large as the pixels)."""
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (224, 224, 3), dtype=np.uint8)).save(buf, "PNG")
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
     return buf.getvalue()
+
+
+def _images(seed: int, setup: Setup) -> list[bytes]:
+    """One request's images (`setup.images` of them, seeded from `seed`)."""
+    return [_image(seed * 100 + i, setup.image_size) for i in range(setup.images)]
+
+
+def _messages(raws: list[bytes]) -> list[dict]:
+    """The chat request: the images as data: URIs, then the text."""
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(r).decode()}}
+               for r in raws]
+    return [{"role": "user", "content": [*content, {"type": "text", "text": TEXT}]}]
 
 
 def _summary(values: list[float]) -> dict:
     q = np.percentile(values, [50, 90, 99])
-    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "n": len(values)}
+    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "min": float(min(values)),
+            "max": float(max(values)), "n": len(values)}
 
 
-def monolithic(requests: int, max_tokens: int) -> dict:
-    """The floor: TTFT and TPOT of the same model in this process, one request at a time."""
+def monolithic(requests: int, max_tokens: int, setup: Setup = Setup()) -> dict:
+    """The floor: TTFT and TPOT of the same model in this process, one request at a time. Also holds the
+    reference answer to the clusters' checked request (``reference``) and the size of one request's
+    embeddings (``image_tokens``, ``embedding_bytes``)."""
     configure_torch()
-    model = load_model()
+    model = open_model(setup.model, dtype=setup.torch_dtype, device=resolve_device(setup.device))
     prefill, decode, vision = PrefillRunner(model), DecodeRunner(model), VisionEncoder(model)
+    # the text around the images as the proxy renders the chat request: the floor prefills it too
+    prompt, _ = messages_to_prompt(_messages([b""] * setup.images))
     ttft, tpot = [], []
     for r in range(requests + 1):
-        raw = _image(1000 + r)
+        raws = _images(1000 + r, setup)
         t0 = time.perf_counter()
-        pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)).convert("RGB")])
-        result = prefill.prefill(build_input_ids(PROMPT, grid.tolist()), vision.encode(pixel_values, grid), grid)
-        token = int(result.logits.argmax(-1))
+        pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws])
+        embeds = vision.encode(pixel_values, grid)
+        result = prefill.prefill(build_input_ids(prompt, grid.tolist()), embeds, grid)
+        token = int(result.logits.argmax(-1))  # a host read: waits for the GPU's work
         t1 = time.perf_counter()
         for i in range(max_tokens - 1):
             token = int(decode.step(token, result.past_key_values, result.next_position + i).argmax(-1))
@@ -81,8 +150,10 @@ def monolithic(requests: int, max_tokens: int) -> dict:
         if r:
             ttft.append((t1 - t0) * 1e3)
             tpot.append((t2 - t1) * 1e3 / max(1, max_tokens - 1))
+    reference = monolithic_chat(model, _messages(_images(0, setup)), max_tokens)
     return {"path": "monolithic", "concurrency": 1, "ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot),
-            "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1))}
+            "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1)),
+            "reference": reference, "image_tokens": int(embeds.shape[0]), "embedding_bytes": embeds.nbytes}
 
 
 class _Chat(NamedTuple):
@@ -92,67 +163,85 @@ class _Chat(NamedTuple):
     tpot: float  # after the first content chunk, per further token
     second: float  # from the first content chunk to the second
     response_id: str
+    text: str
 
 
-def _chat(client, raw: bytes, max_tokens: int) -> _Chat:
-    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(raw).decode()}},
-               {"type": "text", "text": TEXT}]
+def _chat(client, raws: list[bytes], max_tokens: int) -> _Chat:
+    messages = _messages(raws)
     t0 = time.perf_counter()
-    times, rid = [], ""
-    for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=[{"role": "user", "content": content}],
+    times, rid, text = [], "", []
+    for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=messages,
                                                 max_tokens=max_tokens, temperature=0, stream=True):
         rid = chunk.id
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
     end = time.perf_counter()
     if len(times) < 2:
         raise RuntimeError("the proxy streamed fewer than two content chunks")
     return _Chat((times[0] - t0) * 1e3, (end - times[0]) * 1e3 / max(1, max_tokens - 1),
-                 (times[1] - times[0]) * 1e3, rid)
+                 (times[1] - times[0]) * 1e3, rid, "".join(text))
 
 
-def epd(backend: str, requests: int, max_tokens: int, log=print, pipelined: bool = False) -> list[dict]:
-    """E→P→D through the proxy at each concurrency level (`pipelined`: decode asked while prefill runs)."""
+def cluster_for(setup: Setup, backend: str = "mooncake", pipelined: bool = False) -> Cluster:
+    """The measured topology: 2 encoders, a prefill server, a decode server and the proxy, every model role on
+    `setup.device` (`pipelined`: decode asked while prefill runs)."""
+    return Cluster(setup.topology(encoders=2, backend=backend, prefills=1, decodes=1, proxy=True, timeout=60,
+                                  pipelined=pipelined))
+
+
+def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setup = Setup(),
+        reference: str | None = None, concurrency: tuple[int, ...] = CONCURRENCY) -> list[dict]:
+    """E→P→D through `cluster`'s proxy at each concurrency level. Each row's ``answer_ok`` says whether the
+    checked request's answer equals `reference` (None: not checked)."""
     import openai
 
     rows = []
-    with Cluster(Topology(encoders=2, backend=backend, prefills=1, decodes=1, proxy=True, timeout=60,
-                          pipelined=pipelined)) as cluster:
-        client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=300)
-        _chat(client, _image(0), max_tokens)  # warm-up: connections, mappings, caches
-        for conc in CONCURRENCY:
-            n = max(requests, conc)
-            results: list[_Chat] = []
-            lock = threading.Lock()
-            seeds = iter(range(n))
+    path = f"epd/{cluster.topology.backend}" + (" (pipelined)" if cluster.topology.pipelined else "")
+    client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    # warm-up (connections, mappings, caches; on a GPU each process's first kernels): two images, which the
+    # prefill splits over both encoders, then the checked request
+    _chat(client, [_image(1, setup.image_size), _image(2, setup.image_size)], max_tokens)
+    answer = _chat(client, _images(0, setup), max_tokens).text
+    answer_ok = None if reference is None else answer == reference
+    if answer_ok is False:
+        log(f"  {path}: the answer differs from the monolithic model's: {answer!r} != {reference!r}")
+    for conc in concurrency:
+        n = max(requests, conc)
+        results: list[_Chat] = []
+        lock = threading.Lock()
+        seeds = iter(range(n))
 
-            def worker() -> None:
-                while True:
-                    with lock:
-                        seed = next(seeds, None)
-                    if seed is None:
-                        return
-                    out = _chat(client, _image(10_000 * conc + seed), max_tokens)
-                    with lock:
-                        results.append(out)
+        def worker() -> None:
+            while True:
+                with lock:
+                    seed = next(seeds, None)
+                if seed is None:
+                    return
+                out = _chat(client, _images(10_000 * conc + seed, setup), max_tokens)
+                with lock:
+                    results.append(out)
 
-            t0 = time.perf_counter()
-            threads = [threading.Thread(target=worker) for _ in range(conc)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            rows.append({"path": f"epd/{backend}" + (" (pipelined)" if pipelined else ""), "concurrency": conc,
-                         "ttft_ms": _summary([r.ttft for r in results]), "tpot_ms": _summary([r.tpot for r in results]),
-                         "second_token_ms": _summary([r.second for r in results]),
-                         "requests_per_s": len(results) / wall})
-            log(_fmt(rows[-1]))
-            if conc == 1:
-                frame, ids = cluster.spans(), [r.response_id for r in results]
-                rows[-1]["critical_path"] = path = _critical_path(frame, ids)
-                rows[-1]["gaps"] = gaps = _gaps(frame, ids)
-                log(_fmt_path(path, gaps))
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(conc)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if len(results) < n:
+            raise RuntimeError(f"{path} at concurrency {conc}: {n - len(results)} of {n} requests failed "
+                               "(the error is printed above)")
+        rows.append({"path": path, "concurrency": conc,
+                     "ttft_ms": _summary([r.ttft for r in results]), "tpot_ms": _summary([r.tpot for r in results]),
+                     "second_token_ms": _summary([r.second for r in results]),
+                     "requests_per_s": len(results) / wall, "answer_ok": answer_ok})
+        log(_fmt(rows[-1]))
+        if conc == 1:
+            frame, ids = cluster.spans(), [r.response_id for r in results]
+            rows[-1]["critical_path"] = cp = _critical_path(frame, ids)
+            rows[-1]["gaps"] = gaps = _gaps(frame, ids)
+            log(_fmt_path(cp, gaps))
     return rows
 
 
@@ -181,24 +270,32 @@ def _fmt_path(path: list[dict], gaps: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def kv_transfer(requests: int) -> dict:
-    """The decode server's `kv_transfer` span for a 512-token prompt (prefill and decode called directly)."""
-    with Cluster(Topology(encoders=1, prefills=1, decodes=1, timeout=60)) as cluster:
-        p, d = cluster.prefill_urls[0], cluster.decode_urls[0]
-        ms, nbytes, blocks = [], 0, 0
-        with httpx.Client(timeout=120) as http:
-            for r in range(requests + 1):
-                rid = uuid.uuid4().hex
-                pr = http.post(p + "/v1/prefill", json={"request_id": rid, "prompt": "x" * 512, "images": [],
-                                                        "kv_transfer_params": {"do_remote_decode": True}}).json()
-                dr = http.post(d + "/v1/decode", json={"request_id": rid, "max_tokens": 2, "temperature": 0.0,
-                                                       "seed": None, "stream": False,
-                                                       "kv_transfer_params": pr["kv_transfer_params"]}).json()
-                span = next(s for s in dr["spans"] if s[2] == "kv_transfer")
-                if r:
-                    ms.append((span[5] - span[4]) / 1e6)
-                nbytes, blocks = span[6], pr["kv_transfer_params"]["num_blocks"]
-    return {"prompt_tokens": pr["prompt_len"], "blocks": blocks, "bytes": nbytes, "ms": _summary(ms)}
+def kv_transfer(cluster: Cluster, requests: int, kv_tokens: int = 512) -> dict:
+    """The decode server's `kv_transfer` span for a `kv_tokens`-token text prompt, `cluster`'s prefill and decode
+    called directly: ms and GB/s per request."""
+    p, d = cluster.prefill_urls[0], cluster.decode_urls[0]
+    ms, nbytes, blocks = [], 0, 0
+    with httpx.Client(timeout=120) as http:
+        for r in range(requests + 1):
+            rid = uuid.uuid4().hex
+            pr = _post(http, p + "/v1/prefill", {"request_id": rid, "prompt": "x" * kv_tokens, "images": [],
+                                                 "kv_transfer_params": {"do_remote_decode": True}})
+            dr = _post(http, d + "/v1/decode", {"request_id": rid, "max_tokens": 2, "temperature": 0.0, "seed": None,
+                                                "stream": False, "kv_transfer_params": pr["kv_transfer_params"]})
+            span = next(s for s in dr["spans"] if s[2] == "kv_transfer")
+            if r:
+                ms.append((span[5] - span[4]) / 1e6)
+            nbytes, blocks = span[6], pr["kv_transfer_params"]["num_blocks"]
+    return {"prompt_tokens": pr["prompt_len"], "blocks": blocks, "bytes": nbytes, "ms": _summary(ms),
+            "gbps": _summary([nbytes / (m * 1e6) for m in ms])}
+
+
+def _post(http: httpx.Client, url: str, body: dict) -> dict:
+    """POST `body`; a server's refusal (e.g. a prompt past the model's positions) raises with its answer."""
+    response = http.post(url, json=body)
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
+    return response.json()
 
 
 def _fmt(row: dict) -> str:
@@ -207,18 +304,37 @@ def _fmt(row: dict) -> str:
             f"{row['requests_per_s']:6.2f} req/s")
 
 
-def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pipelined: bool = False) -> dict:
-    """Measure; returns ``{"machine", "rows", "kv_transfer", "ttft_overhead_ms"}``. `pipelined`: each backend
-    also with decode asked while prefill runs, beside the default path."""
-    rows = [monolithic(requests, max_tokens)]
-    log(_fmt(rows[0]))
+def _release(device: torch.device) -> None:
+    """Give the floor's GPU memory back to the driver: the servers are other processes on the same GPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pipelined: bool = False,
+        setup: Setup = Setup(), concurrency: tuple[int, ...] = CONCURRENCY) -> dict:
+    """Measure; returns ``{"machine", "device", "gpu", "model", "dtype", "rows", "kv_transfer", "ttft_overhead_ms",
+    ...}``. `pipelined`: each backend also with decode asked while prefill runs, beside the default path.
+    Raises ValueError at once where `setup.device` is not here (e.g. cuda without a GPU)."""
+    device = resolve_device(setup.device)
+    log(f"  {setup.model} on {device} ({_gpu_name(device) or 'no GPU'}), "
+        f"{resolve_dtype(setup.dtype, setup.device)}, {setup.images} x {setup.image_size}² image(s) per request")
+    rows = [monolithic(requests, max_tokens, setup)]
+    reference = rows[0].pop("reference")
+    _release(device)
+    log(_fmt(rows[0]) + f"  ({rows[0]['image_tokens']} image tokens, {rows[0]['embedding_bytes']} bytes)")
+    kv = None
     for backend in backends:
-        rows += epd(backend, requests, max_tokens, log)
-        if pipelined:
-            rows += epd(backend, requests, max_tokens, log, pipelined=True)
-    kv = kv_transfer(requests)
+        for piped in (False, True) if pipelined else (False,):
+            with cluster_for(setup, backend, piped) as cluster:
+                rows += epd(cluster, requests, max_tokens, log, setup, reference, concurrency)
+                if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
+                    kv = kv_transfer(cluster, requests, setup.kv_tokens)
+    if kv is None:
+        with cluster_for(setup) as cluster:
+            kv = kv_transfer(cluster, requests, setup.kv_tokens)
     log(f"  kv_transfer: {kv['prompt_tokens']} tokens, {kv['blocks']} blocks, {kv['bytes']} bytes, "
-        f"p50 {kv['ms']['p50']:.3f} ms (p90 {kv['ms']['p90']:.3f})")
+        f"p50 {kv['ms']['p50']:.3f} ms (p90 {kv['ms']['p90']:.3f}), {kv['gbps']['p50']:.2f} GB/s")
     mono = rows[0]["ttft_ms"]["p50"]
     overhead = {r["path"]: r["ttft_ms"]["p50"] - mono for r in rows[1:] if r["concurrency"] == 1}
     for path, ms in overhead.items():
@@ -230,8 +346,35 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
             log(f"  {r['path']}: time covered by no span {gap['median_pct']:.1f}% of TTFT (median; "
                 f"{gap['min_pct']:.1f}..{gap['max_pct']:.1f}%; target <= 10%); second token "
                 f"{r['second_token_ms']['p50']:.2f} ms after the first, monolithic decode step {step:.2f} ms")
-    return {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "max_tokens": max_tokens, "rows": rows, "kv_transfer": kv, "ttft_overhead_ms": overhead}
+    return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
+            "dtype": resolve_dtype(setup.dtype, setup.device), "image_size": setup.image_size,
+            "images": setup.images, "image_tokens": rows[0]["image_tokens"],
+            "embedding_bytes": rows[0]["embedding_bytes"], "max_tokens": max_tokens, "concurrency": list(concurrency),
+            "answers_equal_monolithic": all(r["answer_ok"] for r in rows[1:]), "rows": rows, "kv_transfer": kv,
+            "ttft_overhead_ms": overhead}
+
+
+def _gpu_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def _machine(device: torch.device) -> dict:
+    """The host, and on CUDA the GPU, driver and CUDA versions too (`bench.transfer_cuda.machine_info`)."""
+    if device.type == "cuda":
+        from epd_lab.bench.transfer_cuda import machine_info as gpu_machine_info
+
+        return gpu_machine_info()
+    from epd_lab.bench.transfer import machine_info
+
+    return machine_info()
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(",") if v)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,8 +385,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--pipelined", action="store_true",
                     help="also measure each backend with decode asked while prefill runs")
+    ap.add_argument("--device", default="cpu", help=DEVICE_HELP + " (the floor and every model role)")
+    ap.add_argument("--model", default="tiny", help=MODEL_HELP)
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="auto: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--image-size", type=int, default=224,
+                    help="side of each request's square image, pixels (224: 64 image tokens; 896: 1,024)")
+    ap.add_argument("--images", type=int, default=1, help="images per request")
+    ap.add_argument("--kv-tokens", type=int, default=512, help="prompt tokens of the kv_transfer part")
+    ap.add_argument("--concurrency", type=_ints, default=CONCURRENCY, help="levels, comma-separated (1,4,16)")
     args = ap.parse_args(argv)
-    result = run(tuple(args.backends.split(",")), args.requests, args.max_tokens, pipelined=args.pipelined)
+    try:
+        setup = Setup(args.device, args.model, args.dtype, args.image_size, args.images, args.kv_tokens)
+        resolve_device(setup.device)  # before any model is built or process started
+    except ValueError as exc:
+        ap.error(str(exc))
+    result = run(tuple(args.backends.split(",")), args.requests, args.max_tokens, pipelined=args.pipelined,
+                 setup=setup, concurrency=args.concurrency)
     if args.json:
         write_json(args.json, result)
     return 0

@@ -1,0 +1,89 @@
+"""`epd-lab bench e2e` with `--device`, `--model`, `--dtype`, `--image-size`, `--kv-tokens`: a tiny run through the
+real servers on the CPU checks what the JSON holds (not a speed test); `--device cuda` without a GPU fails at once
+with the reason; on a GPU (marked `cuda`, run on the device machine) the same small run on CUDA."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epd_lab.bench.e2e import Setup
+from epd_lab.transfer.cuda_runtime import unavailable_reason
+
+NO_GPU = unavailable_reason()
+# one backend, one level, few tokens: two clusters start, so this is the bulk of the test's time
+SMALL = ["--backends", "mooncake", "--requests", "2", "--concurrency", "1", "--max-tokens", "4", "--kv-tokens", "40"]
+
+
+def _bench(tmp_path, *args: str, timeout: float = 110) -> tuple[dict, str]:
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "e2e", *SMALL, *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def _check(data: dict, device: str, dtype: str, image_size: int, image_tokens: int) -> None:
+    assert data["device"] == device and data["model"] == "tiny" and data["dtype"] == dtype
+    assert data["image_size"] == image_size and data["images"] == 1 and data["image_tokens"] == image_tokens
+    assert data["embedding_bytes"] == image_tokens * 256 * torch.empty((), dtype=getattr(torch, dtype)).itemsize
+    assert data["machine"]["cores"] >= 1 and data["max_tokens"] == 4 and data["concurrency"] == [1]
+    assert [(r["path"], r["concurrency"]) for r in data["rows"]] == [("monolithic", 1), ("epd/mooncake", 1)]
+    for row in data["rows"]:
+        assert 0 < row["ttft_ms"]["min"] <= row["ttft_ms"]["p50"] <= row["ttft_ms"]["max"]
+        assert row["tpot_ms"]["p50"] > 0 and row["requests_per_s"] > 0 and row["ttft_ms"]["n"] == 2
+    epd = data["rows"][1]
+    assert epd["answer_ok"] is True and data["answers_equal_monolithic"] is True
+    assert {"vit", "prefill", "ttft"} <= {p["stage"] for p in epd["critical_path"]}
+    assert set(data["ttft_overhead_ms"]) == {"epd/mooncake"}
+    kv = data["kv_transfer"]
+    assert kv["prompt_tokens"] == 40 and kv["blocks"] == 3  # 16-token blocks
+    assert kv["bytes"] > 0 and kv["ms"]["p50"] > 0 and kv["gbps"]["p50"] > 0
+
+
+def test_a_small_cpu_run_writes_device_model_and_timings(tmp_path):
+    data, stdout = _bench(tmp_path, "--device", "cpu", "--model", "tiny", "--image-size", "112")
+    _check(data, "cpu", "float32", 112, 16)  # 112² → 8×8 patches → 16 tokens after the 2×2 merge
+    assert data["gpu"] is None
+    assert "tiny on cpu (no GPU), float32" in stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda runs")
+def test_cuda_without_a_gpu_fails_at_once_with_the_reason():
+    proc = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "e2e", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--device cuda: no CUDA device is visible" in proc.stderr
+    assert proc.stdout == ""  # nothing measured, no process started
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "gpu"], "expected cpu, cuda or cuda:N"),
+    (["--image-size", "20"], "image_size must be >= 56"),
+    (["--kv-tokens", "0"], "kv_tokens must be >= 1"),
+    (["--concurrency", "1,0"], "expected positive integers"),
+    (["--dtype", "float16"], "invalid choice"),
+])
+def test_bad_options_are_refused_before_anything_runs(capsys, args, message):
+    from epd_lab.bench.e2e import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_setup_resolves_the_dtype_per_device():
+    assert Setup().torch_dtype == torch.float32
+    assert Setup(device="cuda").torch_dtype == torch.bfloat16  # resolved by name: no GPU needed
+    assert Setup(dtype="bfloat16").torch_dtype == torch.bfloat16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU: {NO_GPU}")
+def test_a_small_cuda_run_records_the_gpu(tmp_path):
+    data, _ = _bench(tmp_path, "--device", "cuda", "--image-size", "224", timeout=300)
+    _check(data, "cuda:0", "bfloat16", 224, 64)
+    assert data["gpu"] == torch.cuda.get_device_name(0) and data["machine"]["gpu"] == data["gpu"]
