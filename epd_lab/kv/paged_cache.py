@@ -6,9 +6,9 @@ bytes at ``base + b * block_len``: the seed's ``block_address = layer_base_addr 
 
 With an engine, all tensors are carved out of ONE buffer: the engine's managed host memory (a same-host peer
 writes into it with a memcpy), or on a GPU one allocation of GPU memory (a same-host peer's GPU writes into it
-over CUDA IPC, `epd_lab.transfer.cuda`); every tensor is registered as its own region (`register_kv_caches`, the seed's name), whose key
-(the rkey's role) a writer names. `base_addrs` (the seed's ``kv_caches_base_addr``) and `keys` list the regions
-in the order ``[K0, V0, K1, V1, ...]``: layer by layer, K before V.
+over CUDA IPC, `epd_lab.transfer.cuda`); every tensor is registered as its own region (`register_kv_caches`, the
+seed's name), whose key (the rkey's role) a writer names. `base_addrs` (the seed's ``kv_caches_base_addr``) and
+`keys` list the regions in the order ``[K0, V0, K1, V1, ...]``: layer by layer, K before V.
 """
 from __future__ import annotations
 

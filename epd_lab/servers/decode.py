@@ -64,7 +64,8 @@ from epd_lab.servers.messages import (
 )
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
                              ServingError, Unavailable, engine_metrics, option, read_struct, role_app, serve_main)
-from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
+                                       use_device)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -145,7 +146,7 @@ class DecodeServer:
         self.settings = settings
         models.configure_torch(threads=1)  # bit-identity with prefill
         dtype = DTYPES[settings.dtype]
-        self.device = models.resolve_device(settings.device)
+        self.device = use_device(settings.device)
         self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
         self.runner = models.DecodeRunner(self.model)
         self.recorder = Recorder(node=f"decode:{settings.port}")

@@ -94,7 +94,7 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Co
                              Metric, NotFound, ServingError, Unavailable, decode_body, engine_metrics, json_response,
                              option, read_body, read_struct, role_app, serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
-                                       synchronize)
+                                       synchronize, use_device)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -203,7 +203,7 @@ class MMEncoder:
     def __init__(self, settings: EncoderSettings) -> None:
         self.settings = settings
         self.dtype = DTYPES[settings.dtype]
-        self.device = models.resolve_device(settings.device)
+        self.device = use_device(settings.device)
         models.configure_torch(threads=1)  # the same kernels, hence the same bits, as every other role
         self.model = models.open_model(settings.model, dtype=self.dtype, device=self.device)
         self.vision = models.VisionEncoder(self.model)

@@ -54,7 +54,8 @@ from epd_lab.servers.messages import (
 )
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body,
                              engine_metrics, error_for_status, option, read_body, read_struct, role_app, serve_main)
-from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement, synchronize
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
+                                       synchronize, use_device)
 from epd_lab.trace import Recorder
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
@@ -167,7 +168,7 @@ class PrefillServer:
         self.settings = settings
         models.configure_torch(threads=1)  # bit-identity with the encoders and decode
         dtype = DTYPES[settings.dtype]
-        self.device = models.resolve_device(settings.device)
+        self.device = use_device(settings.device)
         self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
         self.runner = models.PrefillRunner(self.model)
         self.max_positions = self.model.config.text_config.max_position_embeddings
@@ -274,7 +275,8 @@ class PrefillServer:
     def health(self) -> dict:
         producer = self.producer.stats()
         return {"status": "ok", "role": "prefill", "model": self.settings.model or "tiny-qwen2-vl",
-                "device": str(self.device), "dtype": self.settings.dtype, "recv_buffer": self.settings.recv_buffer, "kv_url": self.producer.url, "session_id": self.engine.session_id,
+                "device": str(self.device), "dtype": self.settings.dtype, "recv_buffer": self.settings.recv_buffer,
+                "kv_url": self.producer.url, "session_id": self.engine.session_id,
                 "encoders": list(self.settings.encoders), "num_blocks": self.blocks.num_blocks,
                 "free_blocks": self.blocks.num_free_blocks, "used_blocks": self.blocks.num_used_blocks,
                 "block_size": self.cache.block_size, "inflight": len(self._inflight), "producer": producer,

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from epd_lab.models import DTYPE_NAMES, resolve_dtype
+from epd_lab.models import DTYPE_NAMES, resolve_device, resolve_dtype
 
-__all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "check_placement", "synchronize"]
+__all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "check_placement", "synchronize", "use_device"]
 
 MODEL_HELP = "a local model directory, or a model shape: tiny, qwen2-vl-2b, qwen2-vl-7b (default: tiny)"
 DEVICE_HELP = "cpu, cuda or cuda:N: where the model runs and the role's embeddings or KV cache live"
@@ -28,6 +28,16 @@ def check_placement(settings: Any) -> None:
     if not _DEVICE.fullmatch(settings.device):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {settings.device!r}")
     object.__setattr__(settings, "dtype", resolve_dtype(settings.dtype, settings.device))
+
+
+def use_device(name: str) -> torch.device:
+    """Where a role starts: the device ``--device name`` names (`resolve_device`: a GPU that is not there is a
+    ValueError with the reason), made this process's current CUDA device, so that what runs without naming
+    one (the transfer engine's CUDA calls, ``torch.cuda.synchronize()``) runs on the role's GPU."""
+    device = resolve_device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def synchronize(device: torch.device) -> None:
