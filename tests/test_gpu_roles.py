@@ -84,6 +84,19 @@ def test_a_role_on_a_gpu_that_is_not_there_fails_at_start_with_the_reason(tmp_pa
     assert re.search(r"no CUDA device", str(exc.value) + "".join(p.read_text() for p in tmp_path.glob("*.log")))
 
 
+@cuda
+@needs_gpu
+def test_a_cuda_tensor_registers_as_a_whole():
+    """The encoder registers its GPU embedding for /send as a tensor (`register_buffer`), as on the CPU."""
+    from epd_lab.transfer import open_engine
+    with open_engine("auto") as engine:
+        t = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+        ptr, nbytes, key = engine.register_buffer(t)
+        assert (ptr, nbytes) == (t.data_ptr(), 8192) and key
+        assert engine.stats()["cuda_regions"] == 1
+        engine.deregister(ptr)
+
+
 # ---- the whole path on a GPU ----
 @pytest.fixture(scope="module")
 def gpu_model():

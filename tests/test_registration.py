@@ -90,6 +90,8 @@ def test_buffer_info_of_tensors_and_arrays():
     assert buffer_info(t) == (t.data_ptr(), 48)
     with pytest.raises(ValueError, match="contiguous"):
         buffer_info(t.view(3, 4).t())
+    with pytest.raises(ValueError, match="only host and CUDA memory"):  # no address to register
+        buffer_info(torch.empty(4, device="meta"))
     a = np.arange(10, dtype=np.int64)
     assert buffer_info(a) == (a.ctypes.data, 80)
     with pytest.raises(ValueError, match="contiguous"):

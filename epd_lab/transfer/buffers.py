@@ -8,10 +8,11 @@ import numpy as np
 
 
 def buffer_info(obj: Any) -> tuple[int, int]:
-    """``(address, nbytes)`` of a contiguous torch tensor, numpy array or writable buffer."""
+    """``(address, nbytes)`` of a contiguous torch tensor (host or CUDA memory: the engine registers either),
+    numpy array or writable buffer."""
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch.Tensor, without importing torch
-        if obj.device.type != "cpu":
-            raise ValueError(f"tensor on {obj.device}: only CPU memory is supported by this engine")
+        if obj.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor on {obj.device}: only host and CUDA memory can be registered")
         if not obj.is_contiguous():
             raise ValueError("tensor is not contiguous; call .contiguous() first")
         return obj.data_ptr(), obj.numel() * obj.element_size()
