@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU run of issue 12's roles-on-a-device part, on the device machine (one H200; Python 3.12, torch 2.11+cu130,
+# without pyzmq/fastapi/msgspec/uvicorn/openai: they travel as wheels in .whl/, carried by the call).
+#
+#   bash scripts/gpu_e2e.sh STAGE...      stages, in the order given:
+#     tests     pytest -m cuda on every test file with cuda-marked tests
+#     tiny      epd-lab bench e2e --device cuda --model tiny (224², all backends)
+#     2b        ... --model qwen2-vl-2b --image-size 896 --kv-tokens 4096 (all backends)
+#     7b        ... --model qwen2-vl-7b --image-size 896 --kv-tokens 4096 ($BACKENDS_7B, default mooncake)
+#     notebook  notebooks/08_gpu.ipynb through papermill with -p device cuda (skipped where papermill is absent)
+#
+# Every stage appends to $OUT/gpu_e2e.log, each line stamped with the UTC time; a bench writes
+# $OUT/e2e-cuda-<model>.json. One call of the device tool runs at most 10 minutes: give each call the stages
+# that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
+# Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), BACKENDS_7B, NB_MODEL (qwen2-vl-2b),
+# STAGE_TIMEOUT (s, 420).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+OUT=${OUT:-$ROOT/out/gpu}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_e2e.log
+REQUESTS=${REQUESTS:-8}
+MAX_TOKENS=${MAX_TOKENS:-16}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
+
+stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date -u +%H:%M:%S)" "$line"; done | tee -a "$LOG"; }
+say() { echo "== $*" | stamp; }
+
+# ---- setup: the carried wheels, the native core, what this machine is (a warm machine keeps the first two) ----
+if [ ! -e /tmp/site/.epd-lab-wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl 2>&1 | stamp || { say "installing the wheels failed (is .whl carried?)"; exit 1; }
+    touch /tmp/site/.epd-lab-wheels
+fi
+# the servers are child processes started with `python3 -m`: they find epd_lab and the wheels through PYTHONPATH
+export PYTHONPATH=$ROOT:/tmp/site PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/xdg
+python3 setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { tail -20 /tmp/build.log | stamp; exit 1; }
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+say "setup done: commit $commit, $(git status --short 2>/dev/null | wc -l) files changed"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | stamp
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+            'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))" 2>&1 | stamp
+
+bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $OUT
+    local model=$1
+    shift
+    say "bench e2e --device cuda --model $model $*"
+    timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" --requests "$REQUESTS" \
+        --max-tokens "$MAX_TOKENS" --json "$OUT/e2e-cuda-$model.json" "$@" 2>&1 | stamp
+    say "bench $model: exit ${PIPESTATUS[0]}"
+}
+
+for stage in "$@"; do
+    case $stage in
+        tests)
+            mapfile -t files < <(grep -l "mark.cuda" tests/test_*.py)
+            say "pytest -m cuda ${files[*]}"
+            # addopts cleared: they name nbval, which this machine does not have
+            timeout "$STAGE_TIMEOUT" python3 -m pytest -o addopts="" -p no:cacheprovider -m cuda -ra -v "${files[@]}" \
+                2>&1 | stamp
+            say "tests: exit ${PIPESTATUS[0]}"
+            ;;
+        tiny) bench tiny ;;
+        2b) bench qwen2-vl-2b --image-size 896 --kv-tokens 4096 ;;
+        7b) bench qwen2-vl-7b --image-size 896 --kv-tokens 4096 --backends "${BACKENDS_7B:-mooncake}" ;;
+        notebook)
+            if python3 -c "import papermill, plotly, ipykernel" >/dev/null 2>&1; then
+                nb_model=${NB_MODEL:-qwen2-vl-2b}
+                say "papermill notebooks/08_gpu.ipynb -p device cuda -p model $nb_model"
+                timeout "$STAGE_TIMEOUT" python3 -m papermill notebooks/08_gpu.ipynb "$OUT/08_gpu-cuda.ipynb" \
+                    -k python3 -p device cuda -p model "$nb_model" -p recv_buffer device -p image_size 896 2>&1 | stamp
+                say "notebook: exit ${PIPESTATUS[0]}"
+            else
+                say "notebook skipped: papermill, plotly or ipykernel is not installed here"
+            fi
+            ;;
+        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, notebook)"; exit 2 ;;
+    esac
+done
+say "done"
