@@ -55,7 +55,7 @@ from epd_lab.models import (
 )
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
-from epd_lab.serving.placement import DEVICE_HELP, MODEL_HELP
+from epd_lab.serving.placement import DEVICE_HELP, MODEL_HELP, use_device
 from epd_lab.trace import critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"
@@ -131,7 +131,8 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup()) -> dict:
     reference answer to the clusters' checked request (``reference``) and the size of one request's
     embeddings (``image_tokens``, ``embedding_bytes``)."""
     configure_torch()
-    model = open_model(setup.model, dtype=setup.torch_dtype, device=resolve_device(setup.device))
+    # the current CUDA device too, as in every role: what names no device runs on the floor's GPU
+    model = open_model(setup.model, dtype=setup.torch_dtype, device=use_device(setup.device))
     prefill, decode, vision = PrefillRunner(model), DecodeRunner(model), VisionEncoder(model)
     # the text around the images as the proxy renders the chat request: the floor prefills it too
     prompt, _ = messages_to_prompt(_messages([b""] * setup.images))
