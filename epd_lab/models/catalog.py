@@ -19,12 +19,12 @@ from epd_lab.models import shapes
 from epd_lab.models.tiny import ATTN_IMPLEMENTATION, load_model
 from epd_lab.models.vision import make_image_invariant
 
-__all__ = ["DTYPE_NAMES", "MODEL_SHAPES", "model_device", "open_model", "resolve_device", "resolve_dtype"]
+__all__ = ["DEVICE_NAME", "DTYPE_NAMES", "MODEL_SHAPES", "model_device", "open_model", "resolve_device", "resolve_dtype"]
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16")
 # The names `open_model` takes besides a directory (for a CLI's help); a name wins over a directory of that name.
 MODEL_SHAPES = ("tiny", *shapes.SHAPES)
-_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+DEVICE_NAME = re.compile(r"cpu|cuda(?::(\d+))?")  # what --device takes (group 1: the GPU's index)
 
 
 def resolve_dtype(name: str, device: str | torch.device) -> str:
@@ -46,7 +46,7 @@ def resolve_device(name: str) -> torch.device:
     process set another) or "cuda:N". Raises ValueError for a malformed name, when CUDA is asked and no CUDA
     device is visible, and for N past the visible devices. "cpu" never touches CUDA; "cuda" initialises CUDA
     only where this process already has (to read its current device)."""
-    match = _DEVICE.fullmatch(name) if isinstance(name, str) else None
+    match = DEVICE_NAME.fullmatch(name) if isinstance(name, str) else None
     if match is None:
         raise ValueError(f"--device {name!r}: expected cpu, cuda or cuda:N (N a device index)")
     if name == "cpu":

@@ -6,26 +6,25 @@ moves them GPU to GPU (`epd_lab.transfer.cuda`). ``--dtype auto`` is bfloat16 on
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from epd_lab.models import DTYPE_NAMES, resolve_device, resolve_dtype
+from epd_lab.models.catalog import DEVICE_NAME
 
 __all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "check_placement", "synchronize", "use_device"]
 
 MODEL_HELP = "a local model directory, or a model shape: tiny, qwen2-vl-2b, qwen2-vl-7b (default: tiny)"
 DEVICE_HELP = "cpu, cuda or cuda:N: where the model runs and the role's embeddings or KV cache live"
 DTYPE_HELP = "the model's dtype; auto: bfloat16 on CUDA, float32 on the CPU"
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def check_placement(settings: Any) -> None:
     """In a settings dataclass's ``__post_init__``: refuse a malformed ``device`` and turn ``dtype`` "auto"
     into the dtype it means there (so that messages and logs name the real one). Whether the device exists is
     checked where the role starts (`epd_lab.models.resolve_device`)."""
-    if not _DEVICE.fullmatch(settings.device):
+    if not DEVICE_NAME.fullmatch(settings.device):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {settings.device!r}")
     object.__setattr__(settings, "dtype", resolve_dtype(settings.dtype, settings.device))
 
