@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -122,7 +122,8 @@ class Topology:
         knows once earlier roles run (URLs), then ``settings[role]``. `ValueError` when the role refuses them."""
         _, cls, shared = ROLES[role]
         values = {name: getattr(self, name) for name in shared}
-        return replace(cls(**{**values, **wiring}), **self.settings.get(role, {}))
+        # one construction, not the shared settings then a replace: dtype "auto" resolves on the role's own device
+        return cls(**{**values, **wiring, **self.settings.get(role, {})})
 
 
 class Cluster:

@@ -72,6 +72,8 @@ def test_topology_hands_the_device_to_each_model_role():
     assert t.role_settings("encoder").device == t.role_settings("prefill").device == "cuda"
     assert (t.role_settings("decode").device, t.role_settings("decode").dtype) == ("cuda:1", "bfloat16")
     assert Topology().role_settings("prefill").dtype == "float32"
+    one = Topology(decodes=1, settings={"decode": {"device": "cuda"}})  # auto resolves on the role's own device
+    assert (one.role_settings("decode").dtype, one.role_settings("encoder").dtype) == ("bfloat16", "float32")
     with pytest.raises(ValueError, match="dtype"):
         Topology(dtype="half")
 
