@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from epd_lab.servers.messages import MAX_TOKENS
+from epd_lab.servers.messages import MAX_TOKENS, Seed
 from epd_lab.servers.text import PromptError, completion_prompt, messages_to_prompt
 from epd_lab.serving import BadRequest, ServingError
 
@@ -54,7 +54,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # chat's newer name for max_tokens
     temperature: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None  # decode's range, checked here: a streamed answer must not begin and then fail on it
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
 
