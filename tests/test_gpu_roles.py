@@ -7,18 +7,15 @@ proxy must equal the monolithic model's on the same GPU.
 """
 from __future__ import annotations
 
-import base64
-import io
 import re
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
-from PIL import Image
 
+from epd_lab.campaign.common import image_uri
 from epd_lab.ep.receiver import ReceiverConfig, resolve_recv_buffer
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, open_model
@@ -32,12 +29,6 @@ from epd_lab.serving import from_argv, to_argv
 HAS_GPU = torch.cuda.is_available()
 cuda = pytest.mark.cuda
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-
-
-def _image_uri(size: int, seed: int) -> str:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 # ---- the options, everywhere ----
@@ -137,7 +128,7 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_b
             assert (health["device"], health["dtype"]) == ("cuda:0", "bfloat16"), health
         assert httpx.get(cluster.prefill_urls[0] + "/health", timeout=10).json()["recv_buffer"] == recv_buffer
         for n_images, seed in ((0, 0), (1, 1), (2, 2)):
-            content = [{"type": "image_url", "image_url": {"url": _image_uri(224, seed * 10 + i)}}
+            content = [{"type": "image_url", "image_url": {"url": image_uri(seed * 10 + i, 224)}}
                        for i in range(n_images)] + [{"type": "text", "text": "what do you see?"}]
             messages = [{"role": "user", "content": content}]
             assert _chat(cluster, messages, 12) == monolithic_chat(gpu_model, messages, 12)
@@ -163,7 +154,7 @@ def test_a_real_size_shape_on_the_gpu_answers_as_the_monolithic_model():
     monolithic model's."""
     configure_torch()
     model = open_model("qwen2-vl-2b", dtype=torch.bfloat16, device="cuda")
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_uri(448, 7)}},
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri(7, 448)}},
                                              {"type": "text", "text": "describe it"}]}]
     with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True, device="cuda", model="qwen2-vl-2b",
                           timeout=120)) as cluster:

@@ -54,16 +54,16 @@ class PagedKVCache:
         self._allocator: Any = engine  # the engine whose managed buffer holds them
         self._managed_ptr: int | None = None
         self.keys: list[int] = []
-        if engine is not None and self.device.type == "cpu":
-            self._managed_ptr = engine.allocate_managed_buffer(2 * num_layers * tensor_bytes)
-            raw = torch.from_numpy(as_array(self._managed_ptr, 2 * num_layers * tensor_bytes))
-        elif engine is not None:  # one allocation: CUDA IPC exports (and a peer maps) it once for every region
-            raw = torch.empty(2 * num_layers * tensor_bytes, dtype=torch.uint8, device=self.device)
-        if engine is not None:
+        if engine is None:
+            regions = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2 * num_layers)]
+        else:
+            if self.device.type == "cpu":
+                self._managed_ptr = engine.allocate_managed_buffer(2 * num_layers * tensor_bytes)
+                raw = torch.from_numpy(as_array(self._managed_ptr, 2 * num_layers * tensor_bytes))
+            else:  # one allocation: CUDA IPC exports (and a peer maps) it once for every region
+                raw = torch.empty(2 * num_layers * tensor_bytes, dtype=torch.uint8, device=self.device)
             regions = [raw[i * tensor_bytes:(i + 1) * tensor_bytes].view(dtype).view(shape)
                        for i in range(2 * num_layers)]
-        else:
-            regions = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2 * num_layers)]
         self._regions = regions  # [K0, V0, K1, V1, ...]
         if engine is not None:
             try:

@@ -316,8 +316,8 @@ class DecodeServer:
             else:
                 logits = self.runner.step_batch([gen.tokens[-1] for gen in batch], [gen.cache for gen in batch],
                                                 [gen.next_position + len(gen.tokens) - 1 for gen in batch])
-            # one copy off the GPU per forward (a no-op on the CPU): the tokens are chosen on the host, where the
-            # requests' seeded generators are; float32 holds float32 and bfloat16 logits exactly
+            # one copy off the GPU per forward (none for float32 on the CPU): the tokens are chosen on the host,
+            # where the requests' seeded generators are; float32 holds float32 and bfloat16 logits exactly
             logits = logits.float().cpu()
         except Exception as exc:  # noqa: BLE001 - its requests fail, the scheduler keeps going
             self._count(requests_failed=len(batch))
