@@ -5,15 +5,16 @@
 #   bash scripts/gpu_e2e.sh STAGE...      stages, in the order given:
 #     tests     pytest -m cuda on every test file with cuda-marked tests
 #     tiny      epd-lab bench e2e --device cuda --model tiny (224², all backends)
-#     2b        ... --model qwen2-vl-2b --image-size 896 --kv-tokens 4096 (all backends)
-#     7b        ... --model qwen2-vl-7b --image-size 896 --kv-tokens 4096 ($BACKENDS_7B, default mooncake)
+#     2b        ... --model qwen2-vl-2b, the grid $SIZES x $IMAGES, --kv-tokens 4096 (all backends)
+#     7b        ... --model qwen2-vl-7b, the same grid ($BACKENDS_7B, default mooncake)
 #     notebook  notebooks/08_gpu.ipynb through papermill with -p device cuda (skipped where papermill is absent)
 #
 # Every stage appends to $OUT/gpu_e2e.log, each line stamped with the UTC time; a bench writes
-# $OUT/e2e-cuda-<model>.json. One call of the device tool runs at most 10 minutes: give each call the stages
+# $OUT/e2e-cuda-<model>[-$TAG].json. One call of the device tool runs at most 10 minutes: give each call the stages
 # that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
-# Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), BACKENDS_7B, NB_MODEL (qwen2-vl-2b),
-# STAGE_TIMEOUT (s, 420).
+# Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), SIZES (448,896), IMAGES (1,4,8),
+# CONCURRENCY (1,4,16), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
+# TESTS (pytest arguments, e.g. node ids, instead of every file with cuda tests).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,6 +24,9 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_e2e.log
 REQUESTS=${REQUESTS:-8}
 MAX_TOKENS=${MAX_TOKENS:-16}
+SIZES=${SIZES:-448,896}
+IMAGES=${IMAGES:-1,4,8}
+CONCURRENCY=${CONCURRENCY:-1,4,16}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
 
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date -u +%H:%M:%S)" "$line"; done | tee -a "$LOG"; }
@@ -48,7 +52,7 @@ bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $O
     shift
     say "bench e2e --device cuda --model $model $*"
     timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" --requests "$REQUESTS" \
-        --max-tokens "$MAX_TOKENS" --json "$OUT/e2e-cuda-$model.json" "$@" 2>&1 | stamp
+        --max-tokens "$MAX_TOKENS" --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" 2>&1 | stamp
     say "bench $model: exit ${PIPESTATUS[0]}"
 }
 
@@ -56,6 +60,8 @@ for stage in "$@"; do
     case $stage in
         tests)
             mapfile -t files < <(grep -l "mark.cuda" tests/test_*.py)
+            # shellcheck disable=SC2086  # TESTS is a list of arguments
+            [ -n "${TESTS:-}" ] && files=($TESTS)
             say "pytest -m cuda ${files[*]}"
             # addopts cleared: they name nbval, which this machine does not have
             timeout "$STAGE_TIMEOUT" python3 -m pytest -o addopts="" -p no:cacheprovider -m cuda -ra -v "${files[@]}" \
@@ -63,8 +69,9 @@ for stage in "$@"; do
             say "tests: exit ${PIPESTATUS[0]}"
             ;;
         tiny) bench tiny ;;
-        2b) bench qwen2-vl-2b --image-size 896 --kv-tokens 4096 ;;
-        7b) bench qwen2-vl-7b --image-size 896 --kv-tokens 4096 --backends "${BACKENDS_7B:-mooncake}" ;;
+        2b) bench qwen2-vl-2b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 ;;
+        7b) bench qwen2-vl-7b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 \
+                --backends "${BACKENDS_7B:-mooncake}" ;;
         notebook)
             if python3 -c "import papermill, plotly, ipykernel" >/dev/null 2>&1; then
                 nb_model=${NB_MODEL:-qwen2-vl-2b}

@@ -1,5 +1,5 @@
-"""`epd-lab bench e2e` with `--device`, `--model`, `--dtype`, `--image-size`, `--kv-tokens`: a tiny run through the
-real servers on the CPU checks what the JSON holds (not a speed test); `--device cuda` without a GPU fails at once
+"""`epd-lab bench e2e` with `--device`, `--model`, `--dtype`, `--image-size`, `--images`, `--kv-tokens`: a tiny run
+through the real servers on the CPU, over a grid of two image counts, checks what the JSON holds (not a speed test); `--device cuda` without a GPU fails at once
 with the reason; on a GPU (marked `cuda`, run on the device machine) the same small run on CUDA."""
 from __future__ import annotations
 
@@ -26,27 +26,38 @@ def _bench(tmp_path, *args: str, timeout: float = 110) -> tuple[dict, str]:
     return json.loads(out.read_text()), proc.stdout
 
 
-def _check(data: dict, device: str, dtype: str, image_size: int, image_tokens: int) -> None:
+def _check(data: dict, device: str, dtype: str, image_size: int, image_tokens: int, images: tuple[int, ...]) -> None:
+    """`image_tokens`: one image's."""
     assert data["device"] == device and data["model"] == "tiny" and data["dtype"] == dtype
-    assert data["image_size"] == image_size and data["images"] == 1 and data["image_tokens"] == image_tokens
-    assert data["embedding_bytes"] == image_tokens * 256 * torch.empty((), dtype=getattr(torch, dtype)).itemsize
     assert data["machine"]["cores"] >= 1 and data["max_tokens"] == 4 and data["concurrency"] == [1]
-    assert [(r["path"], r["concurrency"]) for r in data["rows"]] == [("monolithic", 1), ("epd/mooncake", 1)]
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).itemsize
+    assert [(p["image_size"], p["images"]) for p in data["grid"]] == [(image_size, n) for n in images]
+    for point in data["grid"]:
+        n = point["images"]
+        assert point["image_tokens"] == n * image_tokens and point["embedding_bytes"] == n * image_tokens * 256 * itemsize
+        # the rendered chat's text, plus each image's tokens and its vision_start/vision_end
+        assert point["prompt_tokens"] > n * (image_tokens + 2)
+        assert point["answers_equal_monolithic"] is True and set(point["ttft_overhead_ms"]) == {"epd/mooncake"}
+    assert [(r["path"], r["images"], r["concurrency"]) for r in data["rows"]] == \
+        [("monolithic", n, 1) for n in images] + [("epd/mooncake", n, 1) for n in images]
     for row in data["rows"]:
+        assert row["image_size"] == image_size
         assert 0 < row["ttft_ms"]["min"] <= row["ttft_ms"]["p50"] <= row["ttft_ms"]["max"]
         assert row["tpot_ms"]["p50"] > 0 and row["requests_per_s"] > 0 and row["ttft_ms"]["n"] == 2
-    epd = data["rows"][1]
-    assert epd["answer_ok"] is True and data["answers_equal_monolithic"] is True
-    assert {"vit", "prefill", "ttft"} <= {p["stage"] for p in epd["critical_path"]}
-    assert set(data["ttft_overhead_ms"]) == {"epd/mooncake"}
+    for epd in data["rows"][len(images):]:
+        assert epd["answer_ok"] is True
+        assert {"vit", "prefill", "ttft"} <= {p["stage"] for p in epd["critical_path"]}
+    assert data["answers_equal_monolithic"] is True and data["complete"] is True
+    # the caches and the encoders hold the largest point at the highest level, never less than the defaults
+    assert data["kv_blocks"] >= 512 and data["max_held_bytes"] >= 512 << 20
     kv = data["kv_transfer"]
     assert kv["prompt_tokens"] == 40 and kv["blocks"] == 3  # 16-token blocks
     assert kv["bytes"] > 0 and kv["ms"]["p50"] > 0 and kv["gbps"]["p50"] > 0
 
 
 def test_a_small_cpu_run_writes_device_model_and_timings(tmp_path):
-    data, stdout = _bench(tmp_path, "--device", "cpu", "--model", "tiny", "--image-size", "112")
-    _check(data, "cpu", "float32", 112, 16)  # 112² → 8×8 patches → 16 tokens after the 2×2 merge
+    data, stdout = _bench(tmp_path, "--device", "cpu", "--model", "tiny", "--image-size", "112", "--images", "1,2")
+    _check(data, "cpu", "float32", 112, 16, (1, 2))  # 112² → 8×8 patches → 16 tokens after the 2×2 merge
     assert data["gpu"] is None
     assert "tiny on cpu (no GPU), float32" in stdout
 
@@ -65,6 +76,8 @@ def test_cuda_without_a_gpu_fails_at_once_with_the_reason():
     (["--image-size", "20"], "image_size must be >= 56"),
     (["--kv-tokens", "0"], "kv_tokens must be >= 1"),
     (["--concurrency", "1,0"], "expected positive integers"),
+    (["--image-size", "224,20"], "image_size must be >= 56"),  # every point is checked before anything runs
+    (["--images", "1,x"], "invalid _ints value"),
     (["--dtype", "float16"], "invalid choice"),
 ])
 def test_bad_options_are_refused_before_anything_runs(capsys, args, message):
@@ -85,5 +98,5 @@ def test_setup_resolves_the_dtype_per_device():
 @pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU: {NO_GPU}")
 def test_a_small_cuda_run_records_the_gpu(tmp_path):
     data, _ = _bench(tmp_path, "--device", "cuda", "--image-size", "224", timeout=300)
-    _check(data, "cuda:0", "bfloat16", 224, 64)
+    _check(data, "cuda:0", "bfloat16", 224, 64, (1,))
     assert data["gpu"] == torch.cuda.get_device_name(0) and data["machine"]["gpu"] == data["gpu"]

@@ -182,6 +182,38 @@ def test_scattered_batch_is_one_kernel_and_lands_in_order(gpu_peer, gpu_writer):
 
 
 @gpu
+def test_a_thread_that_made_no_cuda_call_registers_and_writes(gpu_peer):
+    """A server's new pool thread: its first CUDA work is the engine's driver calls (the allocation lookup of a
+    registration's export, the batch kernel's launch), which need a current context. The first H200 run of the
+    roles failed 2 of 16 sends at concurrency 16 with driver error 201 there."""
+    import torch
+
+    blocks, block = 16, 64 * KiB
+    src = torch.randint(0, 256, (blocks * block,), dtype=torch.uint8, device="cuda")
+    dst = gpu_peer.cuda_alloc(blocks * block)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with TransferEngine(protocol="auto", timeout=10.0) as eng:
+                eng.register(src.data_ptr(), src.numel())
+                eng.batch_transfer_sync_write(gpu_peer.session_id, [src.data_ptr() + i * block for i in range(blocks)],
+                                              [dst + i * block for i in range(blocks)], [block] * blocks)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            errors.append(exc)
+
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join(60)
+        assert not t.is_alive() and not errors, errors
+        assert gpu_peer.cuda_checksum(dst, blocks * block) == _crc(src)
+    finally:
+        gpu_peer.call("deregister", ptr=dst)
+        gpu_peer.call("cuda_free", ptr=dst)
+
+
+@gpu
 def test_gpu_writes_outside_or_after_deregister_are_refused_and_counted(gpu_peer, gpu_writer):
     eng, src = gpu_writer
     dst = gpu_peer.cuda_alloc(MiB)

@@ -105,9 +105,10 @@ def _chat(cluster: Cluster, messages: list, max_tokens: int) -> str:
 
 
 def _metric(url: str, name: str) -> float:
-    """A `/metrics` sample's value (the unlabelled one)."""
+    """A `/metrics` sample's value (the unlabelled one): `name` without the role's ``epd_<role>_`` prefix."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("epd_") and line.split(" ")[0].split("_", 2)[-1] == name]
     assert len(values) == 1, f"{url}/metrics has {len(values)} samples named {name}"
     return values[0]
 

@@ -15,9 +15,13 @@
   GB/s.
 
 Every request is `--images` images of `--image-size`² (one of 224²: 64 image tokens) plus text,
-`--max-tokens` greedy tokens; the first request of each level is a warm-up. `--model` takes a shape
-(qwen2-vl-2b, qwen2-vl-7b: the real sizes with random weights, e.g. 896² is 1,024 tokens of 3,584 bf16
-values, 7 MiB, per image on 7B) or a local directory.
+`--max-tokens` greedy tokens; the first request of each level is a warm-up. Both options take a list
+(``--images 1,4,8 --image-size 448,896``): every pair is a grid point, measured by the floor and by each
+backend's one cluster in turn (rows carry ``images`` and ``image_size``). The KV caches and the encoders'
+``max_held_bytes`` are sized so the largest point at the highest level fits. Each level's requests are
+rendered before it is timed (uncompressed PNGs of noise: the client's PNG encoding is not measured).
+`--model` takes a shape (qwen2-vl-2b, qwen2-vl-7b: the real sizes with random weights, e.g. 896² is
+1,024 tokens of 3,584 bf16 values, 7 MiB, per image on 7B) or a local directory.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import statistics
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import httpx
@@ -101,16 +106,19 @@ class Setup:
         return Topology(device=self.device, model=self.model, dtype=self.dtype, **kwargs)
 
 
-def _image(seed: int, size: int = 224) -> bytes:
-    """A random RGB image of `size`² as PNG bytes (noise: the PNG is about as large as the pixels)."""
+def _image(seed: int | tuple[int, ...], size: int = 224) -> bytes:
+    """A random RGB image of `size`² as PNG bytes. Noise does not compress: stored uncompressed (level 0), which
+    spares the client and the servers a deflate that would gain nothing."""
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG", compress_level=0)
     return buf.getvalue()
 
 
 def _images(seed: int, setup: Setup) -> list[bytes]:
-    """One request's images (`setup.images` of them, seeded from `seed`)."""
-    return [_image(seed * 100 + i, setup.image_size) for i in range(setup.images)]
+    """One request's images (`setup.images` of them): seeded by `seed` and the image count, so that no grid point
+    sends an image another one did (the encoders cache embeddings by image)."""
+    return [_image((seed, setup.images, i), setup.image_size) for i in range(setup.images)]
 
 
 def _messages(raws: list[bytes]) -> list[dict]:
@@ -126,13 +134,19 @@ def _summary(values: list[float]) -> dict:
             "max": float(max(values)), "n": len(values)}
 
 
-def monolithic(requests: int, max_tokens: int, setup: Setup = Setup()) -> dict:
-    """The floor: TTFT and TPOT of the same model in this process, one request at a time. Also holds the
-    reference answer to the clusters' checked request (``reference``) and the size of one request's
-    embeddings (``image_tokens``, ``embedding_bytes``)."""
+def open_floor_model(setup: Setup) -> torch.nn.Module:
+    """The floor's model: `setup`'s model on its device in its dtype, that device made the current one (as in every
+    role: what names no device runs on the floor's GPU)."""
     configure_torch()
-    # the current CUDA device too, as in every role: what names no device runs on the floor's GPU
-    model = open_model(setup.model, dtype=setup.torch_dtype, device=use_device(setup.device))
+    return open_model(setup.model, dtype=setup.torch_dtype, device=use_device(setup.device))
+
+
+def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: torch.nn.Module | None = None) -> dict:
+    """The floor: TTFT and TPOT of the same model in this process, one request at a time (`model`, else
+    `open_floor_model`). Also holds the reference answer to the clusters' checked request (``reference``), one
+    request's prompt length (``prompt_tokens``) and the size of its embeddings (``image_tokens``,
+    ``embedding_bytes``)."""
+    model = open_floor_model(setup) if model is None else model
     prefill, decode, vision = PrefillRunner(model), DecodeRunner(model), VisionEncoder(model)
     # the text around the images as the proxy renders the chat request: the floor prefills it too
     prompt, _ = messages_to_prompt(_messages([b""] * setup.images))
@@ -142,7 +156,8 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup()) -> dict:
         t0 = time.perf_counter()
         pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws])
         embeds = vision.encode(pixel_values, grid)
-        result = prefill.prefill(build_input_ids(prompt, grid.tolist()), embeds, grid)
+        input_ids = build_input_ids(prompt, grid.tolist())
+        result = prefill.prefill(input_ids, embeds, grid)
         token = int(result.logits.argmax(-1))  # a host read: waits for the GPU's work
         t1 = time.perf_counter()
         for i in range(max_tokens - 1):
@@ -152,9 +167,16 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup()) -> dict:
             ttft.append((t1 - t0) * 1e3)
             tpot.append((t2 - t1) * 1e3 / max(1, max_tokens - 1))
     reference = monolithic_chat(model, _messages(_images(0, setup)), max_tokens)
-    return {"path": "monolithic", "concurrency": 1, "ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot),
+    return {"path": "monolithic", "concurrency": 1, **_point(setup), "ttft_ms": _summary(ttft),
+            "tpot_ms": _summary(tpot),
             "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1)),
-            "reference": reference, "image_tokens": int(embeds.shape[0]), "embedding_bytes": embeds.nbytes}
+            "reference": reference, "prompt_tokens": input_ids.shape[-1], "image_tokens": int(embeds.shape[0]),
+            "embedding_bytes": embeds.nbytes}
+
+
+def _point(setup: Setup) -> dict:
+    """The grid point a row belongs to."""
+    return {"image_size": setup.image_size, "images": setup.images}
 
 
 class _Chat(NamedTuple):
@@ -167,8 +189,7 @@ class _Chat(NamedTuple):
     text: str
 
 
-def _chat(client, raws: list[bytes], max_tokens: int) -> _Chat:
-    messages = _messages(raws)
+def _chat(client, messages: list[dict], max_tokens: int) -> _Chat:
     t0 = time.perf_counter()
     times, rid, text = [], "", []
     for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=messages,
@@ -184,11 +205,30 @@ def _chat(client, raws: list[bytes], max_tokens: int) -> _Chat:
                  (times[1] - times[0]) * 1e3, rid, "".join(text))
 
 
-def cluster_for(setup: Setup, backend: str = "mooncake", pipelined: bool = False) -> Cluster:
+class Capacity(NamedTuple):
+    """What the clusters must hold at once: the KV blocks of each cache and the embedding bytes of each encoder."""
+
+    kv_blocks: int = 512
+    max_held_bytes: int = 512 << 20
+
+
+def capacity(floors: list[dict], max_tokens: int, concurrency: int, kv_tokens: int, block_size: int = 16) -> Capacity:
+    """The largest grid point (`floors`: its prompt and embedding sizes) at `concurrency` requests in flight, with
+    room for as many again (requests whose KV waits for decode while new ones prefill); never below the roles'
+    defaults."""
+    per_request = max(max(f["prompt_tokens"] for f in floors) + max_tokens, kv_tokens + 2)
+    blocks = 2 * concurrency * (-(-per_request // block_size) + 1)
+    held = 2 * concurrency * max(f["embedding_bytes"] for f in floors)
+    return Capacity(max(Capacity().kv_blocks, blocks), max(Capacity().max_held_bytes, held))
+
+
+def cluster_for(setup: Setup, backend: str = "mooncake", pipelined: bool = False,
+                room: Capacity = Capacity()) -> Cluster:
     """The measured topology: 2 encoders, a prefill server, a decode server and the proxy, every model role on
-    `setup.device` (`pipelined`: decode asked while prefill runs)."""
+    `setup.device` (`pipelined`: decode asked while prefill runs), its KV caches and encoders sized by `room`."""
     return Cluster(setup.topology(encoders=2, backend=backend, prefills=1, decodes=1, proxy=True, timeout=60,
-                                  pipelined=pipelined))
+                                  pipelined=pipelined, kv_blocks=room.kv_blocks,
+                                  settings={"encoder": {"max_held_bytes": room.max_held_bytes}}))
 
 
 def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setup = Setup(),
@@ -200,10 +240,10 @@ def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setu
     rows = []
     path = f"epd/{cluster.topology.backend}" + (" (pipelined)" if cluster.topology.pipelined else "")
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=300)
-    # warm-up (connections, mappings, caches; on a GPU each process's first kernels): two images, which the
-    # prefill splits over both encoders, then the checked request
-    _chat(client, [_image(1, setup.image_size), _image(2, setup.image_size)], max_tokens)
-    answer = _chat(client, _images(0, setup), max_tokens).text
+    # warm-up (connections, mappings, caches; on a GPU each process's first kernels at these shapes): two images,
+    # which the prefill splits over both encoders, then the checked request
+    _chat(client, _messages([_image((1, i), setup.image_size) for i in range(max(2, setup.images))]), max_tokens)
+    answer = _chat(client, _messages(_images(0, setup)), max_tokens).text
     answer_ok = None if reference is None else answer == reference
     if answer_ok is False:
         log(f"  {path}: the answer differs from the monolithic model's: {answer!r} != {reference!r}")
@@ -211,15 +251,15 @@ def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setu
         n = max(requests, conc)
         results: list[_Chat] = []
         lock = threading.Lock()
-        seeds = iter(range(n))
+        payloads = iter([_messages(_images(10_000 * conc + seed, setup)) for seed in range(n)])
 
         def worker() -> None:
             while True:
                 with lock:
-                    seed = next(seeds, None)
-                if seed is None:
+                    messages = next(payloads, None)
+                if messages is None:
                     return
-                out = _chat(client, _images(10_000 * conc + seed, setup), max_tokens)
+                out = _chat(client, messages, max_tokens)
                 with lock:
                     results.append(out)
 
@@ -233,7 +273,7 @@ def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setu
         if len(results) < n:
             raise RuntimeError(f"{path} at concurrency {conc}: {n - len(results)} of {n} requests failed "
                                "(the error is printed above)")
-        rows.append({"path": path, "concurrency": conc,
+        rows.append({"path": path, "concurrency": conc, **_point(setup),
                      "ttft_ms": _summary([r.ttft for r in results]), "tpot_ms": _summary([r.tpot for r in results]),
                      "second_token_ms": _summary([r.second for r in results]),
                      "requests_per_s": len(results) / wall, "answer_ok": answer_ok})
@@ -300,7 +340,7 @@ def _post(http: httpx.Client, url: str, body: dict) -> dict:
 
 
 def _fmt(row: dict) -> str:
-    return (f"  {row['path']:26s} conc={row['concurrency']:<3d} TTFT p50 {row['ttft_ms']['p50']:8.2f} "
+    return (f"  {row['path']:26s} {row['images']} x {row['image_size']}² conc={row['concurrency']:<3d} TTFT p50 {row['ttft_ms']['p50']:8.2f} "
             f"p90 {row['ttft_ms']['p90']:8.2f}  TPOT p50 {row['tpot_ms']['p50']:7.2f} ms  "
             f"{row['requests_per_s']:6.2f} req/s")
 
@@ -313,47 +353,69 @@ def _release(device: torch.device) -> None:
 
 
 def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pipelined: bool = False,
-        setup: Setup = Setup(), concurrency: tuple[int, ...] = CONCURRENCY) -> dict:
-    """Measure; returns ``{"machine", "device", "gpu", "model", "dtype", "rows", "kv_transfer", "ttft_overhead_ms",
-    ...}``. `pipelined`: each backend also with decode asked while prefill runs, beside the default path.
-    Raises ValueError at once where `setup.device` is not here (e.g. cuda without a GPU)."""
+        setup: Setup = Setup(), concurrency: tuple[int, ...] = CONCURRENCY,
+        grid: Sequence[tuple[int, int]] = (), checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Measure; returns ``{"machine", "device", "gpu", "model", "dtype", "grid", "rows", "kv_transfer",
+    "complete", ...}``. `grid`: the (image_size, images) points, each measured by the floor and by every cluster
+    (none: `setup`'s own). `pipelined`: each backend also with decode asked while prefill runs, beside the
+    default path. `checkpoint`: called with the result so far (``complete`` False) after each cluster, so that a
+    run cut short keeps what it measured. Raises ValueError at once where `setup.device` is not here (e.g. cuda
+    without a GPU)."""
     device = resolve_device(setup.device)
-    log(f"  {setup.model} on {device} ({_gpu_name(device) or 'no GPU'}), "
-        f"{resolve_dtype(setup.dtype, setup.device)}, {setup.images} x {setup.image_size}² image(s) per request")
-    rows = [monolithic(requests, max_tokens, setup)]
-    reference = rows[0].pop("reference")
+    points = [replace(setup, image_size=size, images=images) for size, images in grid] or [setup]
+    log(f"  {setup.model} on {device} ({_gpu_name(device) or 'no GPU'}), {resolve_dtype(setup.dtype, setup.device)}, "
+        f"images x side per request: {', '.join(f'{p.images} x {p.image_size}²' for p in points)}")
+    model = open_floor_model(setup)
+    floors = [monolithic(requests, max_tokens, point, model) for point in points]
+    del model
     _release(device)
-    log(_fmt(rows[0]) + f"  ({rows[0]['image_tokens']} image tokens, {rows[0]['embedding_bytes']} bytes)")
-    kv = None
+    references = [floor.pop("reference") for floor in floors]
+    for floor in floors:
+        log(_fmt(floor) + f"  ({floor['image_tokens']} image tokens, {floor['embedding_bytes']} bytes)")
+    room = capacity(floors, max_tokens, max(concurrency), setup.kv_tokens)
+    rows, kv = list(floors), None
+
+    def result(complete: bool, log=log) -> dict:
+        summary = [_summarize(floor, [r for r in rows[len(floors):] if _point(point).items() <= r.items()], log)
+                   for floor, point in zip(floors, points)]
+        return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
+                "dtype": resolve_dtype(setup.dtype, setup.device), "max_tokens": max_tokens,
+                "concurrency": list(concurrency), "kv_blocks": room.kv_blocks, "max_held_bytes": room.max_held_bytes,
+                "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
+                "rows": rows, "kv_transfer": kv}
+
     for backend in backends:
         for piped in (False, True) if pipelined else (False,):
-            with cluster_for(setup, backend, piped) as cluster:
-                rows += epd(cluster, requests, max_tokens, log, setup, reference, concurrency)
+            with cluster_for(setup, backend, piped, room) as cluster:
+                for point, reference in zip(points, references):
+                    rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency)
                 if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
                     kv = kv_transfer(cluster, requests, setup.kv_tokens)
+            if checkpoint is not None:
+                checkpoint(result(False, log=lambda *_: None))
     if kv is None:
-        with cluster_for(setup) as cluster:
+        with cluster_for(setup, room=room) as cluster:
             kv = kv_transfer(cluster, requests, setup.kv_tokens)
     log(f"  kv_transfer: {kv['prompt_tokens']} tokens, {kv['blocks']} blocks, {kv['bytes']} bytes, "
         f"p50 {kv['ms']['p50']:.3f} ms (p90 {kv['ms']['p90']:.3f}), {kv['gbps']['p50']:.2f} GB/s")
-    mono = rows[0]["ttft_ms"]["p50"]
-    overhead = {r["path"]: r["ttft_ms"]["p50"] - mono for r in rows[1:] if r["concurrency"] == 1}
-    for path, ms in overhead.items():
-        log(f"  TTFT overhead over monolithic at concurrency 1, {path}: {ms:.2f} ms (target <= 3 ms)")
-    step = rows[0]["tpot_ms"]["p50"]
-    for r in rows[1:]:
+    return result(True)
+
+
+def _summarize(floor: dict, rows: list[dict], log=print) -> dict:
+    """One grid point: its sizes, and each path's TTFT overhead over the floor at concurrency 1 (logged, with the
+    time no span covers and the second token against the floor's decode step)."""
+    point = f"{floor['images']} x {floor['image_size']}²"
+    overhead = {r["path"]: r["ttft_ms"]["p50"] - floor["ttft_ms"]["p50"] for r in rows if r["concurrency"] == 1}
+    for r in rows:
         if r["concurrency"] == 1:
             gap = next(p for p in r["critical_path"] if p["stage"] == "gap")
-            log(f"  {r['path']}: time covered by no span {gap['median_pct']:.1f}% of TTFT (median; "
-                f"{gap['min_pct']:.1f}..{gap['max_pct']:.1f}%; target <= 10%); second token "
-                f"{r['second_token_ms']['p50']:.2f} ms after the first, monolithic decode step {step:.2f} ms")
-    return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
-            "dtype": resolve_dtype(setup.dtype, setup.device), "image_size": setup.image_size,
-            "images": setup.images, "image_tokens": rows[0]["image_tokens"],
-            "embedding_bytes": rows[0]["embedding_bytes"], "max_tokens": max_tokens, "concurrency": list(concurrency),
-            "answers_equal_monolithic": all(r["answer_ok"] for r in rows[1:]), "rows": rows, "kv_transfer": kv,
-            "ttft_overhead_ms": overhead}
+            log(f"  {point} {r['path']}: TTFT overhead over monolithic {overhead[r['path']]:.2f} ms; time covered "
+                f"by no span {gap['median_pct']:.1f}% of TTFT ({gap['min_pct']:.1f}..{gap['max_pct']:.1f}%); "
+                f"second token {r['second_token_ms']['p50']:.2f} ms after the first, monolithic decode step "
+                f"{floor['tpot_ms']['p50']:.2f} ms")
+    return {**{k: floor[k] for k in ("image_size", "images", "prompt_tokens", "image_tokens", "embedding_bytes")},
+            "answers_equal_monolithic": all(r["answer_ok"] for r in rows), "ttft_overhead_ms": overhead}
 
 
 def _gpu_name(device: torch.device) -> str | None:
@@ -389,19 +451,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help=DEVICE_HELP + " (the floor and every model role)")
     ap.add_argument("--model", default="tiny", help=MODEL_HELP)
     ap.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="auto: bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--image-size", type=int, default=224,
-                    help="side of each request's square image, pixels (224: 64 image tokens; 896: 1,024)")
-    ap.add_argument("--images", type=int, default=1, help="images per request")
+    ap.add_argument("--image-size", type=_ints, default=(224,),
+                    help="side of each request's square image, pixels (224: 64 image tokens; 896: 1,024); a list "
+                         "(448,896) measures each")
+    ap.add_argument("--images", type=_ints, default=(1,), help="images per request; a list (1,4,8) measures each")
     ap.add_argument("--kv-tokens", type=int, default=512, help="prompt tokens of the kv_transfer part")
     ap.add_argument("--concurrency", type=_ints, default=CONCURRENCY, help="levels, comma-separated (1,4,16)")
     args = ap.parse_args(argv)
     try:
-        setup = Setup(args.device, args.model, args.dtype, args.image_size, args.images, args.kv_tokens)
+        setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens)
+        grid = [(size, images) for size in args.image_size for images in args.images]
+        for size, images in grid:
+            replace(setup, image_size=size, images=images)  # each point's sizes checked here, not mid-run
         resolve_device(setup.device)  # before any model is built or process started
     except ValueError as exc:
         ap.error(str(exc))
+    save = (lambda partial: write_json(args.json, partial)) if args.json else None
     result = run(tuple(args.backends.split(",")), args.requests, args.max_tokens, pipelined=args.pipelined,
-                 setup=setup, concurrency=args.concurrency)
+                 setup=setup, concurrency=args.concurrency, grid=grid, checkpoint=save)
     if args.json:
         write_json(args.json, result)
     return 0

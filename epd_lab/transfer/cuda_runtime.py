@@ -181,8 +181,18 @@ class Cuda:
             return None
         return attrs.device if attrs.type == _MEM_TYPE_DEVICE else None
 
+    def bind_context(self) -> None:
+        """Make a context current in this thread before a driver call. A thread gets one from its first runtime
+        call that needs it; a new worker thread of a server's pool may have made none, and the driver then
+        answers error 201 (invalid context): the current device's primary context is bound here, once per
+        thread (`set_device` later switches it, never unbinds)."""
+        if not getattr(self._tls, "bound", False):
+            self.set_device(self.current_device())
+            self._tls.bound = True
+
     def allocation(self, ptr: int) -> tuple[int, int]:
         """``(base, size)`` of the cudaMalloc allocation holding `ptr` (what an IPC handle maps)."""
+        self.bind_context()
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         self.check_drv(self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
                        f"cuMemGetAddressRange(0x{ptr:x})")
@@ -228,6 +238,7 @@ class Cuda:
         """Queue a batch of copies as one kernel launch per `BATCH_MAX` blocks (uint64 arrays); the kernel
         writes to ``dst + dst_offset`` (modulo 2**64). `config`: (threads, vectors per thread), else
         `KERNEL_CONFIG`; `longest`: the longest block, where the caller knows it."""
+        self.bind_context()
         threads, unroll = config or KERNEL_CONFIG
         chunk = threads * unroll * 16  # bytes one block moves per iteration
         if longest is None:
