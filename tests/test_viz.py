@@ -30,6 +30,7 @@ from epd_lab.trace import Recorder, Span, critical_path, spans_frame
 from epd_lab.viz import (STAGE_ORDER, bandwidth_curves, chromium_path, critical_path_waterfall, html_report,
                          load_bench, request_spans, save_png, save_pngs, stage_color, stage_distributions,
                          sweep_heatmap, sweep_lines, waterfall, waterfalls)
+from epd_lab.viz.split import RESULTS, e2e_frame, load_e2e, split_figure, split_pays
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -215,6 +216,40 @@ def test_bandwidth_curves_one_line_per_path_and_the_memcpy_limit():
     assert fig.layout.xaxis.type == "log" and "1 MiB" in fig.layout.xaxis.ticktext
     with pytest.raises(ValueError, match="no contiguous rows"):
         bandwidth_curves({"rows": [r for r in bench["rows"] if r["blocks"] > 1]})
+
+
+def test_bandwidth_curves_of_the_gpu_run_draw_d2d_as_the_limit():
+    bench = load_bench(RESULTS / "transfer-cuda-h200.json")
+    fig = bandwidth_curves(bench, limit="d2d")
+    assert fig.data[0].name == "d2d (limit)" and fig.data[0].line.dash == "dash"
+    assert {"cuda", "pinned_staging"} <= {t.name for t in fig.data}
+    assert "H200" in fig.layout.title.text  # the GPU names the machine, not the host's CPU
+
+
+def test_split_pays_and_its_figure_from_the_committed_gpu_grids():
+    runs = load_e2e()
+    assert runs and all(run["complete"] and run["device"].startswith("cuda") for run in runs)
+    frame = e2e_frame(runs)
+    assert len(frame) == sum(len(run["rows"]) for run in runs)
+    pays = split_pays(frame)
+    key = ["model", "image_size", "images", "backend"]
+    assert len(pays) == frame[frame["path"] != "monolithic"].groupby(key).ngroups
+    for _, p in pays.iterrows():  # each figure recomputed from the run's own rows
+        at = frame[(frame["model"] == p["model"]) & (frame["image_size"] == p["image_size"])
+                   & (frame["images"] == p["images"])]
+        floor = at[at["path"] == "monolithic"].iloc[0]
+        lone = at[(at["backend"] == p["backend"]) & (at["concurrency"] == 1)].iloc[0]
+        top = at[(at["backend"] == p["backend"]) & (at["concurrency"] == at["concurrency"].max())].iloc[0]
+        assert p["ttft_over_floor_ms"] == pytest.approx(lone["ttft_p50_ms"] - floor["ttft_p50_ms"])
+        assert p["throughput_ratio"] == pytest.approx(top["requests_per_s"] / floor["requests_per_s"])
+    model = runs[0]["model"]
+    fig = split_figure(frame, model)
+    at = frame[frame["model"] == model]
+    sizes, backends = at["image_size"].nunique(), at.loc[at["path"] != "monolithic", "backend"].nunique()
+    assert len(fig.data) == sizes * ((backends + 1) + backends)  # TTFT lines (floor too), then ratio lines
+    assert model in fig.layout.title.text
+    with pytest.raises(ValueError, match="not a grid run"):
+        load_e2e([RESULTS / "e2e.json"])  # the CPU run of issue 10, before the grid
 
 
 def test_sweep_heatmap_and_lines_aggregate_the_rows():

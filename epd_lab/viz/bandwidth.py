@@ -31,9 +31,10 @@ def _size_label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def bandwidth_curves(bench: Mapping[str, Any], log_y: bool = True) -> go.Figure:
+def bandwidth_curves(bench: Mapping[str, Any], log_y: bool = True, limit: str = LIMIT_PATH) -> go.Figure:
     """GB/s against message size (log x), one line per path of contiguous writes (``blocks == 1``), error
-    bars from the fastest to the slowest repeat, and memcpy drawn as the dashed limit."""
+    bars from the fastest to the slowest repeat, and the `limit` path drawn dashed (memcpy; ``d2d``, the
+    in-process device-to-device copy, for `bench transfer --device cuda`)."""
     rows = [r for r in bench["rows"] if r.get("blocks", 1) == 1 and r.get("gbps") is not None]
     if not rows:
         raise ValueError("no contiguous rows (blocks == 1) with a gbps in the benchmark")
@@ -43,12 +44,12 @@ def bandwidth_curves(bench: Mapping[str, Any], log_y: bool = True) -> go.Figure:
         pts = sorted((r for r in rows if r["path"] == path), key=lambda r: r["size"])
         gbps = [r["gbps"] for r in pts]
         lo, hi = [r.get("gbps_min", r["gbps"]) for r in pts], [r.get("gbps_max", r["gbps"]) for r in pts]
-        limit = path == LIMIT_PATH
+        is_limit = path == limit
         fig.add_trace(go.Scatter(
-            x=[r["size"] for r in pts], y=gbps, mode="lines+markers", name=f"{path} (limit)" if limit else path,
-            line=dict(color="#444444", dash="dash", width=2) if limit else
+            x=[r["size"] for r in pts], y=gbps, mode="lines+markers", name=f"{path} (limit)" if is_limit else path,
+            line=dict(color="#444444", dash="dash", width=2) if is_limit else
             dict(color=_COLORS.get(path) or stage_color(path), width=2),
-            marker=dict(symbol="diamond-open" if limit else "circle", size=7),
+            marker=dict(symbol="diamond-open" if is_limit else "circle", size=7),
             error_y=dict(type="data", symmetric=False, thickness=1, array=[h - g for h, g in zip(hi, gbps)],
                          arrayminus=[g - m for g, m in zip(gbps, lo)]),
             customdata=[[_size_label(r["size"]), m, h, r.get("repeats")] for r, m, h in zip(pts, lo, hi)],
@@ -58,8 +59,11 @@ def bandwidth_curves(bench: Mapping[str, Any], log_y: bool = True) -> go.Figure:
         ))
     sizes = sorted({r["size"] for r in rows})
     machine = bench.get("machine", {})
-    where = [str(machine["cpu"])] if "cpu" in machine else []
-    where += [f"{machine['cores']} cores"] if "cores" in machine else []
+    if machine.get("gpu"):
+        where = [f"{machine.get('gpu_count', 1)} x {machine['gpu']}"]
+    else:
+        where = [str(machine["cpu"])] if "cpu" in machine else []
+        where += [f"{machine['cores']} cores"] if "cores" in machine else []
     fig.update_layout(
         title="one-sided write bandwidth by message size" + (f" ({', '.join(where)})" if where else ""),
         xaxis=dict(type="log", title="message size", tickvals=sizes, ticktext=[_size_label(s) for s in sizes]),
