@@ -4,9 +4,10 @@ The bench measures, per grid point (images per request x image side), the monoli
 request at a time) and E→P→D through the proxy at several concurrency levels, one row per (path, level). Here:
 
 - `e2e_frame`: every row of one or more runs, flat (model, path, backend, images, image_size, concurrency,
-  TTFT/TPOT p50 and p90, requests/s).
+  TTFT/TPOT p50 and p90, requests/s, and at concurrency 1 the servers' own TTFT: the proxy's ``ttft`` span).
 - `split_pays`: per model, point and backend, what the split costs a lone request (TTFT over the floor at
-  concurrency 1) and what it gives under load (requests/s at the highest level over the floor's).
+  concurrency 1, and how much of the client's TTFT the servers spent: the rest is the client encoding and
+  sending the request) and what it gives under load (requests/s at the highest level over the floor's).
 - `split_figure`: TTFT at concurrency 1 and the throughput ratio against images per request, one panel per
   image side, one line per path.
 """
@@ -50,16 +51,25 @@ def e2e_frame(runs: Iterable[dict[str, Any]]) -> pd.DataFrame:
                             "images": r["images"], "image_size": r["image_size"], "concurrency": r["concurrency"],
                             "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p90_ms": r["ttft_ms"]["p90"],
                             "tpot_p50_ms": r["tpot_ms"]["p50"], "requests_per_s": r["requests_per_s"],
-                            "answer_ok": r.get("answer_ok")})
+                            "server_ttft_p50_ms": _server_ttft(r), "answer_ok": r.get("answer_ok")})
     if not records:
         raise ValueError("no rows in the runs")
     return pd.DataFrame.from_records(records)
 
 
+def _server_ttft(row: dict[str, Any]) -> float:
+    """The median of the proxy's ``ttft`` span (request received to first token sent) where the row has a critical
+    path (concurrency 1), else NaN."""
+    stages = {p["stage"]: p["median_ms"] for p in row.get("critical_path", ())}
+    return stages.get("ttft", float("nan"))
+
+
 def split_pays(frame: pd.DataFrame) -> pd.DataFrame:
     """Per (model, image_size, images, backend): ``ttft_over_floor_ms`` and ``ttft_ratio`` at concurrency 1, and
     ``throughput_ratio``: the split's requests/s at its highest level over the floor's (the floor serves one
-    request at a time, so its rate is the same at any level). A ratio above 1 is where the split pays."""
+    request at a time, so its rate is the same at any level). A ratio above 1 is where the split pays.
+    ``server_ttft_ms``: the part of ``ttft_ms`` inside the servers; ``client_ms`` the rest (the client's JSON
+    and upload of the images, which the floor does not pay)."""
     key = ["model", "image_size", "images"]
     floor = frame[frame["path"] == MONOLITHIC].set_index(key)
     split = frame[frame["path"] != MONOLITHIC]
@@ -69,9 +79,11 @@ def split_pays(frame: pd.DataFrame) -> pd.DataFrame:
         lone = rows[rows["concurrency"] == 1]
         top = rows[rows["concurrency"] == rows["concurrency"].max()].iloc[0]
         ttft = float(lone["ttft_p50_ms"].iloc[0]) if len(lone) else float("nan")
+        server = float(lone["server_ttft_p50_ms"].iloc[0]) if len(lone) else float("nan")
         out.append({"model": model, "image_size": size, "images": images, "backend": backend,
                     "floor_ttft_ms": base["ttft_p50_ms"], "ttft_ms": ttft,
                     "ttft_over_floor_ms": ttft - base["ttft_p50_ms"], "ttft_ratio": ttft / base["ttft_p50_ms"],
+                    "server_ttft_ms": server, "client_ms": ttft - server,
                     "top_concurrency": int(top["concurrency"]), "requests_per_s": top["requests_per_s"],
                     "floor_requests_per_s": base["requests_per_s"],
                     "throughput_ratio": top["requests_per_s"] / base["requests_per_s"]})
