@@ -1,6 +1,7 @@
 """`epd-lab bench e2e` with `--device`, `--model`, `--dtype`, `--image-size`, `--images`, `--kv-tokens`: a tiny run
-through the real servers on the CPU, over a grid of two image counts, checks what the JSON holds (not a speed test); `--device cuda` without a GPU fails at once
-with the reason; on a GPU (marked `cuda`, run on the device machine) the same small run on CUDA."""
+through the real servers on the CPU, over a grid of two image counts, checks what the JSON holds (not a speed
+test); `--device cuda` without a GPU fails at once with the reason; on a GPU (marked `cuda`, run on the device
+machine) the same small run on CUDA."""
 from __future__ import annotations
 
 import json
@@ -34,7 +35,8 @@ def _check(data: dict, device: str, dtype: str, image_size: int, image_tokens: i
     assert [(p["image_size"], p["images"]) for p in data["grid"]] == [(image_size, n) for n in images]
     for point in data["grid"]:
         n = point["images"]
-        assert point["image_tokens"] == n * image_tokens and point["embedding_bytes"] == n * image_tokens * 256 * itemsize
+        assert point["image_tokens"] == n * image_tokens
+        assert point["embedding_bytes"] == n * image_tokens * 256 * itemsize
         # the rendered chat's text, plus each image's tokens and its vision_start/vision_end
         assert point["prompt_tokens"] > n * (image_tokens + 2)
         assert point["answers_equal_monolithic"] is True and set(point["ttft_overhead_ms"]) == {"epd/mooncake"}

@@ -340,9 +340,9 @@ def _post(http: httpx.Client, url: str, body: dict) -> dict:
 
 
 def _fmt(row: dict) -> str:
-    return (f"  {row['path']:26s} {row['images']} x {row['image_size']}² conc={row['concurrency']:<3d} TTFT p50 {row['ttft_ms']['p50']:8.2f} "
-            f"p90 {row['ttft_ms']['p90']:8.2f}  TPOT p50 {row['tpot_ms']['p50']:7.2f} ms  "
-            f"{row['requests_per_s']:6.2f} req/s")
+    return (f"  {row['path']:26s} {row['images']} x {row['image_size']}² conc={row['concurrency']:<3d} "
+            f"TTFT p50 {row['ttft_ms']['p50']:8.2f} p90 {row['ttft_ms']['p90']:8.2f}  "
+            f"TPOT p50 {row['tpot_ms']['p50']:7.2f} ms  {row['requests_per_s']:6.2f} req/s")
 
 
 def _release(device: torch.device) -> None:

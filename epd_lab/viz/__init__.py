@@ -19,6 +19,6 @@ from epd_lab.viz.timeline import (STAGE_ORDER, critical_path_waterfall, request_
                                   waterfall, waterfalls)
 
 __all__ = ["STAGE_ORDER", "bandwidth_curves", "block_runs", "block_runs_frame", "block_tables", "buffer_layout",
-           "e2e_frame", "load_e2e", "part_ranges", "split_figure", "split_pays", "chromium_path", "critical_path_waterfall", "html_report", "load_bench", "request_spans",
-           "save_png", "save_pngs", "stage_color", "stage_distributions", "sweep_heatmap", "sweep_lines",
-           "waterfall", "waterfalls"]
+           "chromium_path", "critical_path_waterfall", "e2e_frame", "html_report", "load_bench", "load_e2e",
+           "part_ranges", "request_spans", "save_png", "save_pngs", "split_figure", "split_pays", "stage_color",
+           "stage_distributions", "sweep_heatmap", "sweep_lines", "waterfall", "waterfalls"]
