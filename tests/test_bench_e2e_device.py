@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from epd_lab.bench.e2e import Setup
+from epd_lab.bench.e2e import Capacity, Setup, capacity
 from epd_lab.transfer.cuda_runtime import unavailable_reason
 
 NO_GPU = unavailable_reason()
@@ -88,6 +88,16 @@ def test_bad_options_are_refused_before_anything_runs(capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         main(args)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_capacity_holds_the_largest_point_at_the_highest_level_twice():
+    # 8 x 896² on the 2B shape: 8,338 prompt tokens and 24 MiB of embeddings per request, 16 in flight
+    floors = [{"prompt_tokens": 300, "embedding_bytes": 1 << 20}, {"prompt_tokens": 8338, "embedding_bytes": 24 << 20}]
+    room = capacity(floors, max_tokens=16, concurrency=16, kv_tokens=4096)
+    assert room == Capacity(kv_blocks=2 * 16 * (-(-(8338 + 16) // 16) + 1), max_held_bytes=2 * 16 * (24 << 20))
+    # small points keep the roles' defaults; a long kv_transfer prompt sizes the caches on its own
+    assert capacity(floors[:1], 16, 1, 512) == Capacity()
+    assert capacity(floors[:1], 16, 16, 4096).kv_blocks == 2 * 16 * (-(-4098 // 16) + 1)
 
 
 def test_setup_resolves_the_dtype_per_device():
