@@ -44,6 +44,7 @@ import torch
 from PIL import Image
 
 from epd_lab.bench import write_json
+from epd_lab.campaign.common import random_png
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import (
@@ -107,12 +108,8 @@ class Setup:
 
 
 def _image(seed: int | tuple[int, ...], size: int = 224) -> bytes:
-    """A random RGB image of `size`² as PNG bytes. Noise does not compress: stored uncompressed (level 0), which
-    spares the client and the servers a deflate that would gain nothing."""
-    buf = io.BytesIO()
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(buf, "PNG", compress_level=0)
-    return buf.getvalue()
+    """A random RGB image of `size`² as PNG bytes, stored uncompressed (noise gains nothing from a deflate)."""
+    return random_png(seed, size, compress_level=0)
 
 
 def _images(seed: int, setup: Setup) -> list[bytes]:

@@ -58,11 +58,18 @@ class Outcome:
         return asdict(self)
 
 
+def random_png(seed: int | tuple[int, ...], size: int, compress_level: int = 6) -> bytes:
+    """A random RGB image of `size`² as PNG bytes (distinct per seed). Noise does not compress: level 0 stores it
+    and spares both ends a deflate that gains nothing."""
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG", compress_level=compress_level)
+    return buf.getvalue()
+
+
 def image_uri(seed: int, size: int) -> str:
     """A random RGB PNG of `size`² as a data URI (distinct per seed)."""
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return "data:image/png;base64," + base64.b64encode(random_png(seed, size)).decode()
 
 
 @dataclass(slots=True)

@@ -9,7 +9,8 @@ import plotly.graph_objects as go
 
 from epd_lab.viz.timeline import stage_color
 
-BENCH_JSON = Path(__file__).resolve().parents[2] / "data" / "bench" / "transfer.json"
+RESULTS = Path(__file__).resolve().parents[2] / "data" / "bench"  # the committed benchmark JSON
+BENCH_JSON = RESULTS / "transfer.json"
 LIMIT_PATH = "memcpy"  # one thread copying within one process: the ceiling for every path on this host
 # The engine's paths first, then the baselines it is measured against.
 _COLORS = {"shm": "#FF7F0E", "shm_registered": "#D62728", "tcp": "#2CA02C", "verbs": "#9467BD",

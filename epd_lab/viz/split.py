@@ -22,7 +22,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "bench"
+from epd_lab.viz.bandwidth import RESULTS
+
 MONOLITHIC = "monolithic"
 _COLORS = {MONOLITHIC: "#444444", "mooncake": "#1F77B4", "zmq_to_scheduler": "#E377C2", "zmq_to_tokenizer": "#BCBD22"}
 
