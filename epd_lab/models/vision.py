@@ -64,3 +64,53 @@ def make_image_invariant(model: Qwen2VLForConditionalGeneration) -> Qwen2VLForCo
     elif not isinstance(tower, PerImageVisionTower):
         raise TypeError(f"expected Qwen2-VL's vision tower, got {type(tower).__name__}")
     return model
+
+
+def budget_calls(patches: list[int], budget: int) -> list[list[int]]:
+    """Images (by their patch counts, in order) packed into calls of at most `budget` patch rows: an image joins
+    the current call while it fits, else opens the next; an image larger than the budget is a call alone."""
+    calls: list[list[int]] = []
+    used = budget  # no open call yet
+    for i, n in enumerate(patches):
+        if used + n > budget:
+            calls.append([])
+            used = 0
+        calls[-1].append(i)
+        used += n
+    return calls
+
+
+def encode_in_budget(tower: Qwen2VisionTransformerPretrainedModel, pixel_values: torch.Tensor,
+                     grid_thw: torch.Tensor, budget: int) -> torch.Tensor:
+    """The tower's merged embeddings [tokens, hidden] of every image, batched across images in calls of exactly
+    `budget` patch rows (an image larger than that: its own size), wherever the images come from.
+
+    Why a fixed row count: a GEMM's row is computed the same way whatever the other rows hold, but the kernel a
+    library picks, and so the order of its sums, may change with the row count. With every call `budget` rows
+    tall, an image meets the same kernels however the images are grouped into requests and parts, so the split
+    equals the monolithic model bit for bit while the tower still runs many images per call. The rows left over
+    are a padding image of zeros (grid ``1 x m x rows/m``, m the merge size), which attention keeps apart as it
+    keeps every image apart (block-diagonal), and whose output is dropped.
+    """
+    merge = tower.spatial_merge_size
+    unit = merge * merge
+    if budget < unit or budget % unit:
+        raise ValueError(f"the vision budget must be a positive multiple of {unit} patch rows, got {budget}")
+    patches = grid_thw.prod(-1).tolist()
+    if sum(patches) != pixel_values.shape[0]:
+        raise ValueError(f"grid_thw names {sum(patches)} patches, pixel_values has {pixel_values.shape[0]}")
+    starts = [0]
+    for n in patches:
+        starts.append(starts[-1] + n)
+    outputs = []
+    for call in budget_calls(patches, budget):
+        rows = starts[call[-1] + 1] - starts[call[0]]
+        pad = max(budget, rows) - rows
+        hidden = pixel_values[starts[call[0]]:starts[call[-1] + 1]]
+        grid = grid_thw[call[0]:call[-1] + 1]
+        if pad:
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+            grid = torch.cat([grid, grid.new_tensor([[1, merge, pad // merge]])])
+        out = Qwen2VisionTransformerPretrainedModel.forward(tower, hidden, grid_thw=grid)
+        outputs.append(out.pooler_output[:rows // unit])
+    return torch.cat(outputs)

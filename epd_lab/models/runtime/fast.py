@@ -1,0 +1,106 @@
+"""The "fast" runtime: `Qwen2LM` over the paged cache, decode replayed from CUDA graphs on a GPU, the vision
+tower batched across images in fixed-size calls (`models.vision.encode_in_budget`) on a GPU.
+
+On the CPU the same code runs with torch ops (`ops.TorchOps`), no graphs, and the vision tower image by image
+(a CPU GEMM may pick its kernel by row position too, so there the budget would not buy bit-identity; measured
+in issue 9). That is what CI tests against HF transformers.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import Qwen2VLForConditionalGeneration
+
+from epd_lab.kv.block_manager import blocks_needed
+from epd_lab.kv.paged_cache import PagedKVCache
+from epd_lab.models.runners import VisionEncoder, _to
+from epd_lab.models.runtime import PrefillOutput, prompt_positions, token_slot
+from epd_lab.models.runtime.graph import DecodeGraphs
+from epd_lab.models.runtime.qwen2 import Qwen2LM
+from epd_lab.models.vision import encode_in_budget
+
+# Patch rows per vision call on a GPU: four 448² images (1,024 patches each) or one 896² image fill it.
+DEFAULT_VISION_BUDGET = 4096
+
+
+class FastRuntime:
+    """See the module docstring. A context manager: `close` drops the graphs and their memory pool.
+
+    Args:
+        model, cache: the loaded model and the paged cache its KV lives in.
+        max_batch: the largest decode batch captured (a larger one runs eagerly).
+        max_seq_len: the longest sequence (prompt + generated) a captured step attends over.
+        vision_budget: patch rows per vision call (None: `DEFAULT_VISION_BUDGET` on a GPU, image by image on a
+            CPU).
+        cuda_graphs: capture decode on a GPU (False: eager, for comparison).
+    """
+
+    name = "fast"
+
+    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache, *, max_batch: int = 16,
+                 max_seq_len: int = 4096, vision_budget: int | None = None, cuda_graphs: bool = True) -> None:
+        self.model, self.cache = model, cache
+        self.lm = Qwen2LM(model, cache)
+        self.device = self.lm.device
+        on_gpu = self.device.type == "cuda"
+        self.vision_budget = vision_budget if vision_budget is not None else (
+            DEFAULT_VISION_BUDGET if on_gpu else None)
+        self._vision = VisionEncoder(model)
+        self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size)) \
+            if on_gpu and cuda_graphs else None
+
+    @torch.no_grad()
+    def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged vision embeddings [tokens, hidden], in budgeted calls on a GPU, image by image otherwise."""
+        if self.vision_budget is None:
+            return self._vision.encode(pixel_values, image_grid_thw)
+        return encode_in_budget(self.model.model.visual, _to(pixel_values, self.device),
+                                _to(image_grid_thw, self.device), self.vision_budget)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+                image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
+        ids = input_ids.reshape(-1)
+        positions, rope_delta = prompt_positions(self.model, ids, 0 if image_embeds is None else len(image_embeds),
+                                                 image_grid_thw)
+        ids = _to(ids, self.device)
+        embeds = self.lm.embed_tokens(ids)
+        if image_embeds is not None:
+            mask = ids == self.model.config.image_token_id
+            embeds = embeds.masked_scatter(mask[:, None], _to(image_embeds, self.device).to(embeds.dtype))
+        slots = self.cache.slots(block_table, len(ids))
+        logits = self.lm.prefill(embeds, _to(positions[:, 0], self.device), slots)
+        return PrefillOutput(logits, rope_delta, len(ids))
+
+    @torch.no_grad()
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+               seq_lens: Sequence[int]) -> torch.Tensor:
+        if not len(tokens) == len(positions) == len(block_tables) == len(seq_lens) > 0:
+            raise ValueError("decode needs as many tokens, positions, block tables and lengths (>= 1)")
+        block_size = self.cache.block_size
+        for table, n in zip(block_tables, seq_lens):
+            if not 0 < n <= len(table) * block_size:
+                raise ValueError(f"a sequence of {n} tokens does not fit {len(table)} blocks of {block_size}")
+        slots = [token_slot(table, n - 1, block_size) for table, n in zip(block_tables, seq_lens)]
+        if self.graphs is not None and len(tokens) <= self.graphs.max_batch and \
+                max(len(t) for t in block_tables) <= self.graphs.max_blocks:
+            return self.graphs.run(list(tokens), list(positions), slots, list(seq_lens),
+                                   [list(t) for t in block_tables])
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], device=self.device)
+
+        def tensor(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+        return self.lm.decode(tensor(tokens), tensor(positions), tensor(slots), tables, tensor(seq_lens))
+
+    def close(self) -> None:
+        """Drop the captured graphs (their pool goes with them). Idempotent."""
+        self.graphs = None
+
+    def __enter__(self) -> "FastRuntime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
