@@ -19,7 +19,7 @@ from epd_lab.ep.messages import DTYPES
 from epd_lab.kv import PagedKVCache
 from epd_lab.models import build_input_ids, load_model, monolithic_generate, open_model, preprocess
 from epd_lab.models.runtime import RUNTIMES, generate, open_runtime
-from epd_lab.models.runtime.graph import buckets_up_to
+from epd_lab.models.runtime.graph import buckets_up_to, token_buckets
 from epd_lab.models.runtime.ops import TorchOps
 from epd_lab.models.vision import budget_calls, encode_in_budget
 from test_model_device import HAS_CUDA, gpu
@@ -171,6 +171,8 @@ def test_encode_in_budget_computes_the_tower():
 
 
 def test_graph_buckets():
+    assert token_buckets(1) == [64] and token_buckets(64) == [64]
+    assert token_buckets(1000) == [64, 128, 256, 512, 1024]
     assert buckets_up_to(1) == [1]
     assert buckets_up_to(16) == [1, 2, 4, 8, 16]
     assert buckets_up_to(40) == [1, 2, 4, 8, 16, 24, 32, 40]
@@ -279,9 +281,9 @@ def test_vision_budget_is_invariant_to_grouping_on_cuda(cuda_model):
 @gpu
 def test_fast_is_within_the_stated_bound_of_hf_on_cuda(cuda_model):
     ids, pixel_values, grid = _inputs(*CASES[2])
-    with _cache(cuda_model, 16, "cuda") as cache:
+    with _cache(cuda_model, 20, "cuda") as cache:
         fast = open_runtime("fast", cuda_model, cache, cuda_graphs=False)
         hf = open_runtime("hf", cuda_model, cache)
-        got = fast.prefill(ids, fast.encode(pixel_values, grid), grid, list(range(8))).logits
-        want = hf.prefill(ids, hf.encode(pixel_values, grid), grid, list(range(8, 16))).logits
+        got = fast.prefill(ids, fast.encode(pixel_values, grid), grid, list(range(10))).logits
+        want = hf.prefill(ids, hf.encode(pixel_values, grid), grid, list(range(10, 20))).logits
     _close(got, want)

@@ -37,6 +37,7 @@ from epd_lab.models import build_input_ids, configure_torch, open_model, preproc
 from epd_lab.models.runtime import RUNTIMES, open_runtime
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
+TOP_KERNELS = 6  # per measured call, the kernels that took the most GPU time
 MAX_SEQ = 1024  # tokens a sequence may reach here: 4 x 448² images (1,024 image tokens) fit only in a prefill
 
 
@@ -52,7 +53,7 @@ def _stats(ms: list[float]) -> dict:
 def profile(fn: Callable[[], object], device: torch.device, repeats: int) -> dict:
     """GPU busy time and kernel count per call of `fn` (the profiler's CUDA events: kernels and copies)."""
     if device.type != "cuda":
-        return {"gpu_busy_ms": None, "kernels": None}
+        return {"gpu_busy_ms": None, "kernels": None, "top_kernels": []}
     fn()
     _sync(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -61,7 +62,13 @@ def profile(fn: Callable[[], object], device: torch.device, repeats: int) -> dic
         _sync(device)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in events)
-    return {"gpu_busy_ms": busy_us / 1e3 / repeats, "kernels": len(events) / repeats}
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    return {"gpu_busy_ms": busy_us / 1e3 / repeats, "kernels": len(events) / repeats,
+            "top_kernels": [{"name": name[:120], "ms": sum(us) / 1e3 / repeats, "count": len(us) / repeats}
+                            for name, us in top]}
 
 
 class Timer:
@@ -173,9 +180,9 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                            "decode_c1": lambda step=step: step(1), "decode_c16": lambda step=step: step(16),
                            "ttft": ttft}
         tower = model.model.visual
-        pv4_dev, grid4_dev = pv4.to(device), grid4.to(device)
+        # from the same host tensors as the runtimes' encode: the pixels' copy to the GPU is in both
         calls["hf_batched_tower"] = {"vit_4x448": lambda: Qwen2VisionTransformerPretrainedModel.forward(
-            tower, pv4_dev, grid_thw=grid4_dev)}
+            tower, pv4.to(device), grid_thw=grid4.to(device))}
         calls["cpu"] = {"preprocess_1x448": lambda: preprocess(imgs[:1])}
         flat = {f"{rt}/{what}": fn for rt, table in calls.items() for what, fn in table.items()}
         with torch.no_grad():
@@ -189,13 +196,15 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                 if entry["gpu_busy_ms"]:
                     entry["wall_over_busy"] = entry["median_ms"] / entry["gpu_busy_ms"]
                 result["runtimes"].setdefault(rt_name, {})[what] = entry
+                top = ", ".join(f"{k['name'][:40]} {k['ms']:.3f}" for k in entry["top_kernels"][:3])
                 log(f"{model_name} {key}: {entry['median_ms']:.2f} ms wall, busy {entry['gpu_busy_ms']}, "
-                    f"kernels {entry['kernels']}")
+                    f"kernels {entry['kernels']}; top: {top}")
             if "fast" in opened and "hf" in opened:
                 result["bits"] = bit_checks(opened["fast"], opened["hf"], imgs)
                 log(f"{model_name} bits: {result['bits']}")
         if "fast" in opened and opened["fast"].graphs is not None:
-            result["graph_capture_s"] = opened["fast"].graphs.capture_s
+            result["graph_capture_s"] = {"decode": opened["fast"].graphs.capture_s,
+                                         "prefill": opened["fast"].prefill_graphs.capture_s}
         for rt in opened.values():
             rt.close()
     del model

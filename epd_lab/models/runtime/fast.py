@@ -1,5 +1,6 @@
-"""The "fast" runtime: `Qwen2LM` over the paged cache, decode replayed from CUDA graphs on a GPU, the vision
-tower batched across images in fixed-size calls (`models.vision.encode_in_budget`) on a GPU.
+"""The "fast" runtime: `Qwen2LM` over the paged cache; on a GPU, prefill and decode replayed from CUDA graphs
+(bucketed by prompt length and batch size, `runtime.graph`) and the vision tower batched across images in
+fixed-size calls (`models.vision.encode_in_budget`).
 
 On the CPU the same code runs with torch ops (`ops.TorchOps`), no graphs, and the vision tower image by image
 (a CPU GEMM may pick its kernel by row position too, so there the budget would not buy bit-identity; measured
@@ -16,7 +17,7 @@ from epd_lab.kv.block_manager import blocks_needed
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.runners import VisionEncoder, _to
 from epd_lab.models.runtime import PrefillOutput, prompt_positions, token_slot
-from epd_lab.models.runtime.graph import DecodeGraphs
+from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
 from epd_lab.models.runtime.qwen2 import Qwen2LM
 from epd_lab.models.vision import encode_in_budget
 
@@ -29,11 +30,12 @@ class FastRuntime:
 
     Args:
         model, cache: the loaded model and the paged cache its KV lives in.
-        max_batch: the largest decode batch captured (a larger one runs eagerly).
-        max_seq_len: the longest sequence (prompt + generated) a captured step attends over.
+        max_batch: the largest decode batch in buckets (a larger one runs eagerly, unpadded).
+        max_seq_len: the longest sequence (prompt + generated) a bucketed prefill or decode step takes.
         vision_budget: patch rows per vision call (None: `DEFAULT_VISION_BUDGET` on a GPU, image by image on a
             CPU).
-        cuda_graphs: capture decode on a GPU (False: eager, for comparison).
+        cuda_graphs: replay the buckets from CUDA graphs on a GPU (False: run the same padded buckets eagerly,
+            which gives the same bits; for comparison).
     """
 
     name = "fast"
@@ -47,8 +49,9 @@ class FastRuntime:
         self.vision_budget = vision_budget if vision_budget is not None else (
             DEFAULT_VISION_BUDGET if on_gpu else None)
         self._vision = VisionEncoder(model)
-        self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size)) \
-            if on_gpu and cuda_graphs else None
+        self.prefill_graphs = PrefillGraphs(self.lm, max_seq_len, cuda_graphs) if on_gpu else None
+        self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size),
+                                   cuda_graphs) if on_gpu else None
 
     @torch.no_grad()
     def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -70,7 +73,11 @@ class FastRuntime:
             mask = ids == self.model.config.image_token_id
             embeds = embeds.masked_scatter(mask[:, None], _to(image_embeds, self.device).to(embeds.dtype))
         slots = self.cache.slots(block_table, len(ids))
-        logits = self.lm.prefill(embeds, _to(positions[:, 0], self.device), slots)
+        positions = _to(positions[:, 0], self.device)
+        if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.max_tokens:
+            logits = self.prefill_graphs.run(embeds, positions, slots)
+        else:
+            logits = self.lm.prefill(embeds, positions, slots)
         return PrefillOutput(logits, rope_delta, len(ids))
 
     @torch.no_grad()
@@ -97,7 +104,7 @@ class FastRuntime:
 
     def close(self) -> None:
         """Drop the captured graphs (their pool goes with them). Idempotent."""
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
 
     def __enter__(self) -> "FastRuntime":
         return self

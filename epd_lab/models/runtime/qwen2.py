@@ -112,12 +112,12 @@ class Qwen2LM:
 
     @torch.no_grad()
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                num_tokens: int | None = None) -> torch.Tensor:
+                last: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prompt's input embeddings [T, hidden] at mrope `positions` [3, T], writing token t's K/V into
         cache row `slots[t]` (< 0: not written). Causal attention over the prompt itself. Returns the logits
-        [vocab] of token `num_tokens - 1` (default: the last), whose row alone goes through the final norm and the
-        LM head (HF's ``logits_to_keep=1``). Rows past `num_tokens` are padding that nothing real attends to."""
-        last = embeds.shape[0] if num_tokens is None else num_tokens
+        [vocab] of row `last` (a [1] index tensor; default the last row), which alone goes through the final norm
+        and the LM head (HF's ``logits_to_keep=1``). Rows after `last` may be padding: nothing before them
+        attends to them. No host sync (graph-capturable)."""
         cos, sin = self.mrope(positions)
 
         def attend(q, k, v, k_cache, v_cache):
@@ -127,7 +127,11 @@ class Qwen2LM:
             return out[0].transpose(0, 1)
 
         x, residual = self._layers(embeds, cos, sin, slots, attend)
-        h, _ = self.ops.add_rms_norm(x[last - 1:last], residual[last - 1:last], self.norm, self.eps)
+        if last is None:
+            x, residual = x[-1:], residual[-1:]
+        else:
+            x, residual = x.index_select(0, last), residual.index_select(0, last)
+        h, _ = self.ops.add_rms_norm(x, residual, self.norm, self.eps)
         return F.linear(h, self.lm_head)[0]
 
     @torch.no_grad()

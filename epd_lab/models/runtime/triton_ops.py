@@ -1,8 +1,8 @@
 """The runtime's fused kernels on CUDA, in Triton (imported only on a CUDA device: `ops.open_ops`).
 
 Four kernels replace the ~20 small torch ops of a decoder layer (norms in float32, residual adds, rotary, the
-cache writes, the activation) so that a layer is 9 launches: add+RMSNorm, QKV GEMM, rotary+store, paged
-attention, O GEMM, add+RMSNorm, gate-up GEMM, SiLU*up, down GEMM. Every kernel computes in float32 and rounds
+cache writes, the activation) so that a layer is 10 launches: add+RMSNorm, QKV GEMM, rotary+store, paged
+attention (split, combine), O GEMM, add+RMSNorm, gate-up GEMM, SiLU*up, down GEMM. Every kernel computes in float32 and rounds
 once into the model's dtype. Each program's work depends only on its own row (or sequence), never on the batch
 around it, so these kernels are batch-invariant; the GEMMs between them are cuBLAS's.
 """
@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from epd_lab.models.runtime.ops import TorchOps
+
+DECODE_SPLITS = 16  # shares of a sequence attended in parallel: a lone sequence still fills 16 x KV-heads programs
 
 
 @triton.jit
@@ -82,37 +84,67 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, k_cach
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, len_ptr, out_ptr, scale, max_blocks,
-                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                         BS: tl.constexpr):
-    # One program per (sequence, KV head): the G query heads of that KV head against the sequence's blocks,
-    # with an online softmax (flash-decoding without the split).
+def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                               max_blocks, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                               GP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                               IEEE: tl.constexpr):
+    # Flash-decoding: program (sequence, KV head, split) runs an online softmax of the G query heads of that KV
+    # head over its share of the sequence, BLOCK_N tokens a step (gathered through the block table), on tensor
+    # cores; the combine kernel merges the splits. A sequence's shares depend on its own length only.
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
+    split = tl.program_id(2)
     n = tl.load(len_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, n)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    s = tl.arange(0, BS)
-    heads = (b * H + kh * G + g) * D
-    q = tl.load(q_ptr + heads[:, None] + d[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
+    heads = b * H + kh * G + g
+    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for i in range(0, tl.cdiv(n, BS)):
-        block = tl.load(table_ptr + b * max_blocks + i).to(tl.int64)
-        rows = ((block * BS + s) * HKV + kh) * D
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :]).to(tl.float32)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :]).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-        scores = tl.where((i * BS + s < n)[None, :], scores, float("-inf"))
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        valid = tok < end
+        block = tl.load(table_ptr + b * max_blocks + tok // BS, mask=valid, other=0).to(tl.int64)
+        rows = ((block * BS + tok % BS) * HKV + kh) * D
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a padding row (n = 0) gives zeros, not NaN
-    tl.store(out_ptr + heads[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+    part = heads * SPLITS + split
+    tl.store(m_ptr + part, m, mask=g < G)
+    tl.store(l_ptr + part, l, mask=g < G)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+
+
+@triton.jit
+def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (sequence, query head)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    m = tl.load(m_ptr + row * SPLITS + s)
+    l = tl.load(l_ptr + row * SPLITS + s)
+    acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])
+    top = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # an empty split weighs nothing
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)  # a padding row (n = 0): zeros
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
 
 class TritonOps(TorchOps):
@@ -161,8 +193,13 @@ class TritonOps(TorchOps):
         batch, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k_cache.shape[-2], k_cache.shape[1]
         group = num_heads // num_kv_heads
+        m = q.new_empty((batch, num_heads, DECODE_SPLITS), dtype=torch.float32)
+        l = torch.empty_like(m)
+        acc = q.new_empty((batch, num_heads, DECODE_SPLITS, head_dim), dtype=torch.float32)
+        _paged_decode_split_kernel[(batch, num_kv_heads, DECODE_SPLITS)](
+            q.contiguous(), k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale, block_tables.shape[1],
+            H=num_heads, HKV=num_kv_heads, D=head_dim, G=group, GP=max(16, triton.next_power_of_2(group)),
+            BS=block_size, BLOCK_N=max(32, block_size), SPLITS=DECODE_SPLITS, IEEE=q.dtype == torch.float32)
         out = torch.empty_like(q)
-        _paged_decode_kernel[(batch, num_kv_heads)](
-            q.contiguous(), k_cache, v_cache, block_tables, seq_lens, out, scale, block_tables.shape[1],
-            H=num_heads, HKV=num_kv_heads, D=head_dim, G=group, GP=triton.next_power_of_2(group), BS=block_size)
+        _paged_decode_combine_kernel[(batch * num_heads,)](m, l, acc, out, D=head_dim, SPLITS=DECODE_SPLITS)
         return out
