@@ -35,8 +35,10 @@ from epd_lab.bench import write_json
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models import build_input_ids, configure_torch, open_model, preprocess
 from epd_lab.models.runtime import RUNTIMES, open_runtime
+from epd_lab.models.vision import encode_in_budget
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
+VISION_BUDGETS = (1024, 2048, 4096)  # patch rows per vision call, measured beside the default
 TOP_KERNELS = 6  # per measured call, the kernels that took the most GPU time
 MAX_SEQ = 1024  # tokens a sequence may reach here: 4 x 448² images (1,024 image tokens) fit only in a prefill
 
@@ -184,6 +186,11 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
         calls["hf_batched_tower"] = {"vit_4x448": lambda: Qwen2VisionTransformerPretrainedModel.forward(
             tower, pv4.to(device), grid_thw=grid4.to(device))}
         calls["cpu"] = {"preprocess_1x448": lambda: preprocess(imgs[:1])}
+        if device.type == "cuda":  # the vision budget's trade: one image's latency against four images' work
+            calls["vision_budget"] = {
+                f"vit_{n}x448@{budget}": lambda n=n, budget=budget: encode_in_budget(
+                    tower, (pv1 if n == 1 else pv4).to(device), (grid1 if n == 1 else grid4).to(device), budget)
+                for budget in VISION_BUDGETS for n in (1, 4)}
         flat = {f"{rt}/{what}": fn for rt, table in calls.items() for what, fn in table.items()}
         with torch.no_grad():
             for fn in flat.values():  # warm-up: allocation, kernel selection, Triton's compile
@@ -191,7 +198,7 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
             for _ in range(repeats):
                 timer.round(flat)
             for key, fn in flat.items():
-                rt_name, what = key.split("/")
+                rt_name, what = key.split("/", 1)
                 entry = {**_stats(timer.ms[key]), **profile(fn, device, profile_repeats)}
                 if entry["gpu_busy_ms"]:
                     entry["wall_over_busy"] = entry["median_ms"] / entry["gpu_busy_ms"]
