@@ -85,6 +85,9 @@ class FastRuntime:
                seq_lens: Sequence[int]) -> torch.Tensor:
         if not len(tokens) == len(positions) == len(block_tables) == len(seq_lens) > 0:
             raise ValueError("decode needs as many tokens, positions, block tables and lengths (>= 1)")
+        if not 0 <= min(positions) and max(positions) < self.lm.max_position:
+            raise ValueError(f"decode positions must lie in [0, {self.lm.max_position}) (the model's "
+                             f"max_position_embeddings), got {min(positions)}..{max(positions)}")
         block_size = self.cache.block_size
         for table, n in zip(block_tables, seq_lens):
             if not 0 < n <= len(table) * block_size:

@@ -101,6 +101,7 @@ class DecodeGraphs:
         width = 4 + max_blocks  # per row: token, position, slot, seq_len, then the block table
         self._host = torch.zeros(max_batch * width, dtype=torch.long, pin_memory=True)
         self._host[2 * max_batch:3 * max_batch] = -1  # the warm-up and padding rows store nothing
+        self._numpy = self._host.numpy()  # the same pinned memory
         self._device = self._host.to(lm.device)
         self._copied = torch.cuda.Event()  # the host buffer is free again once the last copy out of it ran
         self._graphs = _Graphs(lm.device, buckets_up_to(max_batch), self._step, capture)
@@ -118,17 +119,18 @@ class DecodeGraphs:
         batch = len(tokens)
         bucket = self._graphs.bucket(batch)
         host = self._host
+        if max(len(table) for table in block_tables) > self.max_blocks:
+            raise ValueError(f"a sequence of more than max_blocks {self.max_blocks} blocks")
         self._copied.synchronize()
-        host.zero_()
-        fields = host[:4 * self.max_batch].view(4, self.max_batch)
+        buf = self._numpy  # numpy's element writes cost a fraction of torch's on the host
+        buf.fill(0)
+        fields = buf[:4 * self.max_batch].reshape(4, self.max_batch)
         fields[2, :] = -1
         for row, values in enumerate((tokens, positions, slots, seq_lens)):
-            fields[row, :batch] = torch.tensor(values)
-        tables = host[4 * self.max_batch:].view(self.max_batch, self.max_blocks)
+            fields[row, :batch] = values
+        tables = buf[4 * self.max_batch:].reshape(self.max_batch, self.max_blocks)
         for row, table in enumerate(block_tables):
-            if len(table) > self.max_blocks:
-                raise ValueError(f"a sequence of {len(table)} blocks exceeds max_blocks {self.max_blocks}")
-            tables[row, :len(table)] = torch.tensor(table)
+            tables[row, :len(table)] = table
         self._device.copy_(host, non_blocking=True)
         self._copied.record()
         return self._graphs.replay(bucket)[:batch]

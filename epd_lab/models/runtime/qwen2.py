@@ -27,12 +27,18 @@ from epd_lab.models.runtime.ops import open_ops
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # [(H + 2 Hkv) D, hidden]: q_proj, k_proj, v_proj stacked
-    qkv_bias: torch.Tensor
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]  # fused: [(W [(H + 2 Hkv) D, hidden], b)]; else q, k, v
     o_weight: torch.Tensor
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [2 I, hidden]: gate_proj over up_proj
+    gate_up: list[tuple[torch.Tensor, None]]  # fused: [(W [2 I, hidden], None)]; else gate, up
     down_weight: torch.Tensor
+
+
+def _project(h: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """One fused projection, or HF's separate ones side by side (the same values, op for op)."""
+    if len(parts) == 1:
+        return F.linear(h, *parts[0])
+    return torch.cat([F.linear(h, w, b) for w, b in parts], dim=-1)
 
 
 class Qwen2LM:
@@ -66,16 +72,25 @@ class Qwen2LM:
         self.lm_head = model.lm_head.weight
         self.inv_freq = text.rotary_emb.inv_freq.to(self.device, torch.float32)
         self.mrope_section = list(text.rotary_emb.mrope_section)
+        self.max_position = config.max_position_embeddings
+        # cos and sin [max_position, D] of 1-D positions; decode positions must stay below max_position
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        fuse = self.device.type == "cuda"
+
+        def parts(*linears: torch.nn.Linear) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+            pairs = [(m.weight, m.bias) for m in linears]
+            if not fuse:
+                return pairs
+            bias = None if pairs[0][1] is None else torch.cat([b for _, b in pairs])
+            return [(torch.cat([w for w, _ in pairs]), bias)]
+
         with torch.no_grad():
             self.layers = [_Layer(
                 input_norm=layer.input_layernorm.weight,
-                qkv_weight=torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                      layer.self_attn.v_proj.weight]),
-                qkv_bias=torch.cat([layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias,
-                                    layer.self_attn.v_proj.bias]),
+                qkv=parts(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                 o_weight=layer.self_attn.o_proj.weight,
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up_weight=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                gate_up=parts(layer.mlp.gate_proj, layer.mlp.up_proj),
                 down_weight=layer.mlp.down_proj.weight,
             ) for layer in text.layers]
         self.vocab_size = self.lm_head.shape[0]
@@ -93,8 +108,12 @@ class Qwen2LM:
         return self._cos_sin(freqs)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, D] of 1-D positions [B] (mrope with three equal axes)."""
-        return self._cos_sin(positions[:, None].float() * self.inv_freq)
+        """cos, sin [B, D] of 1-D positions [B] (mrope with three equal axes): rows of a table made once with the
+        same operations, so the same values as `mrope`'s, in one lookup instead of seven kernels."""
+        if self._rope_table is None:
+            self._rope_table = self._cos_sin(torch.arange(self.max_position, device=self.device)[:, None].float()
+                                             * self.inv_freq)
+        return F.embedding(positions, self._rope_table[0]), F.embedding(positions, self._rope_table[1])
 
     # ---- forward ----
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -103,11 +122,11 @@ class Qwen2LM:
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.cache.layer(i)
             h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            qkv = _project(h, layer.qkv)
             q, k, v = ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, self.num_heads, self.num_kv_heads)
             x = F.linear(attend(q, k, v, k_cache, v_cache).reshape(x.shape[0], -1), layer.o_weight)
             h, residual = ops.add_rms_norm(x, residual, layer.post_norm, self.eps)
-            x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up_weight)), layer.down_weight)
+            x = F.linear(ops.silu_mul(_project(h, layer.gate_up)), layer.down_weight)
         return x, residual
 
     @torch.no_grad()
