@@ -27,7 +27,9 @@ from epd_lab.models import (
     monolithic_generate,
     preprocess,
 )
-from epd_lab.servers.decode import _DONE, DecodeServer, DecodeSettings, sampling_probs
+from epd_lab.kv import blocks_needed
+from epd_lab.servers.decode import DecodeServer, DecodeSettings
+from epd_lab.servers.scheduler import DONE, sampling_probs
 from epd_lab.servers.messages import DecodeRequest, KVTransferParams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
@@ -128,22 +130,28 @@ def test_server_scheduler_batches_up_to_max_batch(model, prefills):
     --max-batch 3. Greedy tokens equal `model.generate`; the sampled ones equal a single-request replay
     (bfloat16: same logits bits, so the same draws); no forward holds more than 3 requests, and some hold 3."""
     dtype = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
-    server = DecodeServer(DecodeSettings(dtype=dtype, kv_blocks=16, max_batch=3))
+    server = DecodeServer(DecodeSettings(dtype=dtype, kv_blocks=64, max_batch=3))
     try:
         outs = [queue.SimpleQueue() for _ in prefills]
         gens = []
         for k, p in enumerate(prefills):
             kw = {"temperature": 1.0, "seed": 3} if k == 3 else {}
-            gens.append(server.admit(_request(f"r{k}", p, **kw), copy.deepcopy(p.past_key_values), [],
-                                     outs[k].put))
+            # what fetch_kv leaves: the prompt's KV in blocks of the server's cache, room for the tokens after
+            table = server.blocks.allocate(blocks_needed(p.prompt_len + N_TOKENS - 1, server.cache.block_size))
+            server.cache.write_from(p.past_key_values, table, p.prompt_len)
+            gens.append(server.admit(_request(f"r{k}", p, **kw), table, [], outs[k].put))
         deadline = time.monotonic() + 60
         for out in outs:
             items = []
-            while (item := out.get(timeout=max(deadline - time.monotonic(), 0.1))) is not _DONE:
+            while (item := out.get(timeout=max(deadline - time.monotonic(), 0.1))) is not DONE:
                 assert not isinstance(item, Exception), item
                 items.append(item)
             assert len(items) == N_TOKENS
         counters = server.health()["counters"]
+        deadline = time.monotonic() + 10
+        while server.blocks.num_used_blocks and time.monotonic() < deadline:  # freed as each request ends
+            time.sleep(0.01)
+        assert server.blocks.num_used_blocks == 0
     finally:
         server.close()
     for k, (prompt, sizes) in enumerate(CASES[:3]):

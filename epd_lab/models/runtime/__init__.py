@@ -55,7 +55,7 @@ class ModelRuntime(Protocol):
 
     name: str
     model: Qwen2VLForConditionalGeneration
-    cache: PagedKVCache
+    cache: PagedKVCache | None  # None: encode only
 
     def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged vision embeddings [tokens, hidden] of every image, in order, on the model's device."""
@@ -74,8 +74,10 @@ class ModelRuntime(Protocol):
         """Release what the runtime holds besides the model and the cache (graphs, their memory pool)."""
 
 
-def open_runtime(name: str, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache, **options: Any) -> Any:
-    """Open the runtime registered as `name` over `model` and `cache` (`options` go to its constructor).
+def open_runtime(name: str, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None,
+                 **options: Any) -> Any:
+    """Open the runtime registered as `name` over `model` and `cache` (`options` go to its constructor). Without a
+    cache the runtime only encodes (an encoder's).
 
     Raises:
         ValueError: an unknown name; the message lists the registered ones.

@@ -8,6 +8,7 @@ in issue 9). That is what CI tests against HF transformers.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,7 @@ from transformers import Qwen2VLForConditionalGeneration
 
 from epd_lab.kv.block_manager import blocks_needed
 from epd_lab.kv.paged_cache import PagedKVCache
+from epd_lab.models.catalog import model_device
 from epd_lab.models.runners import VisionEncoder, _to
 from epd_lab.models.runtime import PrefillOutput, prompt_positions, token_slot
 from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
@@ -40,18 +42,23 @@ class FastRuntime:
 
     name = "fast"
 
-    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache, *, max_batch: int = 16,
-                 max_seq_len: int = 4096, vision_budget: int | None = None, cuda_graphs: bool = True) -> None:
+    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None, *,
+                 max_batch: int = 16, max_seq_len: int = 4096, vision_budget: int | None = None,
+                 cuda_graphs: bool = True) -> None:
         self.model, self.cache = model, cache
-        self.lm = Qwen2LM(model, cache)
-        self.device = self.lm.device
+        self.device = model_device(model)
         on_gpu = self.device.type == "cuda"
         self.vision_budget = vision_budget if vision_budget is not None else (
             DEFAULT_VISION_BUDGET if on_gpu else None)
         self._vision = VisionEncoder(model)
-        self.prefill_graphs = PrefillGraphs(self.lm, max_seq_len, cuda_graphs) if on_gpu else None
-        self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size),
-                                   cuda_graphs) if on_gpu else None
+        self._lock = threading.Lock()  # the buckets' static buffers: one prefill or decode at a time on a GPU
+        self.lm = self.prefill_graphs = self.graphs = None
+        if cache is None:
+            return
+        self.lm = Qwen2LM(model, cache)
+        if on_gpu:
+            self.prefill_graphs = PrefillGraphs(self.lm, max_seq_len, cuda_graphs)
+            self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs)
 
     @torch.no_grad()
     def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -64,6 +71,8 @@ class FastRuntime:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
                 image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
+        if self.lm is None:
+            raise ValueError("this runtime was opened without a KV cache: it only encodes")
         ids = input_ids.reshape(-1)
         positions, rope_delta = prompt_positions(self.model, ids, 0 if image_embeds is None else len(image_embeds),
                                                  image_grid_thw)
@@ -75,7 +84,8 @@ class FastRuntime:
         slots = self.cache.slots(block_table, len(ids))
         positions = _to(positions[:, 0], self.device)
         if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.max_tokens:
-            logits = self.prefill_graphs.run(embeds, positions, slots)
+            with self._lock:
+                logits = self.prefill_graphs.run(embeds, positions, slots)
         else:
             logits = self.lm.prefill(embeds, positions, slots)
         return PrefillOutput(logits, rope_delta, len(ids))
@@ -83,6 +93,8 @@ class FastRuntime:
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
                seq_lens: Sequence[int]) -> torch.Tensor:
+        if self.lm is None:
+            raise ValueError("this runtime was opened without a KV cache: it only encodes")
         if not len(tokens) == len(positions) == len(block_tables) == len(seq_lens) > 0:
             raise ValueError("decode needs as many tokens, positions, block tables and lengths (>= 1)")
         if not 0 <= min(positions) and max(positions) < self.lm.max_position:
@@ -95,8 +107,9 @@ class FastRuntime:
         slots = [token_slot(table, n - 1, block_size) for table, n in zip(block_tables, seq_lens)]
         if self.graphs is not None and len(tokens) <= self.graphs.max_batch and \
                 max(len(t) for t in block_tables) <= self.graphs.max_blocks:
-            return self.graphs.run(list(tokens), list(positions), slots, list(seq_lens),
-                                   [list(t) for t in block_tables])
+            with self._lock:
+                return self.graphs.run(list(tokens), list(positions), slots, list(seq_lens),
+                                       [list(t) for t in block_tables])
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], device=self.device)
 

@@ -23,7 +23,7 @@ class HFRuntime:
 
     name = "hf"
 
-    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache) -> None:
+    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None) -> None:
         self.model, self.cache = model, cache
         self._vision, self._prefill, self._decode = VisionEncoder(model), PrefillRunner(model), DecodeRunner(model)
 
