@@ -136,8 +136,8 @@ def test_server_scheduler_batches_up_to_max_batch(model, prefills):
         gens = []
         for k, p in enumerate(prefills):
             kw = {"temperature": 1.0, "seed": 3} if k == 3 else {}
-            # what fetch_kv leaves: the prompt's KV in blocks of the server's cache, room for the tokens after
-            table = server.blocks.allocate(blocks_needed(p.prompt_len + N_TOKENS - 1, server.cache.block_size))
+            # what fetch_kv leaves: the prompt's KV in blocks of the server's cache (the scheduler adds more)
+            table = server.blocks.allocate(blocks_needed(p.prompt_len, server.cache.block_size))
             server.cache.write_from(p.past_key_values, table, p.prompt_len)
             gens.append(server.admit(_request(f"r{k}", p, **kw), table, [], outs[k].put))
         deadline = time.monotonic() + 60

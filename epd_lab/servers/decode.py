@@ -2,10 +2,11 @@
 
 ``POST /v1/decode`` (`DecodeRequest` → `DecodeResponse`, or NDJSON with ``"stream": true``):
 
-1. Allocate the request's blocks (its prompt's, and room for the tokens it will generate), ask the producer named
-   by ``kv_transfer_params.remote_url`` to write the prompt's KV into them over the ZMQ side channel
-   (`KVConsumer.receive_kv`). The KV stays in those blocks until the request ends: the model runtime
-   (``--runtime``) attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV. ``TRANS_ERROR`` → by its reason (no such request on the producer 404, aborted 409,
+1. Allocate the prompt's blocks, ask the producer named by ``kv_transfer_params.remote_url`` to write its KV into
+   them over the ZMQ side channel (`KVConsumer.receive_kv`). The KV stays in those blocks, and the generated
+   tokens' KV joins it in blocks taken as needed, until the request ends: the model runtime (``--runtime``)
+   attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV (a request that finds the pool
+   empty mid-generation fails with an error line; the others go on). ``TRANS_ERROR`` → by its reason (no such request on the producer 404, aborted 409,
    producer busy 503, else 502), no answer within ``--timeout`` (producer dead or stuck) → 504,
    with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
    before they go back to the pool: a producer that was only slow may still write into them.
@@ -149,8 +150,8 @@ class DecodeServer:
         self.admission = Admission("decode", settings.max_active, f"max_active {settings.max_active}",
                                    lambda: self._count("refused_at_capacity"))
         self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
-        self.scheduler = DecodeScheduler(self.runtime, settings.max_batch, self.recorder, self._count,
-                                         lambda gen: self.blocks.free(gen.block_table))
+        self.scheduler = DecodeScheduler(self.runtime, settings.max_batch, self.blocks.allocate, self.recorder,
+                                         self._count, lambda gen: self.blocks.free(gen.block_table))
 
     # ---- KV ----
     def fetch_kv(self, req: DecodeRequest) -> tuple[list[int], list[Span], KVTransferParams]:
@@ -173,8 +174,8 @@ class DecodeServer:
         if num_blocks != n:
             raise BadRequest(f"kv_transfer_params: {prompt_len} tokens take {n} blocks of "
                                  f"{self.cache.block_size}, not {num_blocks} (prefill's block size differs?)")
-        try:  # the prompt's blocks, then room for every token fed back (all but the last generated one)
-            ids = self.blocks.allocate(blocks_needed(prompt_len + req.max_tokens - 1, self.cache.block_size))
+        try:
+            ids = self.blocks.allocate(n)
         except OutOfBlocks as exc:
             self._count("kv_pool_exhausted")
             raise Unavailable(f"KV pool exhausted: {exc}") from None
@@ -182,8 +183,7 @@ class DecodeServer:
         quarantine = kept = False
         try:
             try:
-                done = self._kv_call(p, lambda: self.consumer.receive_kv(p.remote_url, p.remote_request_id,
-                                                                         ids[:n]))
+                done = self._kv_call(p, lambda: self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids))
             except _TimedOut:
                 quarantine = True  # the producer may still write into them
                 raise
@@ -236,8 +236,8 @@ class DecodeServer:
     # ---- generation ----
     def admit(self, req: DecodeRequest, block_table: list[int], spans: list[Span],
               emit: Callable[[Any], None]) -> Generation:
-        """Emit token 0 and queue the rest with the scheduler, which frees `block_table` (the request's blocks,
-        the prompt's KV in them, from `fetch_kv`) when the request ends."""
+        """Emit token 0 and queue the rest with the scheduler, which frees `block_table` (the prompt's blocks,
+        its KV in them, from `fetch_kv`) and the blocks it adds when the request ends."""
         p = req.kv_transfer_params
         generator = None
         if req.temperature > 0:

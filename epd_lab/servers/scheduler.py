@@ -6,8 +6,11 @@ attending over them where they lie (the fast runtime; `epd_lab.models.runtime`).
 token; token i+1 comes from the logits of feeding token i at ``prompt_len + rope_delta + i``, greedy at
 temperature 0, else drawn from ``softmax(logits / temperature)`` with the request's seeded ``torch.Generator``.
 
-A request that ends (all its tokens, a failure, its client gone, the server closing) is handed to `on_end`, which
-gives its blocks back: the blocks of a request are held from the KV transfer to its last step, and no longer.
+Blocks: a request arrives with its prompt's blocks (the KV transfer wrote them) and gets one more block whenever
+its next token would not fit, as vLLM's scheduler does; when the pool has none left, that request fails with an
+error (and frees what it held) while the others go on. A request that ends (all its tokens, a failure, its client
+gone, the server closing) is handed to `on_end`, which gives its blocks back: the blocks of a request are held
+from the KV transfer to its last step, and no longer.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class Generation:
     """One admitted request: its blocks, how far its KV reaches, and where its tokens go."""
 
     rid: str
-    block_table: list[int]  # the prompt's blocks (the KV transfer wrote them), then room for the generated tokens
+    block_table: list[int]  # the prompt's blocks (the KV transfer wrote them), then those its tokens took
     seq_len: int  # tokens whose KV is in the blocks
     next_position: int  # mrope position of token 0 (prompt_len + rope_delta)
     max_tokens: int
@@ -53,16 +56,18 @@ class DecodeScheduler:
     """See the module docstring.
 
     Args:
-        runtime: the model runtime (its `decode`).
+        runtime: the model runtime (its `decode`, its `cache.block_size`).
         max_batch: requests per decode forward.
+        allocate: ``allocate(n)`` → n block ids, or raises (the pool is exhausted).
         recorder: where each token's ``decode_step`` span goes.
         count: the server's counter (``count(*names, **amounts)``).
         on_end: called once with each request that ended, from the scheduler's thread (or `close`'s).
     """
 
-    def __init__(self, runtime: Any, max_batch: int, recorder: Recorder, count: Callable[..., None],
-                 on_end: Callable[[Generation], None]) -> None:
+    def __init__(self, runtime: Any, max_batch: int, allocate: Callable[[int], list[int]], recorder: Recorder,
+                 count: Callable[..., None], on_end: Callable[[Generation], None]) -> None:
         self.runtime, self.max_batch, self.recorder = runtime, max_batch, recorder
+        self._allocate, self._block_size = allocate, runtime.cache.block_size
         self._count, self._on_end = count, on_end
         self._cond = threading.Condition()
         self._active: list[Generation] = []
@@ -105,7 +110,14 @@ class DecodeScheduler:
                 batch = list(self._active)
             ended = [gen for gen in batch if gen.cancelled]
             self._count(requests_cancelled=len(ended))
-            live = [gen for gen in batch if not gen.cancelled]
+            live = []
+            for gen in batch:
+                if gen.cancelled:
+                    continue
+                if self._grow(gen):
+                    live.append(gen)
+                else:
+                    ended.append(gen)
             for start in range(0, len(live), self.max_batch):
                 ended += self._step(live[start:start + self.max_batch])
             if ended:
@@ -113,6 +125,19 @@ class DecodeScheduler:
                     self._active = [g for g in self._active if g not in ended]
                 for gen in ended:
                     self._on_end(gen)
+
+    def _grow(self, gen: Generation) -> bool:
+        """Room in `gen`'s blocks for the token its next step stores: a block more when full. False (the request
+        failed, told why) when the pool has none."""
+        if gen.seq_len < len(gen.block_table) * self._block_size:
+            return True
+        try:
+            gen.block_table += self._allocate(1)
+        except Exception as exc:  # noqa: BLE001 - OutOfBlocks: this request fails, the others go on
+            self._count("requests_failed", kv_pool_exhausted=1)
+            gen.emit(RuntimeError(f"KV pool exhausted while generating: {exc}"))
+            return False
+        return True
 
     def _step(self, batch: list[Generation]) -> list[Generation]:
         """One decode step of every request in `batch` (one forward): feed each its last token, emit the next.
