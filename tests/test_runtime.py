@@ -23,7 +23,7 @@ from epd_lab.models import build_input_ids, load_model, monolithic_generate, ope
 from epd_lab.models.runtime import RUNTIMES, generate, open_runtime
 from epd_lab.models.runtime.graph import buckets_up_to, token_buckets
 from epd_lab.models.runtime.ops import TorchOps
-from epd_lab.models.vision import budget_calls, encode_in_budget
+from epd_lab.models.runtime.vision import VisionTower, budget_calls
 from test_model_device import HAS_CUDA, gpu
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
@@ -169,19 +169,19 @@ def test_budget_calls_pack_images_in_order():
     assert budget_calls([256, 3900, 64], 4096) == [[0], [1, 2]]
 
 
-def test_encode_in_budget_computes_the_tower():
-    """On the CPU the budget is not what makes bits hold (see `models.vision`), but it must compute the same
-    function: equal to the per-image tower to float32 rounding, and refuse budgets the merge cannot pad."""
+def test_vision_tower_computes_hf_s_tower():
+    """The tower written from the architecture, in budgeted calls (eagerly here: graphs need a GPU): HF's tower
+    image by image to float32 rounding, whatever the budget; budgets the merge cannot pad are refused."""
     model = load_model()
     _, pixel_values, grid = _inputs(*CASES[2])
-    tower = model.model.visual
     with torch.no_grad():
-        per_image = open_runtime("fast", model, _cache(model)).encode(pixel_values, grid)
-        budgeted = encode_in_budget(tower, pixel_values, grid, 512)
-    assert budgeted.shape == per_image.shape
-    assert torch.allclose(budgeted, per_image, rtol=0, atol=1e-4), (budgeted - per_image).abs().max()
+        want = open_runtime("fast", model).encode(pixel_values, grid)
+        for budget in (256, 512, 1024):
+            got = VisionTower(model.model.visual, budget).encode(pixel_values, grid)
+            assert got.shape == want.shape
+            assert torch.allclose(got, want, rtol=0, atol=1e-4), (budget, (got - want).abs().max())
     with pytest.raises(ValueError, match="positive multiple of 4"):
-        encode_in_budget(tower, pixel_values, grid, 510)
+        VisionTower(model.model.visual, 510)
 
 
 def test_graph_buckets():
@@ -285,12 +285,15 @@ def test_graph_replay_equals_eager_and_split_equals_monolithic_on_cuda(cuda_mode
 def test_vision_budget_is_invariant_to_grouping_on_cuda(cuda_model):
     rng = np.random.default_rng(1)
     images = [Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)) for _ in range(4)]
-    with _cache(cuda_model, 4, "cuda") as cache:
-        rt = open_runtime("fast", cuda_model, cache, cuda_graphs=False)
-        together = rt.encode(*preprocess(images))
-        alone = torch.cat([rt.encode(*preprocess([img])) for img in images])
-        pairs = torch.cat([rt.encode(*preprocess(images[:2])), rt.encode(*preprocess(images[2:]))])
+    rt = open_runtime("fast", cuda_model)  # encode only
+    together = rt.encode(*preprocess(images))
+    alone = torch.cat([rt.encode(*preprocess([img])) for img in images])
+    pairs = torch.cat([rt.encode(*preprocess(images[:2])), rt.encode(*preprocess(images[2:]))])
     assert torch.equal(together, alone) and torch.equal(together, pairs)
+    eager = open_runtime("fast", cuda_model, cuda_graphs=False).encode(*preprocess(images))
+    assert torch.equal(eager, together), "graph replay != eager"
+    hf = open_runtime("hf", cuda_model).encode(*preprocess(images))
+    _close(together, hf)
 
 
 @gpu

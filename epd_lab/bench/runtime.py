@@ -35,7 +35,7 @@ from epd_lab.bench import write_json
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models import build_input_ids, configure_torch, open_model, preprocess
 from epd_lab.models.runtime import RUNTIMES, open_runtime
-from epd_lab.models.vision import encode_in_budget
+from epd_lab.models.runtime.vision import VisionTower
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
 VISION_BUDGETS = (1024, 2048, 4096)  # patch rows per vision call, measured beside the default
@@ -187,10 +187,10 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
             tower, pv4.to(device), grid_thw=grid4.to(device))}
         calls["cpu"] = {"preprocess_1x448": lambda: preprocess(imgs[:1])}
         if device.type == "cuda":  # the vision budget's trade: one image's latency against four images' work
-            calls["vision_budget"] = {
-                f"vit_{n}x448@{budget}": lambda n=n, budget=budget: encode_in_budget(
-                    tower, (pv1 if n == 1 else pv4).to(device), (grid1 if n == 1 else grid4).to(device), budget)
-                for budget in VISION_BUDGETS for n in (1, 4)}
+            towers = {budget: VisionTower(tower, budget) for budget in VISION_BUDGETS}
+            calls["vision_budget"] = {f"vit_{n}x448@{budget}": lambda n=n, t=t: t.encode(*((pv1, grid1) if n == 1
+                                                                                           else (pv4, grid4)))
+                                      for budget, t in towers.items() for n in (1, 4)}
         flat = {f"{rt}/{what}": fn for rt, table in calls.items() for what, fn in table.items()}
         with torch.no_grad():
             for fn in flat.values():  # warm-up: allocation, kernel selection, Triton's compile

@@ -27,7 +27,7 @@ from transformers import Qwen2VLForConditionalGeneration
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.runners import prompt_positions
 
-__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "generate", "open_runtime", "prompt_positions",
+__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "RuntimeBase", "generate", "open_runtime", "prompt_positions",
            "token_slot"]
 
 RUNTIMES: dict[str, str] = {
@@ -72,6 +72,19 @@ class ModelRuntime(Protocol):
 
     def close(self) -> None:
         """Release what the runtime holds besides the model and the cache (graphs, their memory pool)."""
+
+
+class RuntimeBase:
+    """What every runtime shares: it is a context manager whose exit calls `close`."""
+
+    def close(self) -> None:
+        """Release what the runtime holds besides the model and the cache (none here). Idempotent."""
+
+    def __enter__(self) -> "RuntimeBase":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def open_runtime(name: str, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None,

@@ -65,7 +65,7 @@ class _Graphs:
             graph = torch.cuda.CUDAGraph()
             step(bucket)  # warm-up: Triton's compile, cuBLAS's workspace
             torch.cuda.synchronize(device)
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._outputs[bucket] = step(bucket)
             pool = graph.pool()
             self._graphs[bucket] = graph

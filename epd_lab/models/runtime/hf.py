@@ -15,10 +15,10 @@ from transformers import Qwen2VLForConditionalGeneration
 
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.runners import DecodeRunner, PrefillRunner, VisionEncoder
-from epd_lab.models.runtime import PrefillOutput
+from epd_lab.models.runtime import PrefillOutput, RuntimeBase
 
 
-class HFRuntime:
+class HFRuntime(RuntimeBase):
     """See the module docstring."""
 
     name = "hf"
@@ -48,6 +48,3 @@ class HFRuntime:
         for cache, table, n in zip(caches, block_tables, seq_lens):
             self.cache.write_from(cache, table, n, start=n - 1)  # the step's own K/V, into its slot
         return logits
-
-    def close(self) -> None:
-        """Nothing to release."""
