@@ -389,7 +389,8 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
                    for floor, point in zip(floors, points)]
         return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
-                "dtype": resolve_dtype(setup.dtype, setup.device), "max_tokens": max_tokens,
+                "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
+                "max_tokens": max_tokens,
                 "concurrency": list(concurrency), "kv_blocks": room.kv_blocks, "max_held_bytes": room.max_held_bytes,
                 "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
                 "rows": rows, "kv_transfer": kv}
