@@ -24,8 +24,8 @@ from epd_lab.models.runtime.qwen2 import Qwen2LM
 from epd_lab.models.runtime.vision import VisionTower
 
 # Patch rows per vision call on a GPU: two 448² images (1,024 patches each). The budget trades one image's latency
-# (every call costs a full budget) against the work of many (fewer, larger calls); 2048 measured on an H200 (2B):
-# one 448² image 11.4 ms of GPU time (4096: 23.4), four 24.5 ms (4096: 23.4; HF's batched tower 24.2).
+# (every call costs a full budget) against the work of many (fewer, larger calls); measured on an H200 (2B tower):
+# one 448² image 12.0 ms of GPU time (4096: 24.9), four 25.6 ms (4096: 25.3; HF's batched tower 23.7).
 DEFAULT_VISION_BUDGET = 2048
 
 
