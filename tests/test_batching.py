@@ -138,7 +138,7 @@ def test_server_scheduler_batches_up_to_max_batch(model, prefills):
             kw = {"temperature": 1.0, "seed": 3} if k == 3 else {}
             # what fetch_kv leaves: the prompt's KV in blocks of the server's cache (the scheduler adds more)
             table = server.blocks.allocate(blocks_needed(p.prompt_len, server.cache.block_size))
-            server.cache.write_from(p.past_key_values, table, p.prompt_len)
+            server.cache.write_from(p.kv_tensors(), table, p.prompt_len)
             gens.append(server.admit(_request(f"r{k}", p, **kw), table, [], outs[k].put))
         deadline = time.monotonic() + 60
         for out in outs:
@@ -188,7 +188,7 @@ def test_a_request_that_finds_the_pool_empty_while_generating_fails_alone(model,
         outs = [queue.SimpleQueue(), queue.SimpleQueue()]
         for k, (p, n) in enumerate(((short, 30), (long_, 40))):
             table = server.blocks.allocate(blocks_needed(p.prompt_len, server.cache.block_size))
-            server.cache.write_from(p.past_key_values, table, p.prompt_len)
+            server.cache.write_from(p.kv_tensors(), table, p.prompt_len)
             kv = KVTransferParams("tcp://127.0.0.1:1", f"r{k}", p.prompt_len, p.rope_delta,
                                   int(p.logits.argmax(-1)), len(table))
             server.admit(DecodeRequest(f"r{k}", n, kv), table, [], outs[k].put)

@@ -10,12 +10,15 @@ against hf within the stated bound.
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+import epd_lab
 from epd_lab.bench import runtime as bench_runtime
 from epd_lab.ep.messages import DTYPES
 from epd_lab.kv import PagedKVCache
@@ -312,3 +315,13 @@ def test_fast_is_as_close_to_float32_as_hf_on_cuda(cuda_model):
         want = hf.prefill(ids, hf.encode(pixel_values, grid), grid, list(range(10, 20))).logits.float()
     fast_err, hf_err = float((got - exact).abs().max()), float((want - exact).abs().max())
     assert fast_err <= F32_REF_RATIO * hf_err, f"fast {fast_err} vs hf {hf_err} from float32"
+
+
+def test_the_servers_and_kv_name_no_transformers_class():
+    """The roles reach the model only through `epd_lab.models` (the runtime interface): no module of the servers,
+    the serving floor or kv/ imports transformers itself."""
+    root = Path(epd_lab.__file__).parent
+    offenders = [str(path.relative_to(root)) for folder in ("servers", "serving", "kv")
+                 for path in sorted((root / folder).glob("*.py"))
+                 if re.search(r"^\s*(from|import)\s+transformers\b", path.read_text(), re.MULTILINE)]
+    assert offenders == []

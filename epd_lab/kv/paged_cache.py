@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
 
 from epd_lab.kv.block_manager import blocks_needed
 from epd_lab.transfer.buffers import as_array
@@ -73,7 +72,7 @@ class PagedKVCache:
                 raise
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig, *, num_blocks: int, block_size: int = 16,
+    def from_config(cls, config: Any, *, num_blocks: int, block_size: int = 16,
                     dtype: torch.dtype = torch.float32, engine: Any = None,
                     device: str | torch.device = "cpu") -> "PagedKVCache":
         """A cache shaped for a model's text config (a Qwen2-VL config or its `text_config`)."""
@@ -137,11 +136,9 @@ class PagedKVCache:
         t = torch.arange(num_tokens)
         return (blocks[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
 
-    def write_from(self, cache: DynamicCache | KVLayers, block_ids: Sequence[int], num_tokens: int,
-                   start: int = 0) -> None:
-        """Scatter positions `start`..`num_tokens - 1` of a sequence's KV (a `DynamicCache`, or per layer
-        (key, value) in transformers' layout [1, heads, seq, head_dim]) into their slots of `block_ids`."""
-        layers = [(layer.keys, layer.values) for layer in cache.layers] if isinstance(cache, DynamicCache) else cache
+    def write_from(self, layers: KVLayers, block_ids: Sequence[int], num_tokens: int, start: int = 0) -> None:
+        """Scatter positions `start`..`num_tokens - 1` of a sequence's KV (per layer (key, value) in transformers'
+        layout [1, heads, seq, head_dim]) into their slots of `block_ids`."""
         if len(layers) != self.num_layers:
             raise ValueError(f"the cache has {len(layers)} layers, this paged cache {self.num_layers}")
         slots = self.slots(block_ids, num_tokens)[start:]
@@ -161,14 +158,6 @@ class PagedKVCache:
         return [tuple(region.view(-1, self.num_kv_heads, self.head_dim)[slots].transpose(0, 1).unsqueeze(0)
                       .contiguous() for region in self.layer(i))
                 for i in range(self.num_layers)]
-
-    def read_to_dynamic_cache(self, block_ids: Sequence[int], num_tokens: int,
-                              config: PretrainedConfig | None = None) -> DynamicCache:
-        """Gather `num_tokens` positions from `block_ids` into a `DynamicCache` that a model continues from."""
-        cache = DynamicCache(config=config)
-        for i, (key, value) in enumerate(self.read_layers(block_ids, num_tokens)):
-            cache.update(key, value, i)
-        return cache
 
     def __enter__(self) -> "PagedKVCache":
         return self
