@@ -25,6 +25,7 @@ from epd_lab.kv import PagedKVCache
 from epd_lab.models import build_input_ids, load_model, monolithic_generate, open_model, preprocess
 from epd_lab.models.runtime import RUNTIMES, generate, open_runtime
 from epd_lab.models.runtime.graph import buckets_up_to, token_buckets
+from epd_lab.models.runtime.qwen2 import Qwen2LM
 from epd_lab.models.runtime.ops import TorchOps
 from epd_lab.models.runtime.vision import VisionTower, budget_calls
 from test_model_device import HAS_CUDA, gpu
@@ -163,6 +164,28 @@ def test_write_from_start_writes_only_the_new_positions(model):
     for (k0, v0), (k1, v1), (kc, vc) in zip(before, after, changed):
         assert torch.equal(k1[:, :, :19], k0[:, :, :19]) and torch.equal(k1[:, :, 19], kc[:, :, 19])
         assert torch.equal(v1[:, :, :19], v0[:, :, :19]) and torch.equal(v1[:, :, 19], vc[:, :, 19])
+
+
+def test_fusing_leaves_hf_s_modules_views_of_the_fused_weights():
+    """Fusing (a GPU's default; forced here) keeps one copy of the weights: HF's q/k/v and gate/up parameters
+    become views of the fused tensors with their values unchanged, so HF's forward still gives its bits, and the
+    fused forward computes the same function."""
+    model = load_model()
+    before = monolithic_generate(model, *_inputs(*CASES[1]), N_TOKENS)
+    attn = model.model.language_model.layers[0].self_attn
+    q_weight = attn.q_proj.weight.detach().clone()
+    with _cache(model) as cache:
+        lm = Qwen2LM(model, cache, fuse=True)
+        fused = lm.layers[0].qkv[0][0]
+        assert attn.q_proj.weight.data_ptr() == fused.data_ptr() and torch.equal(attn.q_proj.weight, q_weight)
+        bias = lm.layers[0].qkv[0][1]
+        offset = attn.q_proj.bias.numel() + attn.k_proj.bias.numel()
+        assert attn.v_proj.bias.data_ptr() == bias.data_ptr() + offset * bias.element_size()
+        assert monolithic_generate(model, *_inputs(*CASES[1]), N_TOKENS) == before
+        ids, pixel_values, grid = _inputs(*CASES[1])
+        rt = open_runtime("fast", model, cache)
+        rt.lm = lm  # the fused forward over the same cache
+        assert generate(rt, ids, pixel_values, grid, N_TOKENS, list(range(20))) == before
 
 
 def test_budget_calls_pack_images_in_order():

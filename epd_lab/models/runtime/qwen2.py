@@ -45,12 +45,15 @@ class Qwen2LM:
     """The language model's forward over a paged KV cache; see the module docstring.
 
     Args:
-        model: a loaded Qwen2-VL; its text weights are fused into new tensors on its device (the model itself
-            is left as it was).
+        model: a loaded Qwen2-VL. Fusing moves its Q/K/V and gate/up weights into one tensor each and leaves
+            HF's modules views into it: the same values, so HF's forward is unchanged, and no second copy of
+            the weights (15 GB for 7B).
         cache: the paged KV cache to write and attend (its geometry and dtype must be the model's).
+        fuse: fuse the projections (default: on a GPU; on the CPU HF's separate ones keep HF's bits).
     """
 
-    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache) -> None:
+    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache,
+                 fuse: bool | None = None) -> None:
         text = model.model.language_model
         config = text.config
         self.device = model_device(model)
@@ -75,14 +78,21 @@ class Qwen2LM:
         self.max_position = config.max_position_embeddings
         # cos and sin [max_position, D] of 1-D positions; decode positions must stay below max_position
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        fuse = self.device.type == "cuda"
+        fuse = self.device.type == "cuda" if fuse is None else fuse
 
         def parts(*linears: torch.nn.Linear) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-            pairs = [(m.weight, m.bias) for m in linears]
             if not fuse:
-                return pairs
-            bias = None if pairs[0][1] is None else torch.cat([b for _, b in pairs])
-            return [(torch.cat([w for w, _ in pairs]), bias)]
+                return [(m.weight, m.bias) for m in linears]
+            weight = torch.cat([m.weight for m in linears])
+            bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+            start = 0
+            for m in linears:  # HF's parameters become views of the fused tensors: one copy of the weights
+                rows = m.weight.shape[0]
+                m.weight.data = weight[start:start + rows]
+                if bias is not None:
+                    m.bias.data = bias[start:start + rows]
+                start += rows
+            return [(weight, bias)]
 
         with torch.no_grad():
             self.layers = [_Layer(
