@@ -6,8 +6,9 @@
    them over the ZMQ side channel (`KVConsumer.receive_kv`). The KV stays in those blocks, and the generated
    tokens' KV joins it in blocks taken as needed, until the request ends: the model runtime (``--runtime``)
    attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV (a request that finds the pool
-   empty mid-generation fails with an error line; the others go on). ``TRANS_ERROR`` → by its reason (no such request on the producer 404, aborted 409,
-   producer busy 503, else 502), no answer within ``--timeout`` (producer dead or stuck) → 504,
+   empty mid-generation fails with an error line; the others go on). ``TRANS_ERROR`` → by its reason (no such
+   request on the producer 404, aborted 409, producer busy 503, else 502), no answer within ``--timeout``
+   (producer dead or stuck) → 504,
    with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
    before they go back to the pool: a producer that was only slow may still write into them.
 2. Generate (`epd_lab.servers.scheduler`): token 0 is prefill's ``first_token``; token i+1 comes from the logits
@@ -55,7 +56,6 @@ from epd_lab.faults import failpoint
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.models.runtime import open_runtime
-from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.servers.messages import (
     DecodeRequest,
     DecodeResponse,
@@ -65,6 +65,7 @@ from epd_lab.servers.messages import (
     StreamToken,
     encode,
 )
+from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
                              ServingError, Unavailable, engine_metrics, option, read_struct, role_app, serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
@@ -137,10 +138,14 @@ class DecodeServer:
         except BaseException:
             self.engine.close()
             raise
+        try:  # the fast runtime captures decode for batches up to max_batch; hf has no buckets
+            options = {"max_batch": settings.max_batch} if settings.runtime == "fast" else {}
+            self.runtime = open_runtime(settings.runtime, self.model, self.cache, **options)
+        except BaseException:
+            self.cache.close()
+            self.engine.close()
+            raise
         self.blocks = BlockManager(settings.kv_blocks)
-        # the fast runtime captures decode for batches up to max_batch; hf has no buckets
-        options = {"max_batch": settings.max_batch} if settings.runtime == "fast" else {}
-        self.runtime = open_runtime(settings.runtime, self.model, self.cache, **options)
         self.consumer = KVConsumer(self.engine, self.cache, timeout=settings.timeout)
         self.quarantine_s = settings.timeout if settings.kv_quarantine is None else settings.kv_quarantine
         self.counters: collections.Counter[str] = collections.Counter()

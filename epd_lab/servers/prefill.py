@@ -7,8 +7,8 @@
 2. The prompt's blocks are allocated in the paged cache (`BlockManager` + `PagedKVCache`, registered with the
    transfer engine once at start), and the model runtime's prefill (``--runtime``, `epd_lab.models.runtime`)
    writes the prompt's KV into them as it runs; ``producer.request_finished(request_id, block_ids)`` lets decode
-   ask for them over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` / ``TRANS_ERROR``, or after
-   ``--kv-free-timeout`` if decode never asks.
+   ask for them over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` /
+   ``TRANS_ERROR``, or after ``--kv-free-timeout`` if decode never asks.
 3. The answer carries the first token (greedy argmax of the last logits) and the `KVTransferParams` decode needs.
 
 ``POST /v1/abort`` (`AbortRequest` → `AbortResponse`): the proxy gave up on a request (its decode failed, or its

@@ -2,7 +2,7 @@
 exists) and, on a CUDA device, a fused Triton kernel (`epd_lab.models.runtime.triton_ops`).
 
 `Ops(device)` picks the form once. The torch form is what the CPU runs and what CI tests; the Triton form is
-what makes a decode step ~9 kernels a layer (nano-vllm's count) instead of ~30, which is what a CUDA graph
+what makes a decode step 10 kernels a layer (about nano-vllm's count) instead of ~30, which is what a CUDA graph
 of a small model is bound by (GPU-NOTES.md). The two agree to rounding, not bit for bit: fused kernels round
 once where HF's bfloat16 ops round after every op. Bit-identity is a contract *within* one form (split vs
 monolithic use of the same runtime), never across forms.
