@@ -8,6 +8,8 @@ weights from a directory (DESIGN.md §4).
 - `shapes`: Qwen2-VL at its published sizes (qwen2-vl-2b, qwen2-vl-7b), seeded random weights on the device.
 - `runners`: `VisionEncoder` (encode), `PrefillRunner` (prefill), `DecodeRunner` (decode steps on a received
   KV cache), and the monolithic references.
+- `runtime`: the roles' model runtimes behind one interface over the paged KV cache (`open_runtime`: ``fast``,
+  written from the architecture, CUDA graphs and Triton kernels on a GPU; ``hf``, the runners above).
 """
 from epd_lab.models.catalog import (
     DTYPE_NAMES,
