@@ -32,6 +32,7 @@ from epd_lab.models import (
     preprocess,
     resized_size,
 )
+from epd_lab.models.processor import image_processor
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every role runs under configure_torch(1)
 
@@ -103,6 +104,24 @@ def test_size_arithmetic_matches_the_processor():
     assert [tuple(g) for g in grid_thw.tolist()] == [image_grid(im.size) for im in images]
     assert pixel_values.dtype == torch.float32
     assert pixel_values.shape == (int(grid_thw.prod(-1).sum()), 3 * 2 * 14 * 14)
+
+
+PROCESSOR_SIZES = [(448, 448), (224, 224), (100, 333), (500, 260), (20, 20), (1000, 37), (3000, 2000)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_preprocess_equals_hf_image_processor_bit_for_bit(device):
+    """Resized or not (448² is already a multiple of 28: no resize), RGB or grey, on the host or the GPU: the
+    torch pixels equal HF's PIL + numpy processor's."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False")
+    images = make_images(PROCESSOR_SIZES, seed=3)
+    images.append(images[0].convert("L"))
+    expected = image_processor()(images=[im.convert("RGB") for im in images], return_tensors="pt")
+    pixel_values, grid_thw = preprocess(images, device=device)
+    assert pixel_values.device.type == device and grid_thw.device.type == "cpu"
+    assert torch.equal(grid_thw, expected["image_grid_thw"])
+    assert torch.equal(pixel_values.cpu(), expected["pixel_values"].to(torch.float32))
 
 
 def test_build_input_ids_layout():

@@ -161,7 +161,7 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: to
         for r in range(requests + 1):
             raws = _images(1000 + r, setup)
             t0 = time.perf_counter()
-            pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws])
+            pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)) for raw in raws], model_device(model))
             embeds = rt.encode(pixel_values, grid)
             input_ids = build_input_ids(prompt, grid.tolist())
             result = rt.prefill(input_ids, embeds, grid, table)

@@ -5,8 +5,9 @@ For each model and runtime, on 448² images and a short text:
 - ``vit_1x448``, ``vit_4x448``: `encode` of one and of four images (one call);
 - ``prefill``: one image's prompt, `prefill` into blocks (embeddings ready);
 - ``decode_c1``: one decode step of one sequence, the token read back (TPOT); ``decode_c16``: sixteen;
-- ``ttft``: encode + prefill + the first token read back, from preprocessed pixels (the monolithic TTFT);
-  ``preprocess_ms``: the CPU image processor, which that TTFT leaves out, measured beside it.
+- ``ttft``: preprocess (`models.preprocess` on the model's device) + encode + prefill + the first token read
+  back, from a decoded 448² image (the monolithic TTFT); ``preprocess/hf_processor_1x448`` and
+  ``preprocess/torch_1x448``: HF's PIL + numpy image processor against `preprocess` (the same bits), beside it.
 Each is timed `--repeats` times (medians and ranges); on a GPU, the profiler then counts the kernels of
 `--profile-repeats` more calls and sums their time: ``gpu_busy_ms`` and ``kernels`` per call, and
 ``wall_over_busy`` = median wall / busy. The runtimes alternate call by call, so both see the same host noise.
@@ -34,6 +35,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from epd_lab.bench import write_json
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models import build_input_ids, configure_torch, open_model, preprocess
+from epd_lab.models.processor import image_processor
 from epd_lab.models.runtime import RUNTIMES, open_runtime
 from epd_lab.models.runtime.vision import VisionTower
 
@@ -174,7 +176,8 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                     s[2] = s[2] + 1 if s[2] + 2 < MAX_SEQ else prompt_len  # wrap: stay in the blocks
 
             def ttft(rt=rt) -> int:
-                return int(rt.prefill(ids1, rt.encode(pv1, grid1), grid1, tables[0]).logits.argmax())
+                return int(rt.prefill(ids1, rt.encode(*preprocess(imgs[:1], device)), grid1,
+                                      tables[0]).logits.argmax())
 
             calls[name] = {"vit_1x448": lambda rt=rt: rt.encode(pv1, grid1),
                            "vit_4x448": lambda rt=rt: rt.encode(pv4, grid4),
@@ -185,7 +188,8 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
         # from the same host tensors as the runtimes' encode: the pixels' copy to the GPU is in both
         calls["hf_batched_tower"] = {"vit_4x448": lambda: Qwen2VisionTransformerPretrainedModel.forward(
             tower, pv4.to(device), grid_thw=grid4.to(device))}
-        calls["cpu"] = {"preprocess_1x448": lambda: preprocess(imgs[:1])}
+        calls["preprocess"] = {"hf_processor_1x448": lambda: image_processor()(images=imgs[:1], return_tensors="pt"),
+                               "torch_1x448": lambda: preprocess(imgs[:1], device)}
         if device.type == "cuda":  # the vision budget's trade: one image's latency against four images' work
             towers = {budget: VisionTower(tower, budget) for budget in VISION_BUDGETS}
             calls["vision_budget"] = {f"vit_{n}x448@{budget}": lambda n=n, t=t: t.encode(*((pv1, grid1) if n == 1

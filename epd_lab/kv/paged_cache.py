@@ -124,9 +124,11 @@ class PagedKVCache:
             self._allocator.free_managed_buffer(ptr)
 
     # ---- tokens in and out of blocks ----
-    def slots(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+    def slots(self, block_ids: Sequence[int], num_tokens: int,
+              device: torch.device | str | None = None) -> torch.Tensor:
         """Row of each of a sequence's first `num_tokens` tokens in a region viewed as
-        [num_blocks * block_size, heads, head_dim], on the cache's device; checked against the pool."""
+        [num_blocks * block_size, heads, head_dim], on `device` (default: the cache's); checked against the
+        pool."""
         if num_tokens < 0 or len(block_ids) < blocks_needed(num_tokens, self.block_size):
             raise ValueError(f"{num_tokens} tokens need {blocks_needed(num_tokens, self.block_size)} blocks "
                              f"of {self.block_size}, got {len(block_ids)}")
@@ -134,7 +136,7 @@ class PagedKVCache:
         if len(blocks) and not (0 <= int(blocks.min()) and int(blocks.max()) < self.num_blocks):
             raise ValueError(f"block ids outside [0, {self.num_blocks}): {list(block_ids)}")
         t = torch.arange(num_tokens)
-        return (blocks[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
+        return (blocks[t // self.block_size] * self.block_size + t % self.block_size).to(device or self.device)
 
     def write_from(self, layers: KVLayers, block_ids: Sequence[int], num_tokens: int, start: int = 0) -> None:
         """Scatter positions `start`..`num_tokens - 1` of a sequence's KV (per layer (key, value) in transformers'

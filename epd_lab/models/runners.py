@@ -110,7 +110,7 @@ class VisionEncoder:
     def encode_images(self, images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """Preprocess and encode PIL images → (embeddings [n_tokens, hidden] on the model's device,
         image_grid_thw [n_images, 3] on the CPU, as the processor made it)."""
-        pixel_values, image_grid_thw = preprocess(images)
+        pixel_values, image_grid_thw = preprocess(images, model_device(self.model))
         return self.encode(pixel_values, image_grid_thw), image_grid_thw
 
 

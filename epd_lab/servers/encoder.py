@@ -356,7 +356,7 @@ class MMEncoder:
                               sum(img.width * img.height * 3 for img in images)))
             t0 = t_decoded
             with torch.inference_mode():
-                emb = self.runtime.encode(*models.preprocess(images))
+                emb = self.runtime.encode(*models.preprocess(images, self.device))
             counts = [models.num_image_tokens(img.size) for img in images]
             if sum(counts) != emb.shape[0]:
                 raise RuntimeError(f"the ViT gave {emb.shape[0]} tokens, the image sizes say {sum(counts)}")

@@ -4,7 +4,8 @@ ONE thread owns the runtime's decode. Each turn it steps every active request on
 `max_batch`: one ``runtime.decode`` per batch, each request's token stored as the next token of its own blocks and
 attending over them where they lie (the fast runtime; `epd_lab.models.runtime`). Token 0 is prefill's first
 token; token i+1 comes from the logits of feeding token i at ``prompt_len + rope_delta + i``, greedy at
-temperature 0, else drawn from ``softmax(logits / temperature)`` with the request's seeded ``torch.Generator``.
+temperature 0 (the argmax taken where the logits are: on a GPU only the B token ids come back), else drawn on the
+host from ``softmax(logits / temperature)`` with the request's seeded ``torch.Generator``.
 
 Blocks: a request arrives with its prompt's blocks (the KV transfer wrote them) and gets one more block whenever
 its next token would not fit, as vLLM's scheduler does; when the pool has none left, that request fails with an
@@ -150,9 +151,11 @@ class DecodeScheduler:
             logits = self.runtime.decode([gen.tokens[-1] for gen in batch],
                                          [gen.next_position + len(gen.tokens) - 1 for gen in batch],
                                          [gen.block_table for gen in batch], [gen.seq_len + 1 for gen in batch])
-            # one copy off the GPU per forward (none for float32 on the CPU): the tokens are chosen on the host,
-            # where the requests' seeded generators are; float32 holds float32 and bfloat16 logits exactly
-            logits = logits.float().cpu()
+            # greedy picks on the logits' device, B ids copied back; only the rows a seeded draw or a request
+            # that keeps its logits needs travel whole (float32 holds float32 and bfloat16 logits exactly)
+            picks = logits.argmax(-1).tolist()
+            wanted = [i for i, gen in enumerate(batch) if gen.generator is not None or gen.logits is not None]
+            rows = dict(zip(wanted, logits[wanted].float().cpu())) if wanted else {}
         except Exception as exc:  # noqa: BLE001 - its requests fail, the scheduler keeps going
             self._count(requests_failed=len(batch))
             for gen in batch:
@@ -160,10 +163,10 @@ class DecodeScheduler:
             return batch
         self._count("decode_forwards")
         ended: list[Generation] = []
-        for gen, row in zip(batch, logits):
+        for i, gen in enumerate(batch):
             gen.seq_len += 1
             try:
-                token = self._choose(gen, row)
+                token = picks[i] if gen.generator is None else self._draw(gen, rows[i])
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                 ended.append(gen)
                 self._count("requests_failed")
@@ -171,7 +174,7 @@ class DecodeScheduler:
                 continue
             gen.tokens.append(token)
             if gen.logits is not None:
-                gen.logits.append(row)
+                gen.logits.append(rows[i])
             gen.spans.append(Span(gen.rid, len(gen.tokens) - 1, "decode_step", self.recorder.node, t0,
                                   time.monotonic_ns()))
             self.recorder.add(gen.spans[-1])
@@ -184,8 +187,6 @@ class DecodeScheduler:
         return ended
 
     @staticmethod
-    def _choose(gen: Generation, logits: torch.Tensor) -> int:
-        """The next token from one request's logits [vocab]: argmax, or a draw from its seeded generator."""
-        if gen.generator is None:
-            return int(logits.argmax(-1))
+    def _draw(gen: Generation, logits: torch.Tensor) -> int:
+        """The next token of a sampled request, drawn from its seeded generator over its logits [vocab]."""
         return int(torch.multinomial(sampling_probs(logits, gen.temperature), 1, generator=gen.generator))

@@ -17,7 +17,7 @@ from transformers import Qwen2VLForConditionalGeneration
 from epd_lab.kv.block_manager import blocks_needed
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.catalog import model_device
-from epd_lab.models.runners import VisionEncoder, _to
+from epd_lab.models.runners import VisionEncoder, _on_cpu, _to
 from epd_lab.models.runtime import PrefillOutput, RuntimeBase, prompt_positions, token_slot
 from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
 from epd_lab.models.runtime.qwen2 import Qwen2LM
@@ -61,7 +61,7 @@ class FastRuntime(RuntimeBase):
             return
         self.lm = Qwen2LM(model, cache)
         if on_gpu:
-            self.prefill_graphs = PrefillGraphs(self.lm, max_seq_len, cuda_graphs)
+            self.prefill_graphs = PrefillGraphs(self.lm, max_seq_len, model.config.image_token_id, cuda_graphs)
             self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs)
 
     @torch.no_grad()
@@ -78,21 +78,21 @@ class FastRuntime(RuntimeBase):
                 image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
         if self.lm is None:
             raise ValueError("this runtime was opened without a KV cache: it only encodes")
-        ids = input_ids.reshape(-1)
+        ids = _on_cpu(input_ids).reshape(-1)
         positions, rope_delta = prompt_positions(self.model, ids, 0 if image_embeds is None else len(image_embeds),
                                                  image_grid_thw)
+        positions = positions[:, 0]
+        if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.max_tokens:
+            slots = self.cache.slots(block_table, len(ids), device="cpu")
+            with self._lock:
+                logits = self.prefill_graphs.run(ids, positions, slots, image_embeds)
+            return PrefillOutput(logits, rope_delta, len(ids))
         ids = _to(ids, self.device)
         embeds = self.lm.embed_tokens(ids)
         if image_embeds is not None:
             mask = ids == self.model.config.image_token_id
             embeds = embeds.masked_scatter(mask[:, None], _to(image_embeds, self.device).to(embeds.dtype))
-        slots = self.cache.slots(block_table, len(ids))
-        positions = _to(positions[:, 0], self.device)
-        if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.max_tokens:
-            with self._lock:
-                logits = self.prefill_graphs.run(embeds, positions, slots)
-        else:
-            logits = self.lm.prefill(embeds, positions, slots)
+        logits = self.lm.prefill(embeds, _to(positions, self.device), self.cache.slots(block_table, len(ids)))
         return PrefillOutput(logits, rope_delta, len(ids))
 
     @torch.no_grad()

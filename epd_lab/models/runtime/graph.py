@@ -138,33 +138,57 @@ class DecodeGraphs:
 
 class PrefillGraphs:
     """Captured prefills of one prompt each, for prompts up to `max_tokens` tokens (`capture=False`: the same
-    bucketed prefills, run eagerly)."""
+    bucketed prefills, run eagerly).
 
-    def __init__(self, lm: Qwen2LM, max_tokens: int, capture: bool = True) -> None:
-        self.lm = lm
+    The graph starts from token ids: the embedding lookup and the image embeddings' scatter into the image_pad
+    rows (`image_token_id`) are in it. A call's ids, mrope positions, cache rows and last index travel in ONE
+    host-to-device copy (a pinned int64 buffer), the image embeddings in one device copy: no pageable copy,
+    hence no host sync, before the replay.
+    """
+
+    def __init__(self, lm: Qwen2LM, max_tokens: int, image_token_id: int, capture: bool = True) -> None:
+        self.lm, self.image_token_id = lm, image_token_id
         buckets = token_buckets(max_tokens)
-        self.max_tokens = buckets[-1]
-        hidden = lm.embed.shape[1]
-        self._embeds = torch.zeros(self.max_tokens, hidden, dtype=lm.dtype, device=lm.device)
-        self._positions = torch.zeros(3, self.max_tokens, dtype=torch.long, device=lm.device)
-        self._slots = torch.full((self.max_tokens,), -1, dtype=torch.long, device=lm.device)
-        self._last = torch.zeros(1, dtype=torch.long, device=lm.device)
+        self.max_tokens = width = buckets[-1]
+        # ids, 3 rows of positions, slots (each `width`), then the index of the last prompt token
+        self._host = torch.zeros(5 * width + 1, dtype=torch.long, pin_memory=True)
+        self._host[4 * width:5 * width] = -1  # the warm-up and capture store nothing
+        self._numpy = self._host.numpy()
+        self._device = self._host.to(lm.device)
+        self._copied = torch.cuda.Event()  # the host buffer is free again once the last copy out of it ran
+        self._images = torch.zeros(width, lm.embed.shape[1], dtype=lm.dtype, device=lm.device)
         self._graphs = _Graphs(lm.device, buckets, self._step, capture)
         self.capture_s = self._graphs.capture_s
 
     def _step(self, bucket: int) -> torch.Tensor:
-        return self.lm.prefill(self._embeds[:bucket], self._positions[:, :bucket], self._slots[:bucket], self._last)
+        width = self.max_tokens
+        ids = self._device[:bucket]
+        positions = self._device[width:4 * width].view(3, width)[:, :bucket]
+        slots = self._device[4 * width:4 * width + bucket]
+        is_image = ids == self.image_token_id
+        image_row = (torch.cumsum(is_image, 0) - 1).clamp_(min=0)  # the k-th image_pad takes embedding k
+        embeds = torch.where(is_image[:, None], self._images.index_select(0, image_row), self.lm.embed_tokens(ids))
+        return self.lm.prefill(embeds, positions, slots, self._device[5 * width:])
 
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Replay the prefill of one prompt (all three on the GPU: embeddings [T, hidden], mrope positions [3, T],
-        cache rows [T]); returns its last logits [vocab]."""
-        tokens = embeds.shape[0]
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            image_embeds: torch.Tensor | None) -> torch.Tensor:
+        """Replay the prefill of one prompt: ids [T], mrope positions [3, T] and cache rows [T] on the host, the
+        embeddings of its image_pad tokens in order (any device, any float dtype); returns its last logits
+        [vocab] on the GPU."""
+        tokens, width = len(ids), self.max_tokens
         bucket = self._graphs.bucket(tokens)
-        self._embeds[:tokens].copy_(embeds)
-        self._embeds[tokens:bucket].zero_()
-        self._positions[:, :tokens].copy_(positions)
-        self._positions[:, tokens:bucket].zero_()
-        self._slots[:tokens].copy_(slots)
-        self._slots[tokens:bucket].fill_(-1)
-        self._last.fill_(tokens - 1)
+        self._copied.synchronize()
+        buf = self._numpy
+        buf[:bucket] = 0  # padding: id 0 is no image_pad; nothing real attends to these rows
+        buf[:tokens] = ids.numpy()
+        rows = buf[width:4 * width].reshape(3, width)
+        rows[:, :bucket] = 0
+        rows[:, :tokens] = positions.numpy()
+        buf[4 * width:4 * width + bucket] = -1  # padding rows store nothing
+        buf[4 * width:4 * width + tokens] = slots.numpy()
+        buf[5 * width] = tokens - 1
+        if image_embeds is not None:
+            self._images[:len(image_embeds)].copy_(image_embeds, non_blocking=True)
+        self._device.copy_(self._host, non_blocking=True)
+        self._copied.record()
         return self._graphs.replay(bucket)
