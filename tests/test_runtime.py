@@ -10,7 +10,10 @@ against hf within the stated bound.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -247,39 +250,81 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float = BF16_REL) -> None
     assert err <= rel * scale, f"max abs {err} over max {scale}"
 
 
-@gpu
-def test_triton_kernels_match_the_torch_ops():
+def check_triton_kernels(device: str, dtype: torch.dtype, rel: float) -> None:
+    """Each Triton kernel against the torch op it replaces, on `device` (a CPU: under ``TRITON_INTERPRET=1``)."""
     from epd_lab.models.runtime.triton_ops import TritonOps
 
     torch.manual_seed(0)
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    x, r = (torch.randn(5, 1536, device=dev, dtype=dt) for _ in range(2))
-    w = torch.randn(1536, device=dev, dtype=dt)
+    dev = torch.device(device)
+    x, r = (torch.randn(5, 1536, device=dev, dtype=dtype) for _ in range(2))
+    w = torch.randn(1536, device=dev, dtype=dtype)
     for residual in (None, r):
         got, want = TritonOps.add_rms_norm(x, residual, w, 1e-6), TorchOps.add_rms_norm(x, residual, w, 1e-6)
-        _close(got[0], want[0])
-        assert torch.equal(got[1], want[1])  # the residual stream: one bfloat16 add either way
-    gate_up = torch.randn(5, 2 * 8960, device=dev, dtype=dt)
-    _close(TritonOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up))
+        _close(got[0], want[0], rel)
+        assert torch.equal(got[1], want[1])  # the residual stream: one add in the model's dtype either way
+    gate_up = torch.randn(5, 2 * 8960, device=dev, dtype=dtype)
+    _close(TritonOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up), rel)
     heads, kv_heads, dim, block = 12, 2, 128, 16
-    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, device=dev, dtype=dt)
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * dim, device=dev, dtype=dtype)
     angles = torch.randn(7, dim // 2, device=dev)
-    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dt) for f in (torch.cos, torch.sin))
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     slots = torch.tensor([3, 17, -1, 40, 41, 2, 0], device=dev)
-    caches = [[torch.zeros(8, block, kv_heads, dim, device=dev, dtype=dt) for _ in range(2)] for _ in range(2)]
+    caches = [[torch.zeros(8, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2)] for _ in range(2)]
     outs = [ops.rope_store(qkv, cos, sin, slots, *cache, heads, kv_heads)
             for ops, cache in zip((TritonOps, TorchOps), caches)]
     for got, want in zip(outs[0], outs[1]):
-        _close(got, want)
+        _close(got, want, rel)
     for got, want in zip(*caches):
-        _close(got, want)
+        _close(got, want, rel)
     assert int((caches[0][0].view(-1, kv_heads, dim).abs().sum((1, 2)) != 0).sum()) == 6  # slot -1: not stored
-    k_cache, v_cache = (torch.randn(64, block, kv_heads, dim, device=dev, dtype=dt) for _ in range(2))
-    q = torch.randn(4, heads, dim, device=dev, dtype=dt)
+    k_cache, v_cache = (torch.randn(64, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
+    q = torch.randn(4, heads, dim, device=dev, dtype=dtype)
     tables = torch.stack([torch.randperm(64, device=dev)[:10] for _ in range(4)])
     seq_lens = torch.tensor([1, 16, 17, 160], device=dev)
     _close(TritonOps.decode_attention(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5),
-           TorchOps.decode_attention(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5))
+           TorchOps.decode_attention(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5), rel)
+
+
+def check_triton_model_on_cpu() -> None:
+    """The tiny model's prefill and greedy decode with `Qwen2LM` running the Triton kernels (under the
+    interpreter) equal its torch-op run to float32 rounding, image prompt and paged blocks included."""
+    from epd_lab.models.runtime.triton_ops import TritonOps
+
+    model = load_model(dtype=torch.float32)
+    ids, pixel_values, grid = _inputs(*CASES[2])
+    with _cache(model, 32) as cache:
+        rt = open_runtime("fast", model, cache)
+        embeds = rt.encode(pixel_values, grid)
+        torch_logits = _run(rt, ids, embeds, grid, list(range(16)), 4)
+        rt.lm.ops = TritonOps
+        triton_logits = _run(rt, ids, embeds, grid, list(range(31, 15, -1)), 4)
+    for got, want in zip(triton_logits, torch_logits):
+        _close(got, want, 1e-4)
+    assert [int(x.argmax()) for x in triton_logits] == [int(x.argmax()) for x in torch_logits]
+
+
+def _in_the_triton_interpreter(check: str) -> None:
+    """Run `check` (a function of this module) in a fresh process with ``TRITON_INTERPRET=1``: Triton reads it
+    when its kernels are defined, so it must be set before `triton_ops` is imported."""
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", f"import torch, test_runtime; test_runtime.{check}"],
+                          cwd=Path(__file__).parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_triton_kernels_match_the_torch_ops_in_the_interpreter():
+    _in_the_triton_interpreter("check_triton_kernels('cpu', torch.float32, 1e-5)")
+
+
+def test_the_model_on_triton_kernels_equals_torch_ops_in_the_interpreter():
+    _in_the_triton_interpreter("check_triton_model_on_cpu()")
+
+
+@gpu
+def test_triton_kernels_match_the_torch_ops():
+    check_triton_kernels("cuda", torch.bfloat16, BF16_REL)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ prefill logits and 8 decode steps; and fast against hf (max abs difference over 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -55,24 +56,55 @@ def _stats(ms: list[float]) -> dict:
 
 
 def profile(fn: Callable[[], object], device: torch.device, repeats: int) -> dict:
-    """GPU busy time and kernel count per call of `fn` (the profiler's CUDA events: kernels and copies)."""
+    """Per call of `fn`, from the profiler (host ops and CUDA events): GPU busy time and kernel count, and where
+    the rest of the wall time goes: ``host_lead_ms`` (call start → first kernel: the host's work before the GPU
+    has any), ``gpu_idle_ms`` (gaps between the call's first kernel and its last), ``tail_ms`` (last kernel →
+    the host seeing it), plus the kernels and the host ops (self time) that took most."""
     if device.type != "cuda":
         return {"gpu_busy_ms": None, "kernels": None, "top_kernels": []}
     fn()
     _sync(device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        _sync(device)
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = sum(e.time_range.elapsed_us() for e in events)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(repeats):
+            with torch.profiler.record_function(f"epd_call_{i}"):
+                fn()
+                _sync(device)
+    events = prof.events()
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    calls = [e for e in events if e.name.startswith("epd_call_") and e.device_type == torch.autograd.DeviceType.CPU]
+    lead, idle, tail = [], [], []
+    for call in calls:
+        start, end = call.time_range.start, call.time_range.end
+        mine = [e for e in gpu if start <= e.time_range.start <= end]
+        if not mine:
+            continue
+        covered, reach = 0, mine[0].time_range.start
+        for e in mine:  # the union of the kernels' intervals: copies may overlap kernels
+            s0, e0 = max(e.time_range.start, reach), e.time_range.end
+            covered += max(0, e0 - s0)
+            reach = max(reach, e0)
+        lead.append(mine[0].time_range.start - start)
+        idle.append(reach - mine[0].time_range.start - covered)
+        tail.append(end - reach)
+    busy_us = sum(e.time_range.elapsed_us() for e in gpu)
     by_name: dict[str, list[float]] = {}
-    for e in events:
+    for e in gpu:
         by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
-    return {"gpu_busy_ms": busy_us / 1e3 / repeats, "kernels": len(events) / repeats,
+    host = sorted((a for a in prof.key_averages() if a.device_type == torch.autograd.DeviceType.CPU
+                   and not a.key.startswith("epd_call_")), key=lambda a: -a.self_cpu_time_total)[:TOP_KERNELS]
+    return {"gpu_busy_ms": busy_us / 1e3 / repeats, "kernels": len(gpu) / repeats,
+            "host_lead_ms": _median_ms(lead), "gpu_idle_ms": _median_ms(idle), "tail_ms": _median_ms(tail),
             "top_kernels": [{"name": name[:120], "ms": sum(us) / 1e3 / repeats, "count": len(us) / repeats}
-                            for name, us in top]}
+                            for name, us in top],
+            "top_host_ops": [{"name": a.key[:120], "self_ms": a.self_cpu_time_total / 1e3 / repeats,
+                              "count": a.count / repeats} for a in host]}
+
+
+def _median_ms(us: list[float]) -> float | None:
+    return statistics.median(us) / 1e3 if us else None
 
 
 class Timer:
@@ -209,7 +241,9 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                 result["runtimes"].setdefault(rt_name, {})[what] = entry
                 top = ", ".join(f"{k['name'][:40]} {k['ms']:.3f}" for k in entry["top_kernels"][:3])
                 log(f"{model_name} {key}: {entry['median_ms']:.2f} ms wall, busy {entry['gpu_busy_ms']}, "
-                    f"kernels {entry['kernels']}; top: {top}")
+                    f"kernels {entry['kernels']}, host lead {entry.get('host_lead_ms')}, GPU idle "
+                    f"{entry.get('gpu_idle_ms')}, tail {entry.get('tail_ms')}; top: {top}; host: "
+                    + ", ".join(f"{h['name'][:30]} {h['self_ms']:.3f}" for h in entry.get("top_host_ops", [])[:4]))
             if "fast" in opened and "hf" in opened:
                 result["bits"] = bit_checks(opened["fast"], opened["hf"], imgs)
                 log(f"{model_name} bits: {result['bits']}")
@@ -270,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         from epd_lab.bench.transfer import machine_info
     machine = machine_info()
     try:
-        machine["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                           timeout=10).stdout.strip() or None
+        # the device's copy of the tree may carry an older .git: the caller can name the commit it ran
+        machine["commit"] = os.environ.get("EPD_LAB_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         machine["commit"] = None
     results = [measure(m, device, dtype, args.runtimes.split(","), args.repeats, args.profile_repeats)
