@@ -5,7 +5,7 @@
 #   bash scripts/gpu_e2e.sh STAGE...      stages, in the order given:
 #     tests     pytest -m cuda on every test file with cuda-marked tests
 #     tiny      epd-lab bench e2e --device cuda --model tiny (224², all backends)
-#     2b        ... --model qwen2-vl-2b, the grid $SIZES x $IMAGES, --kv-tokens 4096 (all backends)
+#     2b        ... --model qwen2-vl-2b, the grid $SIZES x $IMAGES, --kv-tokens 4096 ($BACKENDS_2B, default all)
 #     7b        ... --model qwen2-vl-7b, the same grid ($BACKENDS_7B, default mooncake)
 #     notebook  notebooks/08_gpu.ipynb through papermill with -p device cuda (skipped where papermill is absent)
 #     runtime   epd-lab bench runtime --device cuda --models $RT_MODELS (default qwen2-vl-2b,qwen2-vl-7b): the model
@@ -71,7 +71,8 @@ for stage in "$@"; do
             say "tests: exit ${PIPESTATUS[0]}"
             ;;
         tiny) bench tiny ;;
-        2b) bench qwen2-vl-2b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 ;;
+        2b) bench qwen2-vl-2b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 \
+                ${BACKENDS_2B:+--backends "$BACKENDS_2B"} ;;
         7b) bench qwen2-vl-7b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 \
                 --backends "${BACKENDS_7B:-mooncake}" ;;
         runtime)
