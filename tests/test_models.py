@@ -33,6 +33,7 @@ from epd_lab.models import (
     resized_size,
 )
 from epd_lab.models.processor import image_processor
+from epd_lab.models.runners import prompt_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every role runs under configure_torch(1)
 
@@ -122,6 +123,27 @@ def test_preprocess_equals_hf_image_processor_bit_for_bit(device):
     assert pixel_values.device.type == device and grid_thw.device.type == "cpu"
     assert torch.equal(grid_thw, expected["image_grid_thw"])
     assert torch.equal(pixel_values.cpu(), expected["pixel_values"].to(torch.float32))
+
+
+@pytest.mark.parametrize("grids", [[], [(1, 32, 32)], [(1, 16, 16), (1, 24, 8), (1, 4, 60)], [(1, 2, 2)]],
+                         ids=["text", "one", "three-odd", "smallest"])
+def test_prompt_positions_equal_hf_get_rope_index(model, grids):
+    def check(ids: torch.Tensor, grids: list) -> None:
+        thw = torch.tensor(grids) if grids else None
+        mask = ids.reshape(1, -1) == model.config.image_token_id
+        want, deltas = model.model.get_rope_index(ids.reshape(1, -1), mm_token_type_ids=mask.int(), image_grid_thw=thw)
+        got, delta = prompt_positions(model, ids, int(mask.sum()), thw)
+        assert torch.equal(got, want) and delta == int(deltas[0, 0])
+
+    check(build_input_ids(PROMPT * 3, grids), grids)
+    if grids:  # images between text runs, not only first
+        pads = [[IMAGE_PAD_ID] * (t * h * w // 4) for t, h, w in grids]
+        check(torch.tensor([[65, 66, *sum(([VISION_START_ID, *p, VISION_END_ID, 67] for p in pads), [])]]), grids)
+        with pytest.raises(ValueError, match="do not match the grids"):
+            prompt_positions(model, build_input_ids("x", grids), sum(map(len, pads)),
+                             torch.tensor([[1, 2, 4]] * len(grids)))
+    with pytest.raises(ValueError, match="image_pad tokens but 9999 image embeddings"):
+        prompt_positions(model, build_input_ids("x", grids), 9999, None)
 
 
 def test_build_input_ids_layout():

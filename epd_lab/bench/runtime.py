@@ -71,8 +71,9 @@ def profile(fn: Callable[[], object], device: torch.device, repeats: int) -> dic
                 fn()
                 _sync(device)
     events = prof.events()
-    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    # the CUDA timeline also holds each record_function range as an annotation: not a kernel
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.startswith("epd_call_")), key=lambda e: e.time_range.start)
     calls = [e for e in events if e.name.startswith("epd_call_") and e.device_type == torch.autograd.DeviceType.CPU]
     lead, idle, tail = [], [], []
     for call in calls:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import DynamicCache, Qwen2VLForConditionalGeneration
@@ -55,21 +56,40 @@ class PrefillResult:
 
 def prompt_positions(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor, num_embeds: int,
                      image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """The prompt's (ids [1, T] or [T]) 3-D mrope positions [3, 1, T] and rope delta, on the CPU.
+    """The prompt's (ids [1, T] or [T]) 3-D mrope positions [3, 1, T] and rope delta, on the CPU: what HF's
+    `get_rope_index` gives (a test holds them equal), in a few numpy operations per image rather than its Python
+    walk (0.9 ms of host time before a 2B prefill's first kernel on the H200's host).
 
-    The positions are integers, the same wherever they are computed; on the CPU they cost no GPU syncs
-    (`get_rope_index` walks the prompt in Python), and the count check none either. Raises ValueError when the
-    prompt's image_pad count is not `num_embeds`.
+    Text token i after the previous item continues at (last position + 1) on all three axes; an image's
+    (h/m)·(w/m) tokens take (t, row, column) offsets from the position its run starts at (m: the spatial merge).
+    Raises ValueError when the prompt's image_pad count is not `num_embeds`, or its image_pad runs do not match
+    `image_grid_thw`.
     """
-    ids = _on_cpu(input_ids).reshape(1, -1)
-    mask = ids == model.config.image_token_id
-    n_pads = int(mask.sum())
+    ids = _on_cpu(input_ids).reshape(-1).numpy()
+    is_pad = ids == model.config.image_token_id
+    n_pads = int(is_pad.sum())
     if n_pads != num_embeds:
         raise ValueError(f"prompt has {n_pads} image_pad tokens but {num_embeds} image embeddings were given")
-    positions, deltas = model.model.get_rope_index(
-        ids, mm_token_type_ids=mask.int(),
-        image_grid_thw=None if image_grid_thw is None else _on_cpu(image_grid_thw))
-    return positions, int(deltas[0, 0])
+    merge = model.config.vision_config.spatial_merge_size
+    grids = [] if image_grid_thw is None else _on_cpu(image_grid_thw).tolist()
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], is_pad.astype(np.int8), [0]))))
+    runs = list(zip(edges[::2], edges[1::2]))  # [start, end) of each image_pad run
+    if len(runs) != len(grids) or any(end - start != t * h * w // merge**2
+                                      for (start, end), (t, h, w) in zip(runs, grids)):
+        raise ValueError(f"the prompt's image_pad runs {[int(e - s) for s, e in runs]} do not match the grids "
+                         f"{grids} (merge {merge})")
+    positions = np.empty((3, len(ids)), dtype=np.int64)
+    cursor, next_pos = 0, 0
+    for (start, end), (t, h, w) in zip(runs, grids):
+        positions[:, cursor:start] = np.arange(next_pos, next_pos + start - cursor)
+        base = next_pos + start - cursor
+        gh, gw = h // merge, w // merge
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        positions[:, start:end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + base
+        cursor, next_pos = end, base + max(t, gh, gw)
+    positions[:, cursor:] = np.arange(next_pos, next_pos + len(ids) - cursor)
+    top = int(positions.max()) + 1 if len(ids) else 0
+    return torch.from_numpy(positions)[:, None, :], top - len(ids)
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,10 +15,13 @@ monolithic use and in the split alike.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from epd_lab.models.runtime.qwen2 import Qwen2LM
+
+T = TypeVar("T")
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -37,6 +40,30 @@ def token_buckets(max_tokens: int, smallest: int = 64) -> list[int]:
     while sizes[-1] < max_tokens:
         sizes.append(2 * sizes[-1])
     return sizes
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture(fn: Callable[[], T], device: torch.device, pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A graph of `fn` and the output it captured, into `pool` (None: a new one).
+
+    PyTorch's recipe: `fn` runs once eagerly on the capture stream first (Triton compiles, cuBLAS makes that
+    stream's handle and workspace, allocations settle), then is captured on the same stream. Warmed up on
+    another stream, a GEMM can need what it may not create while capturing (a 2B prefill's capture failed
+    with CUBLAS_STATUS_EXECUTION_FAILED on the H200 that way, once in three runs).
+    """
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 class _Graphs:
@@ -62,11 +89,7 @@ class _Graphs:
         start.record()
         pool = None
         for bucket in reversed(buckets):  # the largest first: the smaller ones fit in its pool
-            graph = torch.cuda.CUDAGraph()
-            step(bucket)  # warm-up: Triton's compile, cuBLAS's workspace
-            torch.cuda.synchronize(device)
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._outputs[bucket] = step(bucket)
+            graph, self._outputs[bucket] = capture(lambda bucket=bucket: step(bucket), device, pool)
             pool = graph.pool()
             self._graphs[bucket] = graph
         end.record()

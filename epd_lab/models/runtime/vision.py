@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from epd_lab.models.runtime.graph import capture
+
 MAX_GRAPHS = 16  # captured call shapes kept (least recently used dropped first)
 
 
@@ -142,11 +144,7 @@ class VisionTower:
             self._pixels = torch.zeros(total, self.patch_dim, dtype=self.dtype, device=self.device)
             self._angles = torch.zeros(total, self.inv_freq.numel() * 2, device=self.device)
         pixels, angles = self._pixels[:total], self._angles[:total]
-        self._forward(pixels, angles, key)  # warm-up: kernel selection, workspaces
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(pixels, angles, key)
+        graph, out = capture(lambda: self._forward(pixels, angles, key), self.device, self._pool)
         self._pool = graph.pool()
         self._graphs[key] = (graph, out)
         if len(self._graphs) > MAX_GRAPHS:
