@@ -234,8 +234,26 @@ def test_bench_runtime_measures_and_checks_bits_on_the_cpu():
     assert bits["split_logits_equal_monolithic"] and bits["split_embeddings_equal"]
     assert bits["split_tokens"] == bits["monolithic_tokens"]
     assert bits["fast_vs_hf_prefill_max_abs_over_max_logit"] < 1e-5
+    assert set(result["runtimes"]["preprocess"]) == {"hf_processor_1x448", "torch_1x448"}
     summary = bench_runtime.summary([result], {"gpu": None, "commit": None})
     assert summary["tpot_ms_c1"]["tiny"] == result["runtimes"]["fast"]["decode_c1"]["median_ms"]
+    assert summary["split_ttft_overhead_ms"] is None  # no bench e2e given
+
+
+def test_bench_runtime_takes_the_split_overhead_from_bench_e2e():
+    def row(path, ttft, **extra):
+        return {"path": path, "images": 1, "image_size": 448, "concurrency": 1, "ttft_ms": {"p50": ttft}, **extra}
+
+    path = [{"stage": "transfer", "median_ms": 1.0}, {"stage": "notify", "median_ms": 0.5},
+            {"stage": "kv_write", "median_ms": 0.1}, {"stage": "vit", "median_ms": 14.0}]
+    e2e = {"rows": [row("monolithic", 20.0), row("epd/mooncake", 42.5, critical_path=path),
+                    {**row("epd/mooncake", 99.0, critical_path=path), "images": 4}],
+           "kv_transfer": {"ms": {"p50": 1.9}}}
+    overhead, spans = bench_runtime.split_overhead(e2e)
+    assert overhead == 22.5
+    assert spans == {"path": "epd/mooncake", "transfer": 1.0, "notify": 0.5, "kv_write": 0.1,
+                     "kv_transfer_4k_tokens_p50": 1.9}
+    assert bench_runtime.split_overhead(e2e, images=8) == (None, None)
 
 
 # ---- on a GPU ----

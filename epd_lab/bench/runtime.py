@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from epd_lab.bench import write_json
+from epd_lab.bench import read_json, write_json
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models import build_input_ids, configure_torch, open_model, preprocess
 from epd_lab.models.processor import image_processor
@@ -259,13 +259,30 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
     return result
 
 
-def summary(results: list[dict], machine: dict) -> dict:
-    """The issue's summary keys (times in ms) from the fast runtime's rows."""
+def split_overhead(e2e: dict, images: int = 1, image_size: int = 448) -> tuple[float | None, dict | None]:
+    """From a `bench e2e` result: the split's TTFT over the floor's at concurrency 1 (p50, the first backend that
+    ran the point) and the transfer spans on its critical path (ms)."""
+    rows = [r for r in e2e.get("rows", []) if r["images"] == images and r["image_size"] == image_size
+            and r["concurrency"] == 1]
+    floor = next((r for r in rows if r["path"] == "monolithic"), None)
+    split = next((r for r in rows if r["path"] != "monolithic" and r.get("critical_path")), None)
+    if floor is None or split is None:
+        return None, None
+    stages = {s["stage"]: s["median_ms"] for s in split["critical_path"]}
+    spans = {"path": split["path"], **{k: stages.get(k) for k in ("transfer", "notify", "kv_write")},
+             "kv_transfer_4k_tokens_p50": e2e.get("kv_transfer", {}).get("ms", {}).get("p50")}
+    return split["ttft_ms"]["p50"] - floor["ttft_ms"]["p50"], spans
+
+
+def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict:
+    """The issue's summary keys (times in ms) from the fast runtime's rows, and from `e2e` (a `bench e2e`
+    result through the servers on the same machine) the split's overhead."""
     def fast(model: str, what: str, key: str = "median_ms") -> float | None:
         row = next((r for r in results if r["model"] == model), None)
         return None if row is None else row["runtimes"].get("fast", {}).get(what, {}).get(key)
 
     main = "qwen2-vl-2b" if any(r["model"] == "qwen2-vl-2b" for r in results) else results[0]["model"]
+    overhead, spans = split_overhead(e2e) if e2e else (None, None)
     c1, c16 = fast(main, "decode_c1"), fast(main, "decode_c16")
     bits = next((r.get("bits", {}) for r in results if r["model"] == main), {})
     hf_busy = next((r["runtimes"]["hf_batched_tower"]["vit_4x448"]["gpu_busy_ms"] for r in results
@@ -278,8 +295,8 @@ def summary(results: list[dict], machine: dict) -> dict:
         "tpot_ms_c1": {r["model"]: fast(r["model"], "decode_c1") for r in results},
         "decode_tokens_per_s": {"c1": None if c1 is None else 1e3 / c1, "c16": None if c16 is None else 16e3 / c16},
         "monolithic_ttft_ms": fast(main, "ttft"),
-        "split_ttft_overhead_ms": None,  # through the servers: bench e2e's job, not run with this runtime yet
-        "split_transfer_spans_ms": None,
+        "split_ttft_overhead_ms": overhead,
+        "split_transfer_spans_ms": spans,
         "vit_4x448": {"gpu_busy_ms": fast(main, "vit_4x448", "gpu_busy_ms"), "hf_batched_gpu_busy_ms": hf_busy,
                       "bit_identical_to_one_by_one": bits.get("vit_4_one_call_equals_one_by_one")},
     }
@@ -295,7 +312,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-repeats", type=int, default=8, help="profiled calls of each on a GPU (default 8)")
     ap.add_argument("--json", help="write the full result here")
     ap.add_argument("--summary", help="write the issue's summary keys here")
+    ap.add_argument("--e2e", help="a `bench e2e` JSON of the same machine: the summary's split overhead")
+    ap.add_argument("--summarize", metavar="FULL_JSON[,FULL_JSON...]",
+                    help="measure nothing: rewrite --summary from these full JSONs (a model's first result counts; "
+                         "the machine is the first file's) and --e2e")
     args = ap.parse_args(argv)
+    e2e = read_json(args.e2e) if args.e2e else None
+    if args.summarize:
+        fulls = [read_json(path) for path in args.summarize.split(",")]
+        results: list[dict] = []
+        for full in fulls:
+            results += [r for r in full["results"] if r["model"] not in {x["model"] for x in results}]
+        out = summary(results, fulls[0]["machine"], e2e)
+        print(out)
+        if args.summary:
+            write_json(args.summary, out)
+        return 0
     configure_torch(threads=1)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -312,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         machine["commit"] = None
     results = [measure(m, device, dtype, args.runtimes.split(","), args.repeats, args.profile_repeats)
                for m in args.models.split(",")]
-    out = {"machine": machine, "results": results, "summary": summary(results, machine)}
+    out = {"machine": machine, "results": results, "summary": summary(results, machine, e2e)}
     print(out["summary"])
     if args.json:
         write_json(args.json, out)
