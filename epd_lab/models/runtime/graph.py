@@ -49,9 +49,10 @@ def capture(fn: Callable[[], T], device: torch.device, pool: tuple | None = None
     """A graph of `fn` and the output it captured, into `pool` (None: a new one).
 
     PyTorch's recipe: `fn` runs once eagerly on the capture stream first (Triton compiles, cuBLAS makes that
-    stream's handle and workspace, allocations settle), then is captured on the same stream. Warmed up on
-    another stream, a GEMM can need what it may not create while capturing (a 2B prefill's capture failed
-    with CUBLAS_STATUS_EXECUTION_FAILED on the H200 that way, once in three runs).
+    stream's handle and workspace, allocations settle), then is captured on the same stream. Warmed up on the
+    default stream instead, a 2B prefill's capture failed once on the H200 with CUBLAS_STATUS_EXECUTION_FAILED
+    (`data/bench/logs/issue17-s2-h200-run2.txt`); the recipe removes the likeliest cause, a GEMM creating its
+    stream's workspace while capturing. Not reproduced on purpose.
     """
     stream = _CAPTURE_STREAMS.get(device)
     if stream is None:
@@ -197,7 +198,7 @@ class PrefillGraphs:
             image_embeds: torch.Tensor | None) -> torch.Tensor:
         """Replay the prefill of one prompt: ids [T], mrope positions [3, T] and cache rows [T] on the host, the
         embeddings of its image_pad tokens in order (any device, any float dtype); returns its last logits
-        [vocab] on the GPU."""
+        [vocab] on the GPU. The embeddings are read by queued work: keep them until the logits are read."""
         tokens, width = len(ids), self.max_tokens
         bucket = self._graphs.bucket(tokens)
         self._copied.synchronize()
