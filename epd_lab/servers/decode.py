@@ -63,7 +63,8 @@ from epd_lab.servers.messages import (
     encode,
 )
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
-                             ServingError, Unavailable, engine_metrics, option, read_struct, role_app, serve_main)
+                             ServingError, Unavailable, deadline_budget, engine_metrics, option, read_struct,
+                             role_app, serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
                                        use_device)
 from epd_lab.trace import Recorder, Span
@@ -106,8 +107,10 @@ class DecodeSettings:
     kv_quarantine: float | None = option(None, "seconds the blocks of a timed-out transfer rest before reuse "
                                                "(default: --timeout)")
     max_batch: int = option(16, "requests per decode forward (1: round-robin single steps)")
-    max_active: int = option(64, "requests admitted at once (receiving their KV or generating); more are refused "
-                                 "with 503 at once, never left to time out")
+    max_active: int = option(64, "requests at once (receiving their KV or generating); more wait, holding no KV, "
+                                 "while their predicted wait fits their deadline (X-EPD-Deadline-Ms, else "
+                                 "--timeout), and are refused with 503 at once when it does not")
+    max_queued: int = option(1024, "requests waiting for a place among max_active at most (a memory backstop)")
     kv_producers: tuple[str, ...] = option((), "the prefills' KV side channels (tcp://host:port) this decode may "
                                                "ask; a request naming another is refused (none: any, unguarded)")
 
@@ -116,6 +119,8 @@ class DecodeSettings:
         for name in ("kv_blocks", "block_size", "max_batch", "max_active"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.kv_quarantine is not None and self.kv_quarantine < 0:
@@ -169,8 +174,7 @@ class DecodeServer:
         self._cond = threading.Condition(self._lock)
         self._active: list[_Generation] = []
         self._closed = False
-        self.admission = Admission("decode", settings.max_active, f"max_active {settings.max_active}",
-                                   lambda: self._count("refused_at_capacity"))
+        self.admission = Admission("decode", settings.max_active, settings.max_queued, settings.timeout)
         self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
         self._thread = threading.Thread(target=self._schedule, name="decode-scheduler", daemon=True)
         self._thread.start()
@@ -371,7 +375,7 @@ class DecodeServer:
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
                 "block_size": self.cache.block_size, "active_requests": active,
                 "max_batch": self.settings.max_batch, "kv_producers_guarded": bool(self.settings.kv_producers),
-                "counters": counters}
+                "admission": self.admission.stats(), "counters": counters}
 
     def metric_families(self) -> list[Metric]:
         """The decode's ``/metrics`` families: its KV blocks, requests and tokens, the consumer's counters."""
@@ -382,9 +386,6 @@ class DecodeServer:
             ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
             ("active_requests", "gauge", h["active_requests"], "requests generating"),
-            ("admitted", "gauge", self.admission.admitted, "requests receiving their KV or generating"),
-            ("refused_at_capacity_total", "counter", c["refused_at_capacity"],
-             "requests refused with 503 at once: at capacity (max_active)"),
             ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
             ("requests_cancelled_total", "counter", c["requests_cancelled"], "requests whose client went away"),
             ("requests_failed_total", "counter", c["requests_failed"], "requests that failed while generating"),
@@ -393,7 +394,7 @@ class DecodeServer:
             ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
             ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
             ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
-        )] + engine_metrics(self.engine)
+        )] + self.admission.metric_families() + engine_metrics(self.engine)
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""
@@ -439,20 +440,18 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     @app.post("/v1/decode")
     async def decode(request: Request) -> Response:
         server: DecodeServer = app.state.server
-        server.admission.enter()  # refused before its body is read: at once
+        # queued, or refused, before its body is read; a waiting request holds no KV (prefill keeps it meanwhile)
+        ticket = await server.admission.enter(deadline_budget(request.headers, server.settings.timeout))
         streaming = False
         try:
-            response = await _decode(server, request)
+            response = await _decode(server, request, ticket.leave)
             streaming = isinstance(response, _GenerationStream)  # admitted until its stream ends
             return response
         finally:
             if not streaming:
-                server.admission.leave()
+                ticket.leave()
 
-    def _stream_ended() -> None:
-        app.state.server.admission.leave()
-
-    async def _decode(server: DecodeServer, request: Request) -> Response:
+    async def _decode(server: DecodeServer, request: Request, _stream_ended: Callable[[], None]) -> Response:
         req = await read_struct(request, DecodeRequest)
         loop = asyncio.get_running_loop()
         cache, kv_spans, params = await loop.run_in_executor(server.io, server.fetch_kv, req)

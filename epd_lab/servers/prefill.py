@@ -52,8 +52,10 @@ from epd_lab.servers.messages import (
     PrefillResponse,
     encode,
 )
-from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body,
-                             engine_metrics, error_for_status, option, read_body, read_struct, role_app, serve_main)
+from epd_lab.servers.text import prompt_tokens
+from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, deadline_budget,
+                             decode_body, engine_metrics, error_for_status, option, read_body, read_struct, role_app,
+                             serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
                                        synchronize, use_device)
 from epd_lab.trace import Recorder
@@ -82,8 +84,9 @@ class PrefillSettings:
                                   "ready")
     kv_free_timeout: float = option(30.0, "seconds a prefilled KV waits for decode before its blocks are freed")
     workers: int = option(4, "prefills in flight at once")
-    max_queued: int = option(32, "requests waiting for a worker; beyond workers + max_queued a request is refused "
-                                "with 503 at once, never left to time out in the queue")
+    max_queued: int = option(1024, "requests waiting for a worker at most (a memory backstop): a request waits while "
+                                   "its predicted wait fits its deadline (X-EPD-Deadline-Ms, else --timeout), and is "
+                                   "refused with 503 at once when it does not (serving.admission)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
@@ -195,9 +198,7 @@ class PrefillServer:
             raise
         self.epd = EPDPrefill(self.receiver, self.model) if self.receiver is not None else None
         self.pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefill")
-        self.admission = Admission("prefill", settings.workers + settings.max_queued,
-                                   f"workers {settings.workers} + queue {settings.max_queued}",
-                                   lambda: self.counters.update(["refused_at_capacity"]))
+        self.admission = Admission("prefill", settings.workers, settings.max_queued, settings.timeout)
 
     # ---- /v1/prefill ----
     def prefill(self, req: PrefillRequest) -> PrefillResponse:
@@ -223,7 +224,9 @@ class PrefillServer:
                 kv.announce(input_ids)
 
         try:
-            self._check_length(models.build_input_ids(req.prompt, []).shape[1])  # the text alone, before E→P
+            # the text alone, before E→P, measured without building its ids (50 MB of them hold a worker, GIL and
+            # all, for seconds: the event loop, and /health with it, would stop answering)
+            self._check_length(prompt_tokens(req.prompt))
             if req.images:
                 if self.epd is None:
                     raise BadRequest("this prefill server has no encoders (started without --encoders): "
@@ -280,7 +283,14 @@ class PrefillServer:
                 "encoders": list(self.settings.encoders), "num_blocks": self.blocks.num_blocks,
                 "free_blocks": self.blocks.num_free_blocks, "used_blocks": self.blocks.num_used_blocks,
                 "block_size": self.cache.block_size, "inflight": len(self._inflight), "producer": producer,
+                "max_prompt_tokens": self.max_prompt_tokens, "admission": self.admission.stats(),
                 "counters": dict(self.counters)}
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this server takes (`_check_length`'s bound); the proxy learns it from /health and
+        refuses longer ones itself, before they travel."""
+        return min(self.max_positions - 1, self.blocks.num_blocks * self.cache.block_size)
 
     def metric_families(self) -> list[Metric]:
         """The prefill's ``/metrics`` families: its KV blocks, prefills running, the producer's counters."""
@@ -289,10 +299,6 @@ class PrefillServer:
             ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
             ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
             ("inflight", "gauge", len(self._inflight), "prefills running"),
-            ("admitted", "gauge", self.admission.admitted, "requests running or waiting for a worker"),
-            ("capacity", "gauge", self.admission.capacity, "requests admitted at most (workers + max_queued)"),
-            ("refused_at_capacity_total", "counter", self.counters["refused_at_capacity"],
-             "requests refused with 503 at once: at capacity"),
             ("prompt_tokens_total", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
             ("kv_pool_exhausted_total", "counter", self.counters["kv_pool_exhausted"], "requests refused with 503"),
             ("kv_requests_held", "gauge", p["requests_held"], "requests whose KV waits for decode"),
@@ -301,7 +307,8 @@ class PrefillServer:
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
             ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
             ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
-        )] + engine_metrics(self.engine, self.receiver.engine if self.receiver is not None else None)
+        )] + self.admission.metric_families() + engine_metrics(
+            self.engine, self.receiver.engine if self.receiver is not None else None)
 
     def close(self) -> None:
         """Stop the workers, answer waiting asks, free and deregister the cache, close the engines."""
@@ -323,11 +330,12 @@ def create_app(settings: PrefillSettings) -> FastAPI:
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
         server: PrefillServer = app.state.server
-        server.admission.enter()  # refused before its body is even read: it costs nothing more
+        # queued, or refused, before its body is read: a waiting request holds no body, KV or embedding
+        ticket = await server.admission.enter(deadline_budget(request.headers, server.settings.timeout))
         try:
             return await _prefill(server, request)
         finally:
-            server.admission.leave()
+            ticket.leave()
 
     async def _prefill(server: PrefillServer, request: Request) -> Response:
         body = await read_body(request)

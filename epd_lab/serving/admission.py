@@ -1,33 +1,190 @@
-"""Admission control shared by the roles: a request is admitted below `capacity`, else refused at once.
+"""Deadline-aware admission, shared by the roles: queue a request while its predicted wait fits its deadline.
 
-Refused means a 503 with ``Retry-After`` before the request's body is read, so that overload never turns into
-requests waiting in a queue until their deadline. Touched only on the event loop: no lock.
+    ticket = await admission.enter(deadline_budget(request.headers, settings.timeout))
+    try: ... finally: ticket.leave()
+
+`workers` requests run at once; the next ones wait in a FIFO queue (on the event loop, before their body is
+read: a queued request holds no body beyond the server's socket buffer, no KV blocks and no embedding). A
+newcomer is queued only when its predicted wait plus its own service fits its deadline; otherwise it is refused
+at once with 503 and ``Retry-After``, the detail stating the predicted wait. The prediction comes from measured
+service times, not from a count: with `position` requests queued ahead and `workers` running, the newcomer
+starts after ``position + 1`` completions, which come at ``workers / service`` per second (Little's law), so
+
+    predicted wait = (position + 1) * service / workers        (0 while a worker is free)
+
+where `service` is an exponentially weighted mean of the admitted requests' times from admission to `leave`
+(measured under the load they ran in, so contention is in it). Before the first request finishes it is `prior_s`.
+
+Refusal reasons (``refused_total{reason}``): ``deadline`` (the prediction does not fit), ``queue_full``
+(`max_queued` waiting already: the memory backstop, a large bound), ``expired`` (the deadline passed while the
+request waited: answered then, never run late). The deadline is the request's ``X-EPD-Deadline-Ms`` header (the
+milliseconds its sender will still wait: a budget, not a clock time, so hosts need no common clock) or the role's
+own timeout. Touched only on the event loop: no lock.
 """
 from __future__ import annotations
 
-from typing import Callable
+import asyncio
+import collections
+import math
+import time
+from typing import Any, Mapping
 
-from epd_lab.serving.errors import Unavailable
+from epd_lab.serving.errors import BadRequest, Unavailable
+from epd_lab.serving.metrics import Metric
 
-__all__ = ["Admission"]
+__all__ = ["DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
+
+DEADLINE_HEADER = "X-EPD-Deadline-Ms"  # the milliseconds the sender will still wait for the whole answer
+EWMA_WEIGHT = 0.2  # weight of the newest service time: follows a change of load within ~10 requests
+REASONS = ("deadline", "queue_full", "expired")
+MAX_BUDGET_S = 86400.0  # a longer deadline is read as this one (a timer needs a finite time)
+
+
+def deadline_budget(headers: Mapping[str, str], default_s: float) -> float:
+    """Seconds the request's sender will wait for its whole answer: its ``X-EPD-Deadline-Ms`` header (at most a
+    day), else `default_s` (the role's own timeout). `BadRequest` when the header is not a number."""
+    raw = headers.get(DEADLINE_HEADER.lower())
+    if raw is None:
+        return default_s
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if math.isnan(ms):
+        raise BadRequest(f"{DEADLINE_HEADER} must be a number of milliseconds, got {raw[:40]!r}")
+    return min(ms / 1000.0, MAX_BUDGET_S)
+
+
+class Ticket:
+    """One admitted request's slot: `leave` (idempotent) hands it to the next waiter and records the service
+    time."""
+
+    __slots__ = ("_admission", "_started", "_left")
+
+    def __init__(self, admission: "Admission") -> None:
+        self._admission, self._started, self._left = admission, time.monotonic(), False
+
+    def leave(self) -> None:
+        """The request is done (answered, failed, or its stream ended)."""
+        if not self._left:
+            self._left = True
+            self._admission._finished(time.monotonic() - self._started)
 
 
 class Admission:
-    """At most `capacity` requests admitted at once. `limit` names the bound in the refusal ("max_active 64");
-    `on_refused` is called once per refusal (the role's counter)."""
+    """`workers` requests at once, a deadline-aware FIFO queue of at most `max_queued` behind them. `timeout`
+    is the deadline of a request that names none; `prior_s` the service time assumed until one is measured."""
 
-    def __init__(self, role: str, capacity: int, limit: str, on_refused: Callable[[], None]) -> None:
-        self.role, self.capacity, self.limit, self.on_refused = role, capacity, limit, on_refused
-        self.admitted = 0
+    def __init__(self, role: str, workers: int, max_queued: int, timeout: float, prior_s: float = 0.1) -> None:
+        if workers < 1 or max_queued < 0 or not timeout > 0 or not prior_s >= 0:
+            raise ValueError(f"admission needs workers >= 1, max_queued >= 0, timeout > 0, prior_s >= 0; got "
+                             f"{workers}, {max_queued}, {timeout}, {prior_s}")
+        self.role, self.workers, self.max_queued, self.timeout = role, workers, max_queued, timeout
+        self.service_s = prior_s
+        self.measured = 0  # service times measured
+        self.running = 0
+        self._queue: collections.deque[asyncio.Future] = collections.deque()
+        self.refused: collections.Counter[str] = collections.Counter({r: 0 for r in REASONS})
+        self.queued_total = 0  # requests that waited in the queue
+        self.waited_s = 0.0  # their summed waits
 
-    def enter(self) -> None:
-        """Admit one request, or raise `Unavailable` (503, ``Retry-After: 1``) when at capacity."""
-        if self.admitted >= self.capacity:
-            self.on_refused()
-            raise Unavailable(f"{self.role} at capacity: {self.admitted} requests admitted ({self.limit})",
-                              retry_after=1)
-        self.admitted += 1
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a worker."""
+        return len(self._queue)
 
-    def leave(self) -> None:
-        """An admitted request is done."""
-        self.admitted -= 1
+    @property
+    def admitted(self) -> int:
+        """Requests running or waiting (0 at idle: what a leak check reads)."""
+        return self.running + len(self._queue)
+
+    def predicted_wait(self, position: int | None = None) -> float:
+        """Seconds a request queued behind `position` others (default: all those waiting now) would wait."""
+        position = len(self._queue) if position is None else position
+        if self.running < self.workers and position == 0:
+            return 0.0
+        return (position + 1) * self.service_s / self.workers
+
+    def _refuse(self, reason: str, detail: str, retry_after: float) -> Unavailable:
+        self.refused[reason] += 1
+        return Unavailable(f"{self.role} {detail}", code=f"overloaded_{reason}", retry_after=retry_after)
+
+    async def enter(self, budget_s: float | None = None) -> Ticket:
+        """Admit one request that may wait `budget_s` seconds (default: `timeout`) for its whole answer: at once
+        while a worker is free, else after its turn in the queue. Raises `Unavailable` (503, ``Retry-After``)
+        when its predicted wait and service do not fit its budget, when `max_queued` wait already, or when its
+        budget runs out while it waits."""
+        budget = self.timeout if budget_s is None else budget_s
+        if self.running < self.workers and not self._queue and budget > 0:
+            self.running += 1
+            return Ticket(self)
+        wait = self.predicted_wait()
+        if len(self._queue) >= self.max_queued:
+            raise self._refuse("queue_full", f"at capacity: {self.running} running on {self.workers} workers, "
+                                             f"{len(self._queue)} waiting (max_queued {self.max_queued}); "
+                                             f"predicted wait {wait:.2f} s", max(1.0, wait))
+        if wait + self.service_s > budget:
+            raise self._refuse("deadline", f"overloaded: predicted wait {wait:.2f} s ({len(self._queue)} queued, "
+                                           f"{self.running} running on {self.workers} workers, "
+                                           f"{self.service_s:.3f} s per request) plus its service does not fit "
+                                           f"the request's deadline of {max(budget, 0.0):.2f} s",
+                               wait + self.service_s - max(budget, 0.0))
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append(future)
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(future, budget)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            if future.done() and not future.cancelled():  # granted just as it timed out or was cancelled
+                self._finished(None)
+            else:
+                future.cancel()
+                try:
+                    self._queue.remove(future)
+                except ValueError:
+                    pass
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise self._refuse("expired", f"deadline of {budget:.2f} s passed while the request waited in the "
+                                          f"queue (predicted wait was {wait:.2f} s)", self.predicted_wait()) from None
+        self.queued_total += 1
+        self.waited_s += time.monotonic() - t0
+        return Ticket(self)
+
+    def _finished(self, service_s: float | None) -> None:
+        """A slot is free: record its service time (None: a grant never used), then hand it to the next waiter."""
+        if service_s is not None:
+            # the first measurement replaces the prior; later ones move the mean by EWMA_WEIGHT
+            self.service_s += (EWMA_WEIGHT if self.measured else 1.0) * (service_s - self.service_s)
+            self.measured += 1
+        while self._queue:
+            future = self._queue.popleft()
+            if not future.done():
+                future.set_result(None)  # the slot passes on: `running` stays
+                return
+        self.running -= 1
+
+    def stats(self) -> dict[str, Any]:
+        """For ``/health``: workers, running, queued, the service time and predicted wait, refusals by reason."""
+        return {"workers": self.workers, "running": self.running, "queued": len(self._queue),
+                "max_queued": self.max_queued, "service_s": round(self.service_s, 4),
+                "predicted_wait_s": round(self.predicted_wait(), 4), "refused": dict(self.refused)}
+
+    def metric_families(self) -> list[Metric]:
+        """``admitted``, ``running``, ``queue_length``, ``workers``, ``max_queued``, ``service_seconds``,
+        ``predicted_wait_seconds``, ``queued_total``, ``queue_wait_seconds_total`` and ``refused_total{reason}``."""
+        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
+            ("admitted", "gauge", self.admitted, "requests running or waiting for a worker"),
+            ("running", "gauge", self.running, "requests running (at most workers)"),
+            ("queue_length", "gauge", len(self._queue), "requests waiting for a worker"),
+            ("workers", "gauge", self.workers, "requests run at once"),
+            ("max_queued", "gauge", self.max_queued, "requests waiting at most (memory backstop)"),
+            ("service_seconds", "gauge", round(self.service_s, 6),
+             "mean time from admission to done (exponentially weighted), the prediction's base"),
+            ("predicted_wait_seconds", "gauge", round(self.predicted_wait(), 6),
+             "the wait a request arriving now is predicted"),
+            ("queued_total", "counter", self.queued_total, "requests that waited in the queue"),
+            ("queue_wait_seconds_total", "counter", round(self.waited_s, 6), "seconds they waited, summed"),
+        )] + [Metric.of("refused_total", "counter", "requests refused with 503 at once, by reason: deadline (the "
+                        "predicted wait does not fit), queue_full (max_queued), expired (the deadline passed in "
+                        "the queue)", dict(self.refused), "reason")]
