@@ -115,20 +115,20 @@ class Admission:
         when its predicted wait and service do not fit its budget, when `max_queued` wait already, or when its
         budget runs out while it waits."""
         budget = self.timeout if budget_s is None else budget_s
-        if self.running < self.workers and not self._queue and budget > 0:
-            self.running += 1
-            return Ticket(self)
         wait = self.predicted_wait()
-        if len(self._queue) >= self.max_queued:
-            raise self._refuse("queue_full", f"at capacity: {self.running} running on {self.workers} workers, "
-                                             f"{len(self._queue)} waiting (max_queued {self.max_queued}); "
-                                             f"predicted wait {wait:.2f} s", max(1.0, wait))
-        if wait + self.service_s > budget:
+        if wait + self.service_s > budget:  # even with a worker free: it could not be answered in time
             raise self._refuse("deadline", f"overloaded: predicted wait {wait:.2f} s ({len(self._queue)} queued, "
                                            f"{self.running} running on {self.workers} workers, "
                                            f"{self.service_s:.3f} s per request) plus its service does not fit "
                                            f"the request's deadline of {max(budget, 0.0):.2f} s",
                                wait + self.service_s - max(budget, 0.0))
+        if self.running < self.workers and not self._queue:
+            self.running += 1
+            return Ticket(self)
+        if len(self._queue) >= self.max_queued:
+            raise self._refuse("queue_full", f"at capacity: {self.running} running on {self.workers} workers, "
+                                             f"{len(self._queue)} waiting (max_queued {self.max_queued}); "
+                                             f"predicted wait {wait:.2f} s", max(1.0, wait))
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append(future)
         t0 = time.monotonic()
