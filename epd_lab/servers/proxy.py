@@ -243,6 +243,8 @@ class Proxy:
         self._background: set[asyncio.Task] = set()  # aborts sent without waiting (held here against the GC)
         self.refused: collections.Counter[str] = collections.Counter()  # answers refused: 503s by code, too long
         self.decode_token_s = 0.0  # decode's seconds per token, as this proxy sees them (exponentially weighted)
+        self.pending = 0  # requests admitted here and not yet answered by a prefill
+        self.intake_s = 0.0  # seconds from a request's arrival to its parsed body (weighted mean)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -304,6 +306,10 @@ class Proxy:
             backend.kv_url = body["kv_url"]
         if backend.role == "prefill" and isinstance(body.get("max_prompt_tokens"), int):
             backend.max_prompt_tokens = body["max_prompt_tokens"]
+        admission = body.get("admission")
+        if backend.role == "prefill" and isinstance(admission, dict):
+            backend.workers, backend.service_s = admission.get("workers"), admission.get("service_s")
+            backend.rate = admission.get("rate_per_s")
         return body
 
     async def _choose(self, pool: Pool, tried: set[str], only: Backend | None = None) -> Backend | None:
@@ -461,6 +467,35 @@ class Proxy:
         while await self._abort(backend, rid) == "unreachable" and time.monotonic() < deadline:
             await asyncio.sleep(PROBE_INTERVAL)
 
+    def predicted_wait(self) -> tuple[float, float] | None:
+        """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
+        /health (workers, measured rate and service time) and what this proxy has on its way to them (`pending`:
+        being read, parsed or prefilled): a newcomer starts once the `pending` beyond their workers are through,
+        at their summed rate. None before any prefill told its admission."""
+        known = [b for b in self.prefills.backends if b.workers and b.rate and b.service_s and b.up(time.monotonic())]
+        if not known:
+            return None
+        workers = sum(b.workers for b in known)
+        rate = sum(b.rate for b in known)
+        return max(0, self.pending + 1 - workers) / rate, max(b.service_s for b in known)
+
+    def _admit(self, budget: float) -> None:
+        """Refuse (503, before the body is read) a request whose predicted wait and service at the prefills do
+        not fit its deadline (less the time the proxy takes to read and parse a body, `intake_s`): the prefill
+        would refuse it too, after the proxy read and sent its body; under a burst of a thousand that reading is
+        what made refusals slow."""
+        prediction = self.predicted_wait()
+        if prediction is None:
+            return
+        wait, service = prediction
+        # the prefill judges the same request `intake_s` later, against what is left of its deadline by then
+        if wait + service + self.intake_s > budget:
+            raise Unavailable(f"proxy overloaded: predicted wait {wait:.2f} s at the prefills ({self.pending} "
+                              f"requests on their way to them) plus its service ({service:.3f} s) and intake "
+                              f"({self.intake_s:.3f} s) does not fit the request's deadline of "
+                              f"{max(budget, 0.0):.2f} s", code="overloaded_deadline",
+                              retry_after=wait + service + self.intake_s - max(budget, 0.0))
+
     def _prefill_deadline(self, job: Job) -> dict[str, str]:
         """The ``X-EPD-Deadline-Ms`` for a job's prefill: what is left of its deadline, less what its decode is
         expected to take (this proxy's measured time per token × its tokens, at most half of what is left, so a
@@ -533,20 +568,27 @@ class Proxy:
         t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
         # the client's deadline, at most --timeout: no backend answer is awaited longer than that anyway
         budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
-        body = await read_body(request)
-        if len(body) <= SMALL_BODY_BYTES:
-            job, prompt, images = self._parse(body, kind, t0)
-        else:  # tens of MB of JSON and prompt text: off the event loop, which keeps answering /health meanwhile
-            job, prompt, images = await asyncio.to_thread(self._parse, body, kind, t0)
-        del body
-        job.deadline = t0 / 1e9 + budget
-        self.record(Span(job.rid, -1, "proxy_parse", self.recorder.node, t0, time.monotonic_ns()))
-        piped = await self._pipelined(job, prompt, images) if job.stream and self.settings.pipelined else None
-        if piped is None:
-            decode = None
-            prefill_backend, prefill = await self._prefill(job, prompt, images)
-        else:
-            prefill_backend, prefill, decode = piped
+        self._admit(budget)  # before the body is read: a refusal costs the proxy nothing more
+        self.pending += 1
+        try:
+            body = await read_body(request)
+            if len(body) <= SMALL_BODY_BYTES:
+                job, prompt, images = self._parse(body, kind, t0)
+            else:  # tens of MB of JSON and prompt text: off the event loop, which keeps answering /health
+                job, prompt, images = await asyncio.to_thread(self._parse, body, kind, t0)
+            del body
+            job.deadline = t0 / 1e9 + budget
+            t_parsed = time.monotonic_ns()
+            self.record(Span(job.rid, -1, "proxy_parse", self.recorder.node, t0, t_parsed))
+            self.intake_s += EWMA_WEIGHT * ((t_parsed - t0) / 1e9 - self.intake_s)
+            piped = await self._pipelined(job, prompt, images) if job.stream and self.settings.pipelined else None
+            if piped is None:
+                decode = None
+                prefill_backend, prefill = await self._prefill(job, prompt, images)
+            else:
+                prefill_backend, prefill, decode = piped
+        finally:
+            self.pending -= 1
         try:
             if await request.is_disconnected():
                 raise ClientClosed("the client closed the request before decode began")
@@ -614,6 +656,9 @@ class Proxy:
             Metric.of("refused_total", "counter", "requests refused: 503s by their code (backend_unavailable: every "
                       "backend refused, its deadline not met), context_length_exceeded (400, before forwarding)",
                       self.refused, "reason"),
+            Metric.of("pending", "gauge", "requests admitted here and not yet answered by a prefill", self.pending),
+            Metric.of("predicted_wait_seconds", "gauge", "the wait at the prefills a request arriving now is predicted",
+                      round((self.predicted_wait() or (0.0, 0.0))[0], 6)),
             Metric.of("decode_token_seconds", "gauge", "decode's time per token as the proxy sees it (weighted "
                       "mean): the part of a deadline kept back from prefill", round(self.decode_token_s, 6)),
         ]

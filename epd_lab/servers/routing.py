@@ -31,6 +31,9 @@ class Backend:
     served: int = 0  # requests it accepted
     kv_url: str | None = None  # a prefill's KV side channel, from its /health: decode can be asked up front
     max_prompt_tokens: int | None = None  # a prefill's longest prompt, from its /health: the proxy checks it first
+    workers: int | None = None  # a prefill's admission, from its /health: requests it runs at once ...
+    service_s: float | None = None  # ... its measured service time ...
+    rate: float | None = None  # ... and completions per second: the proxy predicts the wait from them
     probed: bool = False  # its /health has answered once
     stalls: int = 0  # times it was found stalled
     # set when it is found stalled: exchanges waiting on it give up; a fresh one once it answers again

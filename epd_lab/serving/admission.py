@@ -7,13 +7,16 @@
 read: a queued request holds no body beyond the server's socket buffer, no KV blocks and no embedding). A
 newcomer is queued only when its predicted wait plus its own service fits its deadline; otherwise it is refused
 at once with 503 and ``Retry-After``, the detail stating the predicted wait. The prediction comes from measured
-service times, not from a count: with `position` requests queued ahead and `workers` running, the newcomer
-starts after ``position + 1`` completions, which come at ``workers / service`` per second (Little's law), so
+service times, not from a count: with `position` requests queued ahead, the newcomer starts after
+``position + 1`` completions, which come at `rate` per second, so
 
-    predicted wait = (position + 1) * service / workers        (0 while a worker is free)
+    predicted wait = (position + 1) / rate        (0 while a worker is free)
 
-where `service` is an exponentially weighted mean of the admitted requests' times from admission to `leave`
-(measured under the load they ran in, so contention is in it). Before the first request finishes it is `prior_s`.
+`rate` is Little's law applied to each completion (the requests running when it finished over its service
+time: the throughput at the concurrency the role really ran), exponentially weighted; `service` the same mean
+of the service times themselves. Not ``workers / service``: on a host whose cores the roles share, four workers
+do not go four times as fast as one, and a rate measured at one request at a time would promise a burst four
+times the throughput it gets. Before the first request finishes both come from `prior_s`.
 
 Refusal reasons (``refused_total{reason}``): ``deadline`` (the prediction does not fit), ``queue_full``
 (`max_queued` waiting already: the memory backstop, a large bound), ``expired`` (the deadline passed while the
@@ -81,6 +84,7 @@ class Admission:
                              f"{workers}, {max_queued}, {timeout}, {prior_s}")
         self.role, self.workers, self.max_queued, self.timeout = role, workers, max_queued, timeout
         self.service_s = prior_s
+        self.rate = 1.0 / prior_s if prior_s > 0 else math.inf  # completions per second (Little's law)
         self.measured = 0  # service times measured
         self.running = 0
         self._queue: collections.deque[asyncio.Future] = collections.deque()
@@ -103,7 +107,7 @@ class Admission:
         position = len(self._queue) if position is None else position
         if self.running < self.workers and position == 0:
             return 0.0
-        return (position + 1) * self.service_s / self.workers
+        return (position + 1) / self.rate
 
     def _refuse(self, reason: str, detail: str, retry_after: float) -> Unavailable:
         self.refused[reason] += 1
@@ -119,7 +123,8 @@ class Admission:
         if wait + self.service_s > budget:  # even with a worker free: it could not be answered in time
             raise self._refuse("deadline", f"overloaded: predicted wait {wait:.2f} s ({len(self._queue)} queued, "
                                            f"{self.running} running on {self.workers} workers, "
-                                           f"{self.service_s:.3f} s per request) plus its service does not fit "
+                                           f"{self.rate:.1f} done per s, {self.service_s:.3f} s each) plus its "
+                                           f"service does not fit "
                                            f"the request's deadline of {max(budget, 0.0):.2f} s",
                                wait + self.service_s - max(budget, 0.0))
         if self.running < self.workers and not self._queue:
@@ -154,8 +159,11 @@ class Admission:
     def _finished(self, service_s: float | None) -> None:
         """A slot is free: record its service time (None: a grant never used), then hand it to the next waiter."""
         if service_s is not None:
-            # the first measurement replaces the prior; later ones move the mean by EWMA_WEIGHT
-            self.service_s += (EWMA_WEIGHT if self.measured else 1.0) * (service_s - self.service_s)
+            # the first measurement replaces the prior; later ones move the means by EWMA_WEIGHT
+            weight = EWMA_WEIGHT if self.measured else 1.0
+            self.service_s += weight * (service_s - self.service_s)
+            rate = self.running / max(service_s, 1e-6)  # `running` still counts this one
+            self.rate = rate if math.isinf(self.rate) else self.rate + weight * (rate - self.rate)
             self.measured += 1
         while self._queue:
             future = self._queue.popleft()
@@ -167,7 +175,7 @@ class Admission:
     def stats(self) -> dict[str, Any]:
         """For ``/health``: workers, running, queued, the service time and predicted wait, refusals by reason."""
         return {"workers": self.workers, "running": self.running, "queued": len(self._queue),
-                "max_queued": self.max_queued, "service_s": round(self.service_s, 4),
+                "max_queued": self.max_queued, "service_s": round(self.service_s, 4), "rate_per_s": round(self.rate, 3),
                 "predicted_wait_s": round(self.predicted_wait(), 4), "refused": dict(self.refused)}
 
     def metric_families(self) -> list[Metric]:
@@ -180,7 +188,9 @@ class Admission:
             ("workers", "gauge", self.workers, "requests run at once"),
             ("max_queued", "gauge", self.max_queued, "requests waiting at most (memory backstop)"),
             ("service_seconds", "gauge", round(self.service_s, 6),
-             "mean time from admission to done (exponentially weighted), the prediction's base"),
+             "mean time from admission to done (exponentially weighted)"),
+            ("rate_per_second", "gauge", round(self.rate, 6),
+             "completions per second at the concurrency run (Little's law, weighted): the prediction's base"),
             ("predicted_wait_seconds", "gauge", round(self.predicted_wait(), 6),
              "the wait a request arriving now is predicted"),
             ("queued_total", "counter", self.queued_total, "requests that waited in the queue"),
