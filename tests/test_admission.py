@@ -59,13 +59,13 @@ def test_the_predicted_wait_follows_position_and_the_measured_rate():
         tickets = [await admission.enter(), await admission.enter()]
         waiting = [asyncio.create_task(admission.enter()) for _ in range(3)]
         await asyncio.sleep(0)
-        # three queued: a newcomer starts after 4 completions, at the prior's 1 per second (not 2 workers' 2)
-        assert admission.predicted_wait() == pytest.approx(4.0)
-        assert admission.predicted_wait(0) == pytest.approx(1.0)
+        # three queued: a newcomer starts after 4 completions, 2 workers at 1 s each: 2 per second
+        assert admission.predicted_wait() == pytest.approx(2.0)
+        assert admission.predicted_wait(0) == pytest.approx(0.5)
         await asyncio.sleep(0.1)
         for t in tickets:
             t.leave()
-        # measured: 2 then 1 running over ~0.1 s each, far faster than the prior
+        # measured: ~0.1 s each, far faster than the prior
         assert admission.measured == 2 and admission.rate > 5.0 and admission.service_s < 0.5
         while waiting:  # each granted one leaves at once, handing its slot on
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -167,3 +167,23 @@ def test_missed_probes_stall_a_backend_only_when_nothing_else_was_heard():
     silent = Liveness(retry_after=1.0, heard_at=now)
     results = [silent.probed(False, now + 1.5 * (i + 1)) for i in range(STALL_MISSES)]
     assert results == [False] * (STALL_MISSES - 1) + [True]  # a frozen one is found as before
+
+
+def test_a_waiter_the_prediction_no_longer_fits_is_refused_when_that_is_known_not_at_its_deadline():
+    async def go() -> None:
+        admission = Admission("role", workers=1, max_queued=8, timeout=10.0, prior_s=0.1)
+        first = await admission.enter()
+        a = asyncio.create_task(admission.enter(1.0))  # waits ~0.1 s, runs ~0.1 s: fits 1 s
+        b = asyncio.create_task(admission.enter(1.0))
+        await asyncio.sleep(0.5)  # the first takes 5 times the prior: the rate fell
+        assert admission.queued == 2 and not b.done()
+        first.leave()  # its slot goes to a; b would now wait ~0.5 s more and run ~0.5 s, past its deadline
+        done, _ = await asyncio.wait({b}, timeout=0.3)  # refused at once, not at its deadline 0.5 s later
+        assert b in done
+        with pytest.raises(Unavailable, match="predicted wait now .* does not fit the 0.[45].* left"):
+            b.result()
+        assert admission.refused["deadline"] == 1 and admission.refused["expired"] == 0
+        (await a).leave()
+        assert admission.admitted == 0
+
+    run(go())

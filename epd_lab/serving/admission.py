@@ -12,11 +12,21 @@ service times, not from a count: with `position` requests queued ahead, the newc
 
     predicted wait = (position + 1) / rate        (0 while a worker is free)
 
-`rate` is Little's law applied to each completion (the requests running when it finished over its service
-time: the throughput at the concurrency the role really ran), exponentially weighted; `service` the same mean
-of the service times themselves. Not ``workers / service``: on a host whose cores the roles share, four workers
-do not go four times as fast as one, and a rate measured at one request at a time would promise a burst four
-times the throughput it gets. Before the first request finishes both come from `prior_s`.
+``rate = workers / service`` (Little's law with every worker busy, which is when anyone waits), `service` the
+median of the last `SERVICE_WINDOW` admitted requests' times from admission to `leave`, measured under the load
+they ran in: contention is in it. A median, not a weighted mean: a cold first request (a process's first
+transfer calibrates its copy path, ~1 s) made the mean's starting point and refused most of the next burst.
+Before the first request finishes it is `prior_s`. While requests wait, the rate the queue really drains at
+over the last second (`DRAIN_WINDOW_S`) caps `rate`: a burst's own intake (the proxy reading a thousand bodies)
+slows every role on a shared host, and the service times measured before it would promise too much.
+
+The judgment call: a service time measured one request at a time promises a burst more than it gets where
+the roles share a few cores (four workers are not four times one), and the median catches up only as the
+burst's own requests finish. The other way round, the throughput measured one at a time
+(``1 / service``) refused most of a burst the host serves in 3 s, because a prefill's time is partly waiting
+for its encoder and decode, which overlap. Optimistic is the lesser error: a request whose deadline passes while
+it waits is refused then (``expired``), never run late, and the proxy keeps back what the request's decode is
+expected to take.
 
 Refusal reasons (``refused_total{reason}``): ``deadline`` (the prediction does not fit), ``queue_full``
 (`max_queued` waiting already: the memory backstop, a large bound), ``expired`` (the deadline passed while the
@@ -28,7 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import math
+import statistics
 import time
 from typing import Any, Mapping
 
@@ -38,7 +50,9 @@ from epd_lab.serving.metrics import Metric
 __all__ = ["DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
 
 DEADLINE_HEADER = "X-EPD-Deadline-Ms"  # the milliseconds the sender will still wait for the whole answer
-EWMA_WEIGHT = 0.2  # weight of the newest service time: follows a change of load within ~10 requests
+EWMA_WEIGHT = 0.2  # weight of the newest sample in the proxy's weighted means (decode per token, intake)
+SERVICE_WINDOW = 32  # service times the median is taken over
+DRAIN_WINDOW_S = 1.0  # seconds of completions (with requests waiting) the drain rate is measured over
 REASONS = ("deadline", "queue_full", "expired")
 MAX_BUDGET_S = 86400.0  # a longer deadline is read as this one (a timer needs a finite time)
 
@@ -56,6 +70,15 @@ def deadline_budget(headers: Mapping[str, str], default_s: float) -> float:
     if math.isnan(ms):
         raise BadRequest(f"{DEADLINE_HEADER} must be a number of milliseconds, got {raw[:40]!r}")
     return min(ms / 1000.0, MAX_BUDGET_S)
+
+
+@dataclasses.dataclass(slots=True)
+class _Waiter:
+    """A queued request: granted (result) or refused (exception) through `future`."""
+
+    future: asyncio.Future
+    deadline: float  # time.monotonic() by which its answer is due
+    queued_at: float
 
 
 class Ticket:
@@ -84,13 +107,26 @@ class Admission:
                              f"{workers}, {max_queued}, {timeout}, {prior_s}")
         self.role, self.workers, self.max_queued, self.timeout = role, workers, max_queued, timeout
         self.service_s = prior_s
-        self.rate = 1.0 / prior_s if prior_s > 0 else math.inf  # completions per second (Little's law)
+        self._recent: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
+        self._drained: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)  # completions, queue full
         self.measured = 0  # service times measured
         self.running = 0
-        self._queue: collections.deque[asyncio.Future] = collections.deque()
+        self._queue: collections.deque[_Waiter] = collections.deque()
         self.refused: collections.Counter[str] = collections.Counter({r: 0 for r in REASONS})
         self.queued_total = 0  # requests that waited in the queue
         self.waited_s = 0.0  # their summed waits
+
+    @property
+    def rate(self) -> float:
+        """Completions per second with every worker busy: ``workers / service``, or the rate the queue was seen
+        to drain at in the last second, when that is lower (a burst's own intake slows the roles down)."""
+        rate = self.workers / self.service_s if self.service_s > 0 else math.inf
+        drained = self._drained
+        if len(drained) >= 4 and time.monotonic() - drained[-1] < DRAIN_WINDOW_S:
+            span = drained[-1] - drained[0]
+            if span > 0:
+                rate = min(rate, (len(drained) - 1) / span)
+        return rate
 
     @property
     def queued(self) -> int:
@@ -134,18 +170,19 @@ class Admission:
             raise self._refuse("queue_full", f"at capacity: {self.running} running on {self.workers} workers, "
                                              f"{len(self._queue)} waiting (max_queued {self.max_queued}); "
                                              f"predicted wait {wait:.2f} s", max(1.0, wait))
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue.append(future)
         t0 = time.monotonic()
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), t0 + budget, t0)
+        future = waiter.future
+        self._queue.append(waiter)
         try:
-            await asyncio.wait_for(future, budget)
+            await asyncio.wait_for(future, budget)  # or `_recheck` refuses it (raised here)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if future.done() and not future.cancelled():  # granted just as it timed out or was cancelled
                 self._finished(None)
             else:
                 future.cancel()
                 try:
-                    self._queue.remove(future)
+                    self._queue.remove(waiter)
                 except ValueError:
                     pass
             if isinstance(exc, asyncio.CancelledError):
@@ -159,18 +196,44 @@ class Admission:
     def _finished(self, service_s: float | None) -> None:
         """A slot is free: record its service time (None: a grant never used), then hand it to the next waiter."""
         if service_s is not None:
-            # the first measurement replaces the prior; later ones move the means by EWMA_WEIGHT
-            weight = EWMA_WEIGHT if self.measured else 1.0
-            self.service_s += weight * (service_s - self.service_s)
-            rate = self.running / max(service_s, 1e-6)  # `running` still counts this one
-            self.rate = rate if math.isinf(self.rate) else self.rate + weight * (rate - self.rate)
+            self._recent.append(service_s)
+            self.service_s = statistics.median(self._recent)
             self.measured += 1
+            now = time.monotonic()
+            if self._queue:  # saturated: how fast the queue really drains
+                while self._drained and now - self._drained[0] > DRAIN_WINDOW_S:
+                    self._drained.popleft()
+                self._drained.append(now)
+        try:
+            while self._queue:
+                waiter = self._queue.popleft()
+                if not waiter.future.done():
+                    waiter.future.set_result(None)  # the slot passes on: `running` stays
+                    return
+            self.running -= 1
+        finally:
+            self._recheck()
+
+    def _recheck(self) -> None:
+        """Refuse now, from the back of the queue, the waiters whose deadline the prediction no longer fits (the
+        rate fell since they were queued: a burst's intake slows the host), rather than at their deadline."""
+        now = time.monotonic()
         while self._queue:
-            future = self._queue.popleft()
-            if not future.done():
-                future.set_result(None)  # the slot passes on: `running` stays
+            waiter = self._queue[-1]
+            if waiter.future.done():
+                self._queue.pop()
+                continue
+            ahead = len(self._queue) - 1
+            wait = (ahead + 1) / self.rate
+            left = waiter.deadline - now
+            if wait + self.service_s <= left:
                 return
-        self.running -= 1
+            self._queue.pop()
+            waiter.future.set_exception(self._refuse(
+                "deadline", f"overloaded: predicted wait now {wait:.2f} s ({ahead} queued ahead, "
+                            f"{self.rate:.1f} done per s, {self.service_s:.3f} s each) plus its service does not "
+                            f"fit the {max(left, 0.0):.2f} s left of the request's deadline (it waited "
+                            f"{now - waiter.queued_at:.2f} s)", wait + self.service_s - max(left, 0.0)))
 
     def stats(self) -> dict[str, Any]:
         """For ``/health``: workers, running, queued, the service time and predicted wait, refusals by reason."""
@@ -188,9 +251,9 @@ class Admission:
             ("workers", "gauge", self.workers, "requests run at once"),
             ("max_queued", "gauge", self.max_queued, "requests waiting at most (memory backstop)"),
             ("service_seconds", "gauge", round(self.service_s, 6),
-             "mean time from admission to done (exponentially weighted)"),
+             "time from admission to done (median of the last 32)"),
             ("rate_per_second", "gauge", round(self.rate, 6),
-             "completions per second at the concurrency run (Little's law, weighted): the prediction's base"),
+             "completions per second with every worker busy (workers / service): the prediction's base"),
             ("predicted_wait_seconds", "gauge", round(self.predicted_wait(), 6),
              "the wait a request arriving now is predicted"),
             ("queued_total", "counter", self.queued_total, "requests that waited in the queue"),
