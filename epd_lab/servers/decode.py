@@ -20,8 +20,13 @@ sums a batch in another order), see `DecodeRunner.step_batch`. ``--max-batch 1``
 steps. KV transfers run in other threads meanwhile. A streaming client that disconnects marks its request
 cancelled; the scheduler drops it (and its cache) before its next step.
 
+Admission (`epd_lab.serving.Admission`): ``--max-active`` requests at once, each until its stream ends; the
+others wait, before their body is read and holding no KV, while their predicted wait fits their deadline
+(``X-EPD-Deadline-Ms``, else ``--timeout``), and are refused with 503, ``Retry-After`` and the predicted wait
+when it does not; ``--max-queued`` bounds the queue.
+
 Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
-KV pool exhausted 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after streaming began is
+KV pool exhausted 503, overloaded 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after streaming began is
 a last NDJSON line `StreamError` (``{"type": "error", "detail": "..."}``).
 
 ``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts

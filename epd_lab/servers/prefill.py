@@ -15,11 +15,17 @@ client left before decode began). ``producer.abort`` frees its blocks now instea
 decode asking for it later gets ``TRANS_ERROR`` "aborted", and a prefill of it still running when the abort came
 keeps nothing (answered 409). Idempotent; an unknown request_id is answered 200 with ``freed_blocks`` 0.
 
-Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 64 MiB 413, an image an
-encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted 503, a
-request_id whose KV is still waiting for decode, or that was aborted, 409.
+Admission (`epd_lab.serving.Admission`): ``--workers`` requests at once; the others wait, before their body is
+read, while their predicted wait fits their deadline (``X-EPD-Deadline-Ms``, which the proxy sends, else
+``--timeout``), and are refused with 503, ``Retry-After`` and the predicted wait when it does not;
+``--max-queued`` bounds the queue.
 
-``GET /health`` (JSON: blocks free/used, the producer's counters), ``GET /metrics`` (Prometheus text).
+Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 64 MiB 413, an image an
+encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted 503, overloaded
+503 (above), a request_id whose KV is still waiting for decode, or that was aborted, 409.
+
+``GET /health`` (JSON: blocks free/used, the producer's counters, ``max_prompt_tokens``, ``admission``),
+``GET /metrics`` (Prometheus text).
 
 Run: ``python -m epd_lab.servers.prefill --port 0 --encoders URL,URL`` prints ``{"url": ..., "pid": ...}``.
 """

@@ -36,6 +36,13 @@ backend's 400/413/422, whose ``detail`` is passed on: an image that does not dec
 backend failure (its ``detail`` passed on). After a stream has begun, a failure is sent as a last
 ``data: {"error": ...}`` event, which the ``openai`` client raises as ``APIError``.
 
+Overload (issue 18, ``docs/architecture.md``): a client's ``X-EPD-Deadline-Ms`` (capped at ``--timeout``, which
+is the default) is the request's deadline. A request the prefills' reported rate and the proxy's own pending
+requests predict past it is refused with 503 before its body is read; the prefill is sent what is left of it,
+less the decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
+``max_prompt_tokens``) is answered 400 ``context_length_exceeded`` before it is forwarded; bodies over 64 KiB are
+parsed in a thread, so that /health keeps answering. ``epd_proxy_refused_total{reason}`` counts both.
+
 ``--timeout`` is an idle timeout, as the transfer engine's: connecting, and each read of an answer, a long
 stream of tokens is not cut short while tokens keep coming.
 
