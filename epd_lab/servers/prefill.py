@@ -21,8 +21,9 @@ read, while their predicted wait fits their deadline (``X-EPD-Deadline-Ms``, whi
 ``--max-queued`` bounds the queue.
 
 Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 64 MiB 413, an image an
-encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted 503, overloaded
-503 (above), a request_id whose KV is still waiting for decode, or that was aborted, 409.
+encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted until the
+request's deadline (decode behind: waited on, as backpressure) 503, overloaded 503 (above), a request_id whose KV
+is still waiting for decode, or that was aborted, 409.
 
 ``GET /health`` (JSON: blocks free/used, the producer's counters, ``max_prompt_tokens``, ``admission``),
 ``GET /metrics`` (Prometheus text).
@@ -65,6 +66,8 @@ from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metr
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
                                        synchronize, use_device)
 from epd_lab.trace import Recorder
+
+KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
 
@@ -115,21 +118,26 @@ class _KeptKV:
     pipelined decode allocates its own meanwhile), written and readied after it, or given back when the request
     fails (and a decode waiting on the side channel is answered ``TRANS_ERROR`` at once)."""
 
-    def __init__(self, server: "PrefillServer", rid: str) -> None:
-        self.server, self.rid = server, rid
+    def __init__(self, server: "PrefillServer", rid: str, deadline: float) -> None:
+        self.server, self.rid, self.deadline = server, rid, deadline
         self.ids: list[int] | None = None
         self.readied = False
         self.conflict = False  # another request with this id holds KV on the producer: never abort that one
 
     def announce(self, input_ids: torch.Tensor) -> None:
-        """Allocate the prompt's blocks (503 when the pool is exhausted) and announce its plan."""
+        """Allocate the prompt's blocks and announce its plan. A pool exhausted by KV that waits for decode is
+        waited on until the request's deadline (503 then): decode behind is backpressure, which slows the
+        workers, and with them the admission's measured rate, instead of failing requests already encoded."""
         server, prompt_len = self.server, input_ids.shape[1]
         n = blocks_needed(prompt_len, server.cache.block_size)
-        try:
-            self.ids = server.blocks.allocate(n)
-        except OutOfBlocks as exc:
-            server.counters["kv_pool_exhausted"] += 1
-            raise Unavailable(f"KV pool exhausted: {exc}") from None
+        while self.ids is None:
+            try:
+                self.ids = server.blocks.allocate(n)
+            except OutOfBlocks as exc:
+                if time.monotonic() >= self.deadline:
+                    server.counters["kv_pool_exhausted"] += 1
+                    raise Unavailable(f"KV pool exhausted: {exc}") from None
+                time.sleep(KV_WAIT_POLL_S)
         try:
             server.producer.announce(self.rid, prompt_len, n)
         except RequestAborted:
@@ -207,7 +215,7 @@ class PrefillServer:
         self.admission = Admission("prefill", settings.workers, settings.max_queued, settings.timeout)
 
     # ---- /v1/prefill ----
-    def prefill(self, req: PrefillRequest) -> PrefillResponse:
+    def prefill(self, req: PrefillRequest, deadline: float | None = None) -> PrefillResponse:
         """Run one request (in a worker thread); raises `ServingError`."""
         rid = req.request_id
         with self._lock:
@@ -215,14 +223,14 @@ class PrefillServer:
                 raise Conflict(f"request_id {rid!r} is already being prefilled")
             self._inflight.add(rid)
         try:
-            return self._prefill(req, rid)
+            return self._prefill(req, rid, time.monotonic() if deadline is None else deadline)
         finally:
             with self._lock:
                 self._inflight.discard(rid)
 
-    def _prefill(self, req: PrefillRequest, rid: str) -> PrefillResponse:
+    def _prefill(self, req: PrefillRequest, rid: str, deadline: float) -> PrefillResponse:
         t0 = time.monotonic_ns()
-        kv = _KeptKV(self, rid) if req.kv_transfer_params.do_remote_decode else None
+        kv = _KeptKV(self, rid, deadline) if req.kv_transfer_params.do_remote_decode else None
 
         def before_forward(input_ids: torch.Tensor) -> None:  # the whole prompt is known: check, then hold KV
             self._check_length(input_ids.shape[1])
@@ -337,19 +345,20 @@ def create_app(settings: PrefillSettings) -> FastAPI:
     async def prefill(request: Request) -> Response:
         server: PrefillServer = app.state.server
         # queued, or refused, before its body is read: a waiting request holds no body, KV or embedding
-        ticket = await server.admission.enter(deadline_budget(request.headers, server.settings.timeout))
+        t0, budget = time.monotonic(), deadline_budget(request.headers, server.settings.timeout)
+        ticket = await server.admission.enter(budget)
         try:
-            return await _prefill(server, request)
+            return await _prefill(server, request, t0 + budget)
         finally:
             ticket.leave()
 
-    async def _prefill(server: PrefillServer, request: Request) -> Response:
+    async def _prefill(server: PrefillServer, request: Request, deadline: float) -> Response:
         body = await read_body(request)
         if await request.is_disconnected():  # e.g. read on waking from a freeze the proxy passed over: no compute
             raise ClientClosed("the client closed the request before its prefill began")
 
         def run() -> bytes:  # one hop off the loop: the body (data: URIs, MiBs) decodes in the worker too
-            return encode(server.prefill(decode_body(body, PrefillRequest)))
+            return encode(server.prefill(decode_body(body, PrefillRequest), deadline))
 
         answer = await asyncio.get_running_loop().run_in_executor(server.pool, run)
         return Response(answer, media_type="application/json")
