@@ -138,8 +138,7 @@ def test_a_burst_far_past_its_deadline_is_refused_at_once_with_the_predicted_wai
         assert all(o.matches for o in served)  # ... with the right answer
         # refused at once on the prediction (never left to wait out the deadline in a queue), saying the wait
         assert all(o.clear and "predicted wait" in o.error and "does not fit" in o.error for o in refused), \
-            (len(served), sum("does not fit" in o.error for o in refused), sum("passed while" in o.error for o in refused),
-             max(o.latency_s for o in served), sorted({o.error[:100] for o in refused})[:3])
+            (len(served), sum("passed while" in o.error for o in refused), sorted({o.error[:100] for o in refused})[:3])
         assert all(o.latency_s < deadline_s for o in refused), max(o.latency_s for o in refused)
         metrics = httpx.get(proxy + "/metrics", timeout=10).text
         assert metric(metrics, "epd_proxy_refused_total{") == len(refused)

@@ -26,8 +26,8 @@ others wait, before their body is read and holding no KV, while their predicted 
 when it does not; ``--max-queued`` bounds the queue.
 
 Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
-KV pool exhausted 503, overloaded 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after streaming began is
-a last NDJSON line `StreamError` (``{"type": "error", "detail": "..."}``).
+KV pool exhausted 503, overloaded 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after
+streaming began is a last NDJSON line `StreamError` (``{"type": "error", "detail": "..."}``).
 
 ``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
 batched steps, so ``tokens_generated`` over it is about the mean batch), ``GET /metrics`` (Prometheus).
