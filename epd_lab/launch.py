@@ -37,7 +37,7 @@ from epd_lab.servers.decode import DecodeSettings
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
-from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP
+from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES
 from epd_lab.trace import Recorder, Span, collect
 from epd_lab.transfer.engine import ENGINES
 
@@ -50,11 +50,11 @@ _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
     "encoder": ("epd_lab.servers.encoder", EncoderSettings,
-                ("model", "device", "dtype", "timeout", "transport", "backend", "media_roots")),
+                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "media_roots")),
     "prefill": ("epd_lab.servers.prefill", PrefillSettings,
-                ("model", "device", "dtype", "timeout", "transport", "backend", "kv_blocks")),
+                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "kv_blocks")),
     "decode": ("epd_lab.servers.decode", DecodeSettings,
-               ("model", "device", "dtype", "timeout", "transport", "kv_blocks")),
+               ("model", "device", "dtype", "runtime", "timeout", "transport", "kv_blocks")),
     "proxy": ("epd_lab.servers.proxy", ProxySettings, ("timeout", "pipelined")),
 }
 
@@ -72,6 +72,7 @@ class Topology:
     device: str = option("cpu", DEVICE_HELP + " (every model role; one role's own: settings={'prefill': "
                                 "{'device': 'cuda:1'}})")
     dtype: str = option("auto", DTYPE_HELP + " (each role's own device decides)", choices=DTYPE_NAMES)
+    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
     timeout: float = option(10.0, "seconds for a request (and for each process to come up, times 6)")
     pool_bytes: int = option(0, "the in-driver receiver's persistent pool (0: a buffer per request, as the seed)")
     prefills: int = option(0, "prefill servers, each fanning images out to all encoders (0: the prefill role "

@@ -8,6 +8,8 @@
 #     2b        ... --model qwen2-vl-2b, the grid $SIZES x $IMAGES, --kv-tokens 4096 (all backends)
 #     7b        ... --model qwen2-vl-7b, the same grid ($BACKENDS_7B, default mooncake)
 #     notebook  notebooks/08_gpu.ipynb through papermill with -p device cuda (skipped where papermill is absent)
+#     runtime   epd-lab bench runtime --device cuda --models $RT_MODELS (default qwen2-vl-2b,qwen2-vl-7b): the model
+#               runtimes in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)
 #
 # Every stage appends to $OUT/gpu_e2e.log, each line stamped with the UTC time; a bench writes
 # $OUT/e2e-cuda-<model>[-$TAG].json. One call of the device tool runs at most 10 minutes: give each call the stages
@@ -72,6 +74,12 @@ for stage in "$@"; do
         2b) bench qwen2-vl-2b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 ;;
         7b) bench qwen2-vl-7b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 \
                 --backends "${BACKENDS_7B:-mooncake}" ;;
+        runtime)
+            say "bench runtime --models ${RT_MODELS:=qwen2-vl-2b,qwen2-vl-7b}"
+            timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench runtime --device cuda --models "$RT_MODELS" \
+                --json "$OUT/runtime-h200-full.json" --summary "$OUT/runtime-h200.json" 2>&1 | stamp
+            say "runtime: exit ${PIPESTATUS[0]}"
+            ;;
         notebook)
             if python3 -c "import papermill, plotly, ipykernel" >/dev/null 2>&1; then
                 nb_model=${NB_MODEL:-qwen2-vl-2b}
@@ -83,7 +91,7 @@ for stage in "$@"; do
                 say "notebook skipped: papermill, plotly or ipykernel is not installed here"
             fi
             ;;
-        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, notebook)"; exit 2 ;;
+        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, runtime, notebook)"; exit 2 ;;
     esac
 done
 say "done"

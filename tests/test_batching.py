@@ -27,7 +27,9 @@ from epd_lab.models import (
     monolithic_generate,
     preprocess,
 )
-from epd_lab.servers.decode import _DONE, DecodeServer, DecodeSettings, sampling_probs
+from epd_lab.kv import blocks_needed
+from epd_lab.servers.decode import DecodeServer, DecodeSettings
+from epd_lab.servers.scheduler import DONE, sampling_probs
 from epd_lab.servers.messages import DecodeRequest, KVTransferParams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
@@ -128,22 +130,28 @@ def test_server_scheduler_batches_up_to_max_batch(model, prefills):
     --max-batch 3. Greedy tokens equal `model.generate`; the sampled ones equal a single-request replay
     (bfloat16: same logits bits, so the same draws); no forward holds more than 3 requests, and some hold 3."""
     dtype = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
-    server = DecodeServer(DecodeSettings(dtype=dtype, kv_blocks=16, max_batch=3))
+    server = DecodeServer(DecodeSettings(dtype=dtype, kv_blocks=64, max_batch=3))
     try:
         outs = [queue.SimpleQueue() for _ in prefills]
         gens = []
         for k, p in enumerate(prefills):
             kw = {"temperature": 1.0, "seed": 3} if k == 3 else {}
-            gens.append(server.admit(_request(f"r{k}", p, **kw), copy.deepcopy(p.past_key_values), [],
-                                     outs[k].put))
+            # what fetch_kv leaves: the prompt's KV in blocks of the server's cache (the scheduler adds more)
+            table = server.blocks.allocate(blocks_needed(p.prompt_len, server.cache.block_size))
+            server.cache.write_from(p.kv_tensors(), table, p.prompt_len)
+            gens.append(server.admit(_request(f"r{k}", p, **kw), table, [], outs[k].put))
         deadline = time.monotonic() + 60
         for out in outs:
             items = []
-            while (item := out.get(timeout=max(deadline - time.monotonic(), 0.1))) is not _DONE:
+            while (item := out.get(timeout=max(deadline - time.monotonic(), 0.1))) is not DONE:
                 assert not isinstance(item, Exception), item
                 items.append(item)
             assert len(items) == N_TOKENS
         counters = server.health()["counters"]
+        deadline = time.monotonic() + 10
+        while server.blocks.num_used_blocks and time.monotonic() < deadline:  # freed as each request ends
+            time.sleep(0.01)
+        assert server.blocks.num_used_blocks == 0
     finally:
         server.close()
     for k, (prompt, sizes) in enumerate(CASES[:3]):
@@ -166,3 +174,36 @@ def _sampled_replay(model, p: PrefillResult, seed: int, temperature: float) -> l
         probs = sampling_probs(runner.step(tokens[-1], cache, p.next_position + i), temperature)
         tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
     return tokens
+
+
+def test_a_request_that_finds_the_pool_empty_while_generating_fails_alone(model, prefills):
+    """A decode's blocks grow as it generates. A pool of 9 blocks; a 105-token prompt (7 blocks) generating 40
+    tokens takes the free block when it stores token 112; a 2-token prompt (1 block) generating 30 needs a second
+    block for token 16 and finds none: it fails with the reason, its block goes back, the other takes it for token
+    128 and finishes."""
+    dtype = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
+    short, long_ = prefills[0], prefills[1]  # 2 and 105 tokens: 1 and 7 blocks
+    server = DecodeServer(DecodeSettings(dtype=dtype, kv_blocks=9, max_batch=2))
+    try:
+        outs = [queue.SimpleQueue(), queue.SimpleQueue()]
+        for k, (p, n) in enumerate(((short, 30), (long_, 40))):
+            table = server.blocks.allocate(blocks_needed(p.prompt_len, server.cache.block_size))
+            server.cache.write_from(p.kv_tensors(), table, p.prompt_len)
+            kv = KVTransferParams("tcp://127.0.0.1:1", f"r{k}", p.prompt_len, p.rope_delta,
+                                  int(p.logits.argmax(-1)), len(table))
+            server.admit(DecodeRequest(f"r{k}", n, kv), table, [], outs[k].put)
+        items = [[], []]
+        for k, out in enumerate(outs):
+            while not isinstance(item := out.get(timeout=60), Exception) and item is not DONE:
+                items[k].append(item)
+            items[k].append(item)
+        assert isinstance(items[0][-1], RuntimeError) and "KV pool exhausted while generating" in str(items[0][-1])
+        assert len(items[0]) == 16  # token 0, the 14 steps that fit its block (tokens 2..15 stored), the error
+        assert items[1][-1] is DONE and len(items[1]) == 41
+        deadline = time.monotonic() + 10
+        while server.blocks.num_used_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.blocks.num_used_blocks == 0
+        assert server.health()["counters"]["kv_pool_exhausted"] == 1
+    finally:
+        server.close()

@@ -3,7 +3,7 @@
 The option checks and the refusal of a GPU that is not there run everywhere. The cluster tests are marked
 `cuda` and skip with the reason where there is no GPU (CI has none); they run on the device machine (an
 H200), where every role keeps its model, embeddings and KV cache in GPU memory and the answers through the
-proxy must equal the monolithic model's on the same GPU.
+proxy must equal the monolithic use of the roles' runtime (the fast one, the default) on the same GPU.
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import torch
 
 from epd_lab.campaign.common import image_uri
 from epd_lab.ep.receiver import ReceiverConfig, resolve_recv_buffer
+from epd_lab.kv import PagedKVCache
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, open_model
+from epd_lab.models.runtime import open_runtime
 from epd_lab.servers.decode import DecodeSettings
 from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.servers.openai_api import MODEL_ID
@@ -97,6 +99,13 @@ def gpu_model():
     return open_model(None, dtype=torch.bfloat16, device="cuda")
 
 
+def _reference(model: torch.nn.Module, messages: list, max_tokens: int) -> str:
+    """The answer of the roles' runtime used monolithically, in this process, on the same GPU."""
+    with PagedKVCache.from_config(model.config, num_blocks=256, dtype=model.dtype, device="cuda") as cache, \
+            open_runtime("fast", model, cache) as runtime:
+        return monolithic_chat(model, messages, max_tokens, runtime=runtime)
+
+
 def _chat(cluster: Cluster, messages: list, max_tokens: int) -> str:
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
     chunks = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens,
@@ -132,7 +141,7 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_b
             content = [{"type": "image_url", "image_url": {"url": image_uri(seed * 10 + i, 224)}}
                        for i in range(n_images)] + [{"type": "text", "text": "what do you see?"}]
             messages = [{"role": "user", "content": content}]
-            assert _chat(cluster, messages, 12) == monolithic_chat(gpu_model, messages, 12)
+            assert _chat(cluster, messages, 12) == _reference(gpu_model, messages, 12)
         # the KV went GPU to GPU; the embeddings too into a GPU buffer, else through pinned staging
         assert _metric(cluster.prefill_urls[0], "engine_cuda_writes_out_total") > 0
         encoders = {name: sum(_metric(url, name) for url in cluster.encoder_urls)
@@ -152,11 +161,11 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_b
 def test_a_real_size_shape_on_the_gpu_answers_as_the_monolithic_model():
     """qwen2-vl-2b at its published size (seeded random weights, built on the GPU by every process alike):
     a 448² image is 256 embeddings of 1536 wide, the KV 28 layers; the split's greedy tokens equal the
-    monolithic model's."""
+    monolithic use of the same runtime's."""
     configure_torch()
     model = open_model("qwen2-vl-2b", dtype=torch.bfloat16, device="cuda")
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri(7, 448)}},
                                              {"type": "text", "text": "describe it"}]}]
     with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True, device="cuda", model="qwen2-vl-2b",
                           timeout=120)) as cluster:
-        assert _chat(cluster, messages, 8) == monolithic_chat(model, messages, 8)
+        assert _chat(cluster, messages, 8) == _reference(model, messages, 8)

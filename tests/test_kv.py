@@ -55,6 +55,7 @@ from epd_lab.models import (
     preprocess,
     tiny_config,
 )
+from epd_lab.models.runtime import open_runtime
 from epd_lab.transfer import TransferEngine
 
 NUM_BLOCKS = 64
@@ -180,9 +181,9 @@ def test_paged_cache_round_trip_is_bit_exact(dtype, registered):
                 assert all(r[1] == 16 * cache.block_len and r[2] == "managed" for r in regions)
             kv = random_kv(2, 37, dtype)
             cache.write_from(kv, [9, 3, 12], 37)
-            back = cache.read_to_dynamic_cache([9, 3, 12], 37)
-            for (k, v), layer in zip(kv, back.layers, strict=True):
-                assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+            back = cache.read_layers([9, 3, 12], 37)
+            for (k, v), (kb, vb) in zip(kv, back, strict=True):
+                assert torch.equal(k, kb) and torch.equal(v, vb)
             k0 = cache.layer(0)[0]
             assert torch.equal(k0[3], kv[0][0][0, :, 16:32].transpose(0, 1))  # block 3 holds tokens 16-31
             with pytest.raises(ValueError, match="37 tokens need 3 blocks"):
@@ -204,7 +205,7 @@ def test_fragmented_and_contiguous_tables_gather_identical_kv(model):
         assert len(group_concurrent_contiguous(contiguous, fragmented)[0]) > 1
         gathered = []
         for table in (contiguous, fragmented):
-            cache.write_from(result.past_key_values, table, result.prompt_len)
+            cache.write_from(result.kv_tensors(), table, result.prompt_len)
             gathered.append(cache.read_layers(table, result.prompt_len))
     for (k, v), (kc, vc), (kf, vf) in zip(result.kv_tensors(), *gathered, strict=True):
         assert torch.equal(k, kc) and torch.equal(k, kf) and torch.equal(v, vc) and torch.equal(v, vf)
@@ -335,7 +336,7 @@ def producer_main(argv: list[str]) -> None:
                 if msg["cmd"] == "prefill":
                     *_, result = prefill_request(model, msg["text"], msg["image_sizes"])
                     ids = blocks.allocate(blocks_needed(result.prompt_len, cache.block_size))
-                    cache.write_from(result.past_key_values, ids, result.prompt_len)
+                    cache.write_from(result.kv_tensors(), ids, result.prompt_len)
                     aux = KVAux(int(result.logits.argmax(-1)), result.rope_delta)
                     producer.request_finished(msg["request_id"], ids, aux)
                     reply = {"block_ids": ids, "prompt_len": result.prompt_len, "rope_delta": result.rope_delta}
@@ -387,29 +388,29 @@ def decode():
 
 @pytest.mark.parametrize("case", CASES)
 def test_kv_arrives_bit_identical_and_decode_continues(model, producer, decode, case):
+    """The KV lands bit-identical in decode's blocks, and decode continues over those blocks where they lie (the
+    fast runtime, as the decode server runs it): its second token is `model.generate`'s."""
     text, image_sizes = CASES[case]
+    input_ids, pixel_values, grid_thw, result = prefill_request(model, text, image_sizes)
+    first = int(result.logits.argmax())
     sent = producer.call("prefill", request_id=f"ok-{case}", text=text, image_sizes=image_sizes)
-    ids = decode.blocks.allocate(len(sent["block_ids"]))
+    ids = decode.blocks.allocate(len(sent["block_ids"]) + 1)  # room for the second token's KV
     try:
-        decode.consumer.receive_kv(producer.url, f"ok-{case}", ids)
-        received = decode.cache.read_to_dynamic_cache(ids, sent["prompt_len"], model.config)
+        decode.consumer.receive_kv(producer.url, f"ok-{case}", ids[:-1])
+        received = decode.cache.read_layers(ids, sent["prompt_len"])
+        # decode the second token at mrope position prompt_len + rope_delta (DESIGN.md §4)
+        logits = open_runtime("fast", model, decode.cache).decode([first], [result.next_position], [ids],
+                                                                  [result.prompt_len + 1])
     finally:
         decode.blocks.free(ids)
     # both block tables are fragmented, so the write was several merged runs per region
-    assert len(group_concurrent_contiguous(sent["block_ids"], ids)[0]) > 1
+    assert len(group_concurrent_contiguous(sent["block_ids"], ids[:-1])[0]) > 1
 
-    input_ids, pixel_values, grid_thw, result = prefill_request(model, text, image_sizes)
     assert (sent["prompt_len"], sent["rope_delta"]) == (result.prompt_len, result.rope_delta)
     assert (result.rope_delta < 0) == bool(image_sizes)
-    for (k, v), layer in zip(result.kv_tensors(), received.layers, strict=True):
-        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
-
-    # decode the second token from the received KV at mrope position prompt_len + rope_delta (DESIGN.md §4)
-    first = int(result.logits.argmax())
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([[first]]), past_key_values=received,
-                    position_ids=torch.tensor([[result.next_position]]), logits_to_keep=1)
-    assert [first, int(out.logits[0, -1].argmax())] == monolithic_generate(model, input_ids, pixel_values, grid_thw, 2)
+    for (k, v), (kr, vr) in zip(result.kv_tensors(), received, strict=True):
+        assert torch.equal(k, kr) and torch.equal(v, vr)
+    assert [first, int(logits[0].argmax())] == monolithic_generate(model, input_ids, pixel_values, grid_thw, 2)
     producer.wait_for(lambda s: s["free_blocks"] == NUM_BLOCKS)  # prefill freed its blocks after TRANS_DONE
 
 
@@ -467,11 +468,11 @@ def test_pipelined_handshake_plan_then_kv_with_the_first_token(model, producer, 
             assert not done.done()  # the KV does not exist yet: the ask is held
             producer.call("prefill", request_id=rid, text=TEXT, image_sizes=image_sizes)
             assert done.result(5).aux == [KVAux(int(result.logits.argmax(-1)), result.rope_delta)]
-            received = decode.cache.read_to_dynamic_cache(ids, plan.prompt_len, model.config)
+            received = decode.cache.read_layers(ids, plan.prompt_len)
         finally:
             decode.blocks.free(ids)
-    for (k, v), layer in zip(result.kv_tensors(), received.layers, strict=True):
-        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+    for (k, v), (kr, vr) in zip(result.kv_tensors(), received, strict=True):
+        assert torch.equal(k, kr) and torch.equal(v, vr)
     producer.wait_for(lambda s: s["free_blocks"] == NUM_BLOCKS)
 
 

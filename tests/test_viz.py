@@ -30,6 +30,7 @@ from epd_lab.trace import Recorder, Span, critical_path, spans_frame
 from epd_lab.viz import (STAGE_ORDER, bandwidth_curves, chromium_path, critical_path_waterfall, html_report,
                          load_bench, request_spans, save_png, save_pngs, stage_color, stage_distributions,
                          sweep_heatmap, sweep_lines, waterfall, waterfalls)
+from epd_lab.viz.runtime import load_runtime, runtime_figure, runtime_frame
 from epd_lab.viz.split import RESULTS, e2e_frame, load_e2e, split_figure, split_pays
 
 pytestmark = pytest.mark.timeout(240)
@@ -245,7 +246,8 @@ def test_split_pays_and_its_figure_from_the_committed_gpu_grids():
         # the proxy's ttft span, from the run's critical path at concurrency 1, lies inside the client's TTFT
         assert 0 < p["server_ttft_ms"] < p["ttft_ms"]
         assert p["client_ms"] == pytest.approx(p["ttft_ms"] - p["server_ttft_ms"])
-    model = runs[0]["model"]
+    assert set(frame["model"]) == {f"{run['model']} ({run.get('runtime', 'hf')})" for run in runs}
+    model = frame["model"].iloc[0]
     fig = split_figure(frame, model)
     at = frame[frame["model"] == model]
     sizes, backends = at["image_size"].nunique(), at.loc[at["path"] != "monolithic", "backend"].nunique()
@@ -253,6 +255,22 @@ def test_split_pays_and_its_figure_from_the_committed_gpu_grids():
     assert model in fig.layout.title.text
     with pytest.raises(ValueError, match="not a grid run"):
         load_e2e([RESULTS / "e2e.json"])  # the CPU run of issue 10, before the grid
+
+
+def test_runtime_frame_and_figure_from_the_committed_h200_run():
+    result = load_runtime()
+    frame = runtime_frame(result)
+    calls = sum(len(c) for model in result["results"] for c in model["runtimes"].values())
+    assert len(frame) == calls
+    fast = frame[(frame["runtime"] == "fast") & (frame["model"] == "qwen2-vl-2b")].set_index("call")
+    assert fast.loc["decode_c1", "wall_ms"] == result["summary"]["tpot_ms_c1"]["qwen2-vl-2b"]
+    on_gpu = frame.dropna(subset=["gpu_busy_ms"])
+    assert (on_gpu["host_ms"] == on_gpu["wall_ms"] - on_gpu["gpu_busy_ms"]).all() and len(on_gpu) == len(frame)
+    fig = runtime_figure(frame)
+    models = frame["model"].nunique()
+    assert len(fig.data) == models * 2 * 2  # per model: hf and fast, wall and busy
+    with pytest.raises(ValueError, match="not a result of `epd-lab bench runtime`"):
+        load_runtime(RESULTS / "e2e.json")
 
 
 def test_sweep_heatmap_and_lines_aggregate_the_rows():

@@ -47,24 +47,26 @@ from epd_lab.bench import write_json
 from epd_lab.campaign.common import random_png
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.launch import Cluster, Topology
+from epd_lab.kv import PagedKVCache, blocks_needed
 from epd_lab.models import (
     DTYPE_NAMES,
-    DecodeRunner,
-    PrefillRunner,
-    VisionEncoder,
     build_input_ids,
     configure_torch,
+    image_grid,
+    model_device,
     open_model,
     preprocess,
     resolve_device,
     resolve_dtype,
 )
+from epd_lab.models.runtime import RUNTIMES, open_runtime
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
 from epd_lab.serving.placement import DEVICE_HELP, MODEL_HELP, use_device
 from epd_lab.trace import critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"
+BLOCK_SIZE = 16  # tokens per KV block: the roles' default (--block-size), the floor's too
 CONCURRENCY = (1, 4, 16)
 MIN_IMAGE_SIZE = 56  # the processor's smallest image side (MIN_PIXELS = 56²)
 
@@ -80,6 +82,7 @@ class Setup:
         image_size: the side of each square random RGB image, pixels.
         images: images per request.
         kv_tokens: the text prompt's length in the `kv_transfer` part (tokens: one per byte).
+        runtime: the model runtime of the floor and of every model role (`epd_lab.models.runtime`).
     """
 
     device: str = "cpu"
@@ -88,6 +91,7 @@ class Setup:
     image_size: int = 224
     images: int = 1
     kv_tokens: int = 512
+    runtime: str = "fast"
 
     def __post_init__(self) -> None:
         if self.image_size < MIN_IMAGE_SIZE:
@@ -96,6 +100,8 @@ class Setup:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         resolve_dtype(self.dtype, self.device)  # a bad name fails here, not in a server
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -104,7 +110,7 @@ class Setup:
 
     def topology(self, **kwargs) -> Topology:
         """A Topology with every model role on this device, in this dtype, running this model."""
-        return Topology(device=self.device, model=self.model, dtype=self.dtype, **kwargs)
+        return Topology(device=self.device, model=self.model, dtype=self.dtype, runtime=self.runtime, **kwargs)
 
 
 def _image(seed: int | tuple[int, ...], size: int = 224) -> bytes:
@@ -144,26 +150,31 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: to
     request's prompt length (``prompt_tokens``) and the size of its embeddings (``image_tokens``,
     ``embedding_bytes``)."""
     model = open_floor_model(setup) if model is None else model
-    prefill, decode, vision = PrefillRunner(model), DecodeRunner(model), VisionEncoder(model)
     # the text around the images as the proxy renders the chat request: the floor prefills it too
     prompt, _ = messages_to_prompt(_messages([b""] * setup.images))
+    prompt_len = len(build_input_ids(prompt, [image_grid((setup.image_size,) * 2)] * setup.images).view(-1))
+    table = list(range(blocks_needed(prompt_len + max_tokens, BLOCK_SIZE)))
     ttft, tpot = [], []
-    for r in range(requests + 1):
-        raws = _images(1000 + r, setup)
-        t0 = time.perf_counter()
-        pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws])
-        embeds = vision.encode(pixel_values, grid)
-        input_ids = build_input_ids(prompt, grid.tolist())
-        result = prefill.prefill(input_ids, embeds, grid)
-        token = int(result.logits.argmax(-1))  # a host read: waits for the GPU's work
-        t1 = time.perf_counter()
-        for i in range(max_tokens - 1):
-            token = int(decode.step(token, result.past_key_values, result.next_position + i).argmax(-1))
-        t2 = time.perf_counter()
-        if r:
-            ttft.append((t1 - t0) * 1e3)
-            tpot.append((t2 - t1) * 1e3 / max(1, max_tokens - 1))
-    reference = monolithic_chat(model, _messages(_images(0, setup)), max_tokens)
+    with PagedKVCache.from_config(model.config, num_blocks=len(table), block_size=BLOCK_SIZE,
+                                  dtype=setup.torch_dtype, device=model_device(model)) as cache, \
+            open_runtime(setup.runtime, model, cache) as rt:
+        for r in range(requests + 1):
+            raws = _images(1000 + r, setup)
+            t0 = time.perf_counter()
+            pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws])
+            embeds = rt.encode(pixel_values, grid)
+            input_ids = build_input_ids(prompt, grid.tolist())
+            result = rt.prefill(input_ids, embeds, grid, table)
+            token = int(result.logits.argmax(-1))  # a host read: waits for the GPU's work
+            t1 = time.perf_counter()
+            for i in range(max_tokens - 1):
+                token = int(rt.decode([token], [result.next_position + i], [table],
+                                      [result.prompt_len + i + 1]).argmax(-1))
+            t2 = time.perf_counter()
+            if r:
+                ttft.append((t1 - t0) * 1e3)
+                tpot.append((t2 - t1) * 1e3 / max(1, max_tokens - 1))
+        reference = monolithic_chat(model, _messages(_images(0, setup)), max_tokens, runtime=rt)
     return {"path": "monolithic", "concurrency": 1, **_point(setup), "ttft_ms": _summary(ttft),
             "tpot_ms": _summary(tpot),
             "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1)),
@@ -209,7 +220,8 @@ class Capacity(NamedTuple):
     max_held_bytes: int = 512 << 20
 
 
-def capacity(floors: list[dict], max_tokens: int, concurrency: int, kv_tokens: int, block_size: int = 16) -> Capacity:
+def capacity(floors: list[dict], max_tokens: int, concurrency: int, kv_tokens: int,
+             block_size: int = BLOCK_SIZE) -> Capacity:
     """The largest grid point (`floors`: its prompt and embedding sizes) at `concurrency` requests in flight, with
     room for as many again (requests whose KV waits for decode while new ones prefill); never below the roles'
     defaults."""
@@ -377,7 +389,8 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
                    for floor, point in zip(floors, points)]
         return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
-                "dtype": resolve_dtype(setup.dtype, setup.device), "max_tokens": max_tokens,
+                "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
+                "max_tokens": max_tokens,
                 "concurrency": list(concurrency), "kv_blocks": room.kv_blocks, "max_held_bytes": room.max_held_bytes,
                 "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
                 "rows": rows, "kv_transfer": kv}
@@ -453,10 +466,13 @@ def main(argv: list[str] | None = None) -> int:
                          "(448,896) measures each")
     ap.add_argument("--images", type=_ints, default=(1,), help="images per request; a list (1,4,8) measures each")
     ap.add_argument("--kv-tokens", type=int, default=512, help="prompt tokens of the kv_transfer part")
+    ap.add_argument("--runtime", default="fast", choices=tuple(RUNTIMES),
+                    help="the model runtime of the floor and every model role")
     ap.add_argument("--concurrency", type=_ints, default=CONCURRENCY, help="levels, comma-separated (1,4,16)")
     args = ap.parse_args(argv)
     try:
-        setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens)
+        setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens,
+                      args.runtime)
         grid = [(size, images) for size in args.image_size for images in args.images]
         for size, images in grid:
             replace(setup, image_size=size, images=images)  # each point's sizes checked here, not mid-run

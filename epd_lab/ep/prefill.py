@@ -15,6 +15,16 @@ from epd_lab.trace import Span
 
 
 @dataclass
+class ReceivedPrompt:
+    """A request's prompt once its images' embeddings arrived: what a prefill forward takes."""
+
+    input_ids: torch.Tensor  # [1, T]: the images' pads, then the text
+    image_embeds: torch.Tensor | None  # [image tokens, hidden], None for a text-only prompt
+    image_grid_thw: torch.Tensor | None  # [images, 3]
+    received: ReceivedEmbeddings
+
+
+@dataclass
 class EPDResult:
     """What one request's E→P prefill produced, with every span of it (encoders' included)."""
 
@@ -37,15 +47,20 @@ class EPDPrefill:
         is called with the prompt's ids once they are known, before the LLM runs (the prefill server announces
         the KV's size there)."""
         rid = rid or uuid.uuid4().hex
+        prompt = self.receive(text, mm_items, rid)
+        if before_forward is not None:
+            before_forward(prompt.input_ids)
+        with self.receiver.recorder.span("prefill", rid):
+            result = self.runner.prefill(prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw)
+            synchronize(result.logits.device)  # GPU kernels run asynchronously: the span ends when they did
+        return EPDResult(rid, result, prompt.received, self.receiver.recorder.spans(rid))
+
+    def receive(self, text: str, mm_items: list[str], rid: str) -> ReceivedPrompt:
+        """The E→P part alone: encode `mm_items` on the encoders, collect the embeddings, build the prompt (the
+        images, then `text`). A prefill server runs its own runtime's forward on the result."""
         got = self.receiver.receive(mm_items, rid)
         grids = got.grid_thw["image"]
-        input_ids = build_input_ids(text, grids)
-        if before_forward is not None:
-            before_forward(input_ids)
-        with self.receiver.recorder.span("prefill", rid):
-            result = self.runner.prefill(input_ids, got.embeddings["image"], torch.tensor(grids))
-            synchronize(result.logits.device)  # GPU kernels run asynchronously: the span ends when they did
-        return EPDResult(rid, result, got, self.receiver.recorder.spans(rid))
+        return ReceivedPrompt(build_input_ids(text, grids), got.embeddings["image"], torch.tensor(grids), got)
 
 
 def reference_prefill(model: torch.nn.Module, text: str, images: Sequence[Image.Image]) -> torch.Tensor:

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
 
 from epd_lab.kv.block_manager import blocks_needed
 from epd_lab.transfer.buffers import as_array
@@ -73,7 +72,7 @@ class PagedKVCache:
                 raise
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig, *, num_blocks: int, block_size: int = 16,
+    def from_config(cls, config: Any, *, num_blocks: int, block_size: int = 16,
                     dtype: torch.dtype = torch.float32, engine: Any = None,
                     device: str | torch.device = "cpu") -> "PagedKVCache":
         """A cache shaped for a model's text config (a Qwen2-VL config or its `text_config`)."""
@@ -125,8 +124,9 @@ class PagedKVCache:
             self._allocator.free_managed_buffer(ptr)
 
     # ---- tokens in and out of blocks ----
-    def _slots(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
-        """Row of each token in a region viewed as [num_blocks * block_size, heads, head_dim]."""
+    def slots(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """Row of each of a sequence's first `num_tokens` tokens in a region viewed as
+        [num_blocks * block_size, heads, head_dim], on the cache's device; checked against the pool."""
         if num_tokens < 0 or len(block_ids) < blocks_needed(num_tokens, self.block_size):
             raise ValueError(f"{num_tokens} tokens need {blocks_needed(num_tokens, self.block_size)} blocks "
                              f"of {self.block_size}, got {len(block_ids)}")
@@ -136,13 +136,12 @@ class PagedKVCache:
         t = torch.arange(num_tokens)
         return (blocks[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
 
-    def write_from(self, cache: DynamicCache | KVLayers, block_ids: Sequence[int], num_tokens: int) -> None:
-        """Scatter the first `num_tokens` positions of a prefill's KV (a `DynamicCache`, or per layer
-        (key, value) in transformers' layout [1, heads, seq, head_dim]) into `block_ids`."""
-        layers = [(layer.keys, layer.values) for layer in cache.layers] if isinstance(cache, DynamicCache) else cache
+    def write_from(self, layers: KVLayers, block_ids: Sequence[int], num_tokens: int, start: int = 0) -> None:
+        """Scatter positions `start`..`num_tokens - 1` of a sequence's KV (per layer (key, value) in transformers'
+        layout [1, heads, seq, head_dim]) into their slots of `block_ids`."""
         if len(layers) != self.num_layers:
             raise ValueError(f"the cache has {len(layers)} layers, this paged cache {self.num_layers}")
-        slots = self._slots(block_ids, num_tokens)
+        slots = self.slots(block_ids, num_tokens)[start:]
         for i, (key, value) in enumerate(layers):
             for region, src in zip(self.layer(i), (key, value)):
                 if src.shape[0] != 1 or src.shape[1] != self.num_kv_heads or src.shape[3] != self.head_dim:
@@ -151,22 +150,14 @@ class PagedKVCache:
                 if src.dtype != self.dtype:  # a silent cast would break decode's bit-identity
                     raise ValueError(f"layer {i}: KV is {src.dtype}, the cache {self.dtype}")
                 flat = region.view(-1, self.num_kv_heads, self.head_dim)
-                flat[slots] = src[0, :, :num_tokens].transpose(0, 1)
+                flat[slots] = src[0, :, start:num_tokens].transpose(0, 1)
 
     def read_layers(self, block_ids: Sequence[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Gather `num_tokens` positions from `block_ids`: per layer (key, value), [1, heads, seq, head_dim]."""
-        slots = self._slots(block_ids, num_tokens)
+        slots = self.slots(block_ids, num_tokens)
         return [tuple(region.view(-1, self.num_kv_heads, self.head_dim)[slots].transpose(0, 1).unsqueeze(0)
                       .contiguous() for region in self.layer(i))
                 for i in range(self.num_layers)]
-
-    def read_to_dynamic_cache(self, block_ids: Sequence[int], num_tokens: int,
-                              config: PretrainedConfig | None = None) -> DynamicCache:
-        """Gather `num_tokens` positions from `block_ids` into a `DynamicCache` that a model continues from."""
-        cache = DynamicCache(config=config)
-        for i, (key, value) in enumerate(self.read_layers(block_ids, num_tokens)):
-            cache.update(key, value, i)
-        return cache
 
     def __enter__(self) -> "PagedKVCache":
         return self

@@ -53,6 +53,25 @@ class PrefillResult:
         return [(layer.keys, layer.values) for layer in self.past_key_values.layers]
 
 
+def prompt_positions(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor, num_embeds: int,
+                     image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The prompt's (ids [1, T] or [T]) 3-D mrope positions [3, 1, T] and rope delta, on the CPU.
+
+    The positions are integers, the same wherever they are computed; on the CPU they cost no GPU syncs
+    (`get_rope_index` walks the prompt in Python), and the count check none either. Raises ValueError when the
+    prompt's image_pad count is not `num_embeds`.
+    """
+    ids = _on_cpu(input_ids).reshape(1, -1)
+    mask = ids == model.config.image_token_id
+    n_pads = int(mask.sum())
+    if n_pads != num_embeds:
+        raise ValueError(f"prompt has {n_pads} image_pad tokens but {num_embeds} image embeddings were given")
+    positions, deltas = model.model.get_rope_index(
+        ids, mm_token_type_ids=mask.int(),
+        image_grid_thw=None if image_grid_thw is None else _on_cpu(image_grid_thw))
+    return positions, int(deltas[0, 0])
+
+
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device`: itself if already there; a copy otherwise, queued without blocking when it comes
     from pinned host memory (the copy is ordered before the kernels that use it on the same stream)."""
@@ -110,18 +129,9 @@ class PrefillRunner:
         this leaves no per-request state on the model (`model.model.rope_deltas`).
         """
         device = model_device(self.model)
-        # The mrope positions are integers, the same wherever they are computed; on the CPU they cost no GPU
-        # syncs (get_rope_index walks the prompt in Python), and the count check below none either.
-        ids_cpu = _on_cpu(input_ids)
-        mask_cpu = ids_cpu == self.model.config.image_token_id
-        n_pads = int(mask_cpu.sum())
-        n_embeds = 0 if image_embeds is None else image_embeds.shape[0]
-        if n_pads != n_embeds:
-            raise ValueError(f"prompt has {n_pads} image_pad tokens but {n_embeds} image embeddings were given")
-        position_ids, rope_deltas = self.model.model.get_rope_index(
-            ids_cpu, mm_token_type_ids=mask_cpu.int(),
-            image_grid_thw=None if image_grid_thw is None else _on_cpu(image_grid_thw),
-        )
+        position_ids, rope_delta = prompt_positions(self.model, input_ids,
+                                                    0 if image_embeds is None else image_embeds.shape[0],
+                                                    image_grid_thw)
         input_ids = _to(input_ids, device)
         inputs_embeds = self.model.get_input_embeddings()(input_ids)
         if image_embeds is not None:
@@ -136,7 +146,7 @@ class PrefillRunner:
         return PrefillResult(
             logits=out.logits[:, -1, :],
             past_key_values=out.past_key_values,
-            rope_delta=int(rope_deltas[0, 0]),
+            rope_delta=rope_delta,
             prompt_len=input_ids.shape[1],
         )
 

@@ -64,3 +64,4 @@ def make_image_invariant(model: Qwen2VLForConditionalGeneration) -> Qwen2VLForCo
     elif not isinstance(tower, PerImageVisionTower):
         raise TypeError(f"expected Qwen2-VL's vision tower, got {type(tower).__name__}")
     return model
+

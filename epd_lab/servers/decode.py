@@ -2,23 +2,26 @@
 
 ``POST /v1/decode`` (`DecodeRequest` → `DecodeResponse`, or NDJSON with ``"stream": true``):
 
-1. Allocate the request's blocks, ask the producer named by ``kv_transfer_params.remote_url`` for them over the
-   ZMQ side channel (`KVConsumer.receive_kv`), gather them into a `DynamicCache` and free the blocks at once
-   (the cache is a copy). ``TRANS_ERROR`` → by its reason (no such request on the producer 404, aborted 409,
-   producer busy 503, else 502), no answer within ``--timeout`` (producer dead or stuck) → 504,
+1. Allocate the prompt's blocks, ask the producer named by ``kv_transfer_params.remote_url`` to write its KV into
+   them over the ZMQ side channel (`KVConsumer.receive_kv`). The KV stays in those blocks, and the generated
+   tokens' KV joins it in blocks taken as needed, until the request ends: the model runtime (``--runtime``)
+   attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV (a request that finds the pool
+   empty mid-generation fails with an error line; the others go on). ``TRANS_ERROR`` → by its reason (no such
+   request on the producer 404, aborted 409, producer busy 503, else 502), no answer within ``--timeout``
+   (producer dead or stuck) → 504,
    with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
    before they go back to the pool: a producer that was only slow may still write into them.
-2. Generate: token 0 is prefill's ``first_token``; token i+1 comes from the logits of feeding token i at
-   ``prompt_len + rope_delta + i``, greedy at temperature 0, else sampled from ``softmax(logits / temperature)``
-   with a ``torch.Generator`` seeded by ``seed``.
+2. Generate (`epd_lab.servers.scheduler`): token 0 is prefill's ``first_token``; token i+1 comes from the logits
+   of feeding token i at ``prompt_len + rope_delta + i``, greedy at temperature 0, else sampled from
+   ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
 
-Concurrency: ONE scheduler thread owns the model. Each turn it steps every active request once, in batches of
-at most ``--max-batch``: one `DecodeRunner.step_batch` forward per batch (its requests' caches differ in
-length and stay separate), `DecodeRunner.step` for a batch of one. Batched logits are bit-identical to the
-single-request ones in bfloat16 (measured on AVX-512 BF16); in float32 they differ in the last bits (CPU GEMM
-sums a batch in another order), see `DecodeRunner.step_batch`. ``--max-batch 1`` is the round-robin of single
-steps. KV transfers run in other threads meanwhile. A streaming client that disconnects marks its request
-cancelled; the scheduler drops it (and its cache) before its next step.
+Concurrency: ONE scheduler thread owns the runtime's decode; each turn it steps every active request once, in
+batches of at most ``--max-batch`` (one forward each). Batched logits equal single-request ones bit for bit in
+bfloat16 on the CPU; in float32 they differ in the last bits (CPU GEMM sums a batch in another order); on a GPU a
+request's bits depend on the batch bucket its step is replayed in (`epd_lab.models.runtime.graph`).
+``--max-batch 1`` is the round-robin of single steps. KV transfers run in other threads meanwhile. A streaming
+client that disconnects marks its request cancelled; the scheduler drops it (and frees its blocks) before its
+next step.
 
 Admission (`epd_lab.serving.Admission`): ``--max-active`` requests at once, each until its stream ends; the
 others wait, before their body is read and holding no KV, while their predicted wait fits their deadline
@@ -51,13 +54,13 @@ import torch
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from transformers import DynamicCache
 
 from epd_lab import models
 from epd_lab.ep.messages import DTYPES
 from epd_lab.faults import failpoint
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
+from epd_lab.models.runtime import open_runtime
 from epd_lab.servers.messages import (
     DecodeRequest,
     DecodeResponse,
@@ -67,29 +70,22 @@ from epd_lab.servers.messages import (
     StreamToken,
     encode,
 )
+from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
                              ServingError, Unavailable, deadline_budget, engine_metrics, option, read_struct,
                              role_app, serve_main)
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
-                                       use_device)
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
+                                       check_placement, use_device)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
 
 T = TypeVar("T")
 
-_DONE = object()  # the queue's end marker
 # a TRANS_ERROR's reason as decode's answer (any other: 502): the producer holds no such request (never prefilled
 # there, or freed after its free timeout), the request was aborted, the producer is at one of its bounds
 _TRANS_ERRORS: dict[str, Callable[[str], ServingError]] = {
     "not_found": NotFound, "aborted": Conflict, "busy": lambda detail: Unavailable(detail, retry_after=1)}
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``softmax(logits / temperature)`` for any temperature > 0: in float64 and shifted by the largest logit
-    first, so that a tiny temperature (1e-198) gives the argmax's one-hot instead of inf/inf = NaN."""
-    scaled = logits.double()
-    return torch.softmax((scaled - scaled.max()) / temperature, dim=-1)
 
 
 class _TimedOut(GatewayTimeout):
@@ -106,6 +102,7 @@ class DecodeSettings:
     model: str | None = option(None, MODEL_HELP)
     device: str = option("cpu", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
+    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
     kv_blocks: int = option(512, "blocks in the paged KV cache")
     block_size: int = option(16, "tokens per KV block")
     timeout: float = option(10.0, "seconds the side channel waits for the producer's answer")
@@ -132,25 +129,8 @@ class DecodeSettings:
             raise ValueError(f"kv_quarantine must be >= 0, got {self.kv_quarantine}")
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class _Generation:
-    """One admitted request: its private cache and where its tokens go."""
-
-    rid: str
-    cache: DynamicCache
-    next_position: int  # mrope position of token 0 (prompt_len + rope_delta)
-    max_tokens: int
-    temperature: float
-    generator: torch.Generator | None
-    emit: Callable[[Any], None]  # thread-safe: an int token, _DONE, or an Exception
-    tokens: list[int]
-    spans: list[Span]
-    logits: list[torch.Tensor] | None = None  # kept only when the request asked for them
-    cancelled: bool = False
-
-
 class DecodeServer:
-    """The decode role's state: model, registered paged cache, blocks, KV consumer, the scheduler thread."""
+    """The decode role's state: model, registered paged cache, blocks, KV consumer, runtime, scheduler."""
 
     def __init__(self, settings: DecodeSettings) -> None:
         self.settings = settings
@@ -158,7 +138,6 @@ class DecodeServer:
         dtype = DTYPES[settings.dtype]
         self.device = use_device(settings.device)
         self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
-        self.runner = models.DecodeRunner(self.model)
         self.recorder = Recorder(node=f"decode:{settings.port}")
         self.node = self.recorder.node
         self.engine = open_engine(settings.transport, settings.host, settings.timeout)
@@ -169,6 +148,13 @@ class DecodeServer:
         except BaseException:
             self.engine.close()
             raise
+        try:  # the fast runtime captures decode for batches up to max_batch; hf has no buckets
+            options = {"max_batch": settings.max_batch} if settings.runtime == "fast" else {}
+            self.runtime = open_runtime(settings.runtime, self.model, self.cache, **options)
+        except BaseException:
+            self.cache.close()
+            self.engine.close()
+            raise
         self.blocks = BlockManager(settings.kv_blocks)
         self.consumer = KVConsumer(self.engine, self.cache, timeout=settings.timeout)
         self.quarantine_s = settings.timeout if settings.kv_quarantine is None else settings.kv_quarantine
@@ -176,18 +162,16 @@ class DecodeServer:
         self._quarantined = 0
         self._timers: set[threading.Timer] = set()
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._active: list[_Generation] = []
-        self._closed = False
         self.admission = Admission("decode", settings.max_active, settings.max_queued, settings.timeout)
         self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
-        self._thread = threading.Thread(target=self._schedule, name="decode-scheduler", daemon=True)
-        self._thread.start()
+        self.scheduler = DecodeScheduler(self.runtime, settings.max_batch, self.blocks.allocate, self.recorder,
+                                         self._count, lambda gen: self.blocks.free(gen.block_table))
 
     # ---- KV ----
-    def fetch_kv(self, req: DecodeRequest) -> tuple[DynamicCache, list[Span], KVTransferParams]:
-        """Receive the request's KV (in a worker thread) and gather it; raises `ServingError`. Returns the cache,
-        the spans and the parameters complete (a pipelined request's learnt from the producer)."""
+    def fetch_kv(self, req: DecodeRequest) -> tuple[list[int], list[Span], KVTransferParams]:
+        """Receive the request's KV (in a worker thread) into blocks allocated for it; raises `ServingError`.
+        Returns the blocks (the caller owns them now: `admit` them, or `release` them), the spans and the
+        parameters complete (a pipelined request's learnt from the producer)."""
         p = req.kv_transfer_params
         if self.settings.kv_producers and p.remote_url not in self.settings.kv_producers:
             # checked before any socket opens: decode never sends its cache's addresses and keys elsewhere
@@ -210,7 +194,7 @@ class DecodeServer:
             self._count("kv_pool_exhausted")
             raise Unavailable(f"KV pool exhausted: {exc}") from None
         t0 = time.monotonic_ns()
-        quarantine = False
+        quarantine = kept = False
         try:
             try:
                 done = self._kv_call(p, lambda: self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids))
@@ -225,13 +209,13 @@ class DecodeServer:
             nbytes = self.cache.nbytes(n)
             spans.append(Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes))
             self.recorder.extend(spans)
-            cache = self.cache.read_to_dynamic_cache(ids, prompt_len, self.model.config)
             self._count(kv_bytes=nbytes)
-            return cache, spans, p
+            kept = True
+            return ids, spans, p
         finally:
             if quarantine and self.quarantine_s > 0:
                 self._quarantine(ids)
-            else:
+            elif not kept:
                 self.blocks.free(ids)
 
     def _kv_call(self, p: KVTransferParams, call: Callable[[], T]) -> T:
@@ -264,9 +248,10 @@ class DecodeServer:
         timer.start()
 
     # ---- generation ----
-    def admit(self, req: DecodeRequest, cache: DynamicCache, spans: list[Span],
-              emit: Callable[[Any], None]) -> _Generation:
-        """Emit token 0 and queue the rest with the scheduler."""
+    def admit(self, req: DecodeRequest, block_table: list[int], spans: list[Span],
+              emit: Callable[[Any], None]) -> Generation:
+        """Emit token 0 and queue the rest with the scheduler, which frees `block_table` (the prompt's blocks,
+        its KV in them, from `fetch_kv`) and the blocks it adds when the request ends."""
         p = req.kv_transfer_params
         generator = None
         if req.temperature > 0:
@@ -275,93 +260,26 @@ class DecodeServer:
                 generator.seed()
             else:
                 generator.manual_seed(req.seed)
-        gen = _Generation(req.request_id, cache, p.prompt_len + p.rope_delta, req.max_tokens, req.temperature,
-                          generator, emit, [p.first_token], spans, [] if req.return_logits else None)
+        gen = Generation(req.request_id, block_table, p.prompt_len, p.prompt_len + p.rope_delta, req.max_tokens,
+                         req.temperature, generator, emit, [p.first_token], spans,
+                         [] if req.return_logits else None)
         self._count("requests_admitted", tokens_generated=1)
         emit(p.first_token)
         if req.max_tokens == 1:
             self._count("requests_finished")
-            emit(_DONE)
+            emit(DONE)
+            self.release(block_table)
             return gen
-        with self._cond:
-            self._active.append(gen)
-            self._cond.notify()
+        try:
+            self.scheduler.add(gen)
+        except RuntimeError as exc:  # closing
+            self.release(block_table)
+            emit(exc)
         return gen
 
-    def _schedule(self) -> None:
-        """One step of every active request per turn, in batches of at most `max_batch`."""
-        while True:
-            with self._cond:
-                while not self._active and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    batch, self._active = self._active, []
-                    for gen in batch:
-                        gen.emit(RuntimeError("the decode server is shutting down"))
-                    return
-                batch = list(self._active)
-            finished = [gen for gen in batch if gen.cancelled]
-            self._count(requests_cancelled=len(finished))
-            live = [gen for gen in batch if not gen.cancelled]
-            for start in range(0, len(live), self.settings.max_batch):
-                finished += self._step(live[start:start + self.settings.max_batch])
-            if finished:
-                with self._cond:
-                    self._active = [g for g in self._active if g not in finished]
-                for gen in finished:
-                    gen.cache = None  # the KV copy goes now, not when the handler's frame does
-
-    def _step(self, batch: list[_Generation]) -> list[_Generation]:
-        """One decode step of every request in `batch` (one forward): feed each its last token, emit the next.
-
-        Returns the requests that ended: those with all their tokens, and failed ones (all of them when the
-        forward fails). Their decode_step spans share the forward's start.
-        """
-        t0 = time.monotonic_ns()
-        try:
-            if len(batch) == 1:  # `step`: a lone request's logits stay exactly the single-request ones
-                gen = batch[0]
-                logits = self.runner.step(gen.tokens[-1], gen.cache, gen.next_position + len(gen.tokens) - 1)
-            else:
-                logits = self.runner.step_batch([gen.tokens[-1] for gen in batch], [gen.cache for gen in batch],
-                                                [gen.next_position + len(gen.tokens) - 1 for gen in batch])
-            # one copy off the GPU per forward (none for float32 on the CPU): the tokens are chosen on the host,
-            # where the requests' seeded generators are; float32 holds float32 and bfloat16 logits exactly
-            logits = logits.float().cpu()
-        except Exception as exc:  # noqa: BLE001 - its requests fail, the scheduler keeps going
-            self._count(requests_failed=len(batch))
-            for gen in batch:
-                gen.emit(exc)
-            return batch
-        self._count("decode_forwards")
-        ended: list[_Generation] = []
-        for gen, row in zip(batch, logits):
-            try:
-                token = self._choose(gen, row)
-            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
-                ended.append(gen)
-                self._count("requests_failed")
-                gen.emit(exc)
-                continue
-            gen.tokens.append(token)
-            if gen.logits is not None:
-                gen.logits.append(row)
-            gen.spans.append(Span(gen.rid, len(gen.tokens) - 1, "decode_step", self.node, t0, time.monotonic_ns()))
-            self.recorder.add(gen.spans[-1])
-            self._count(tokens_generated=1)
-            gen.emit(token)
-            if len(gen.tokens) >= gen.max_tokens:
-                ended.append(gen)
-                self._count("requests_finished")
-                gen.emit(_DONE)
-        return ended
-
-    @staticmethod
-    def _choose(gen: _Generation, logits: torch.Tensor) -> int:
-        """The next token from one request's logits [vocab]: argmax, or a draw from its seeded generator."""
-        if gen.generator is None:
-            return int(logits.argmax(-1))
-        return int(torch.multinomial(sampling_probs(logits, gen.temperature), 1, generator=gen.generator))
+    def release(self, block_table: list[int]) -> None:
+        """Give back the blocks of a request that will not generate (anymore)."""
+        self.blocks.free(block_table)
 
     # ---- health, metrics, lifetime ----
     def _count(self, *names: str, **amounts: int) -> None:
@@ -372,13 +290,14 @@ class DecodeServer:
                 self.counters[name] += amount
 
     def health(self) -> dict:
+        active = self.scheduler.num_active
         with self._lock:
-            active, quarantined, counters = len(self._active), self._quarantined, dict(self.counters)
+            quarantined, counters = self._quarantined, dict(self.counters)
         return {"status": "ok", "role": "decode", "model": self.settings.model or "tiny-qwen2-vl",
                 "device": str(self.device), "dtype": self.settings.dtype, "session_id": self.engine.session_id,
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
-                "block_size": self.cache.block_size, "active_requests": active,
+                "block_size": self.cache.block_size, "active_requests": active, "runtime": self.settings.runtime,
                 "max_batch": self.settings.max_batch, "kv_producers_guarded": bool(self.settings.kv_producers),
                 "admission": self.admission.stats(), "counters": counters}
 
@@ -388,7 +307,7 @@ class DecodeServer:
         c = collections.Counter(h["counters"])
         return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
             ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
-            ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving or quarantined)"),
+            ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving, generating or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
             ("active_requests", "gauge", h["active_requests"], "requests generating"),
             ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
@@ -403,11 +322,9 @@ class DecodeServer:
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self.scheduler.close()
+        with self._lock:
             timers = list(self._timers)
-        self._thread.join()
         self.io.shutdown(wait=True, cancel_futures=True)
         self.consumer.close()
         for timer in timers:
@@ -424,7 +341,7 @@ class _GenerationStream(StreamingResponse):
     """A streaming response that cancels its generation however the response ends: also when the client went
     away before the body generator ever started (then the generator's own ``finally`` never runs)."""
 
-    def __init__(self, gen: _Generation, content: AsyncIterator[bytes], on_end: Callable[[], None],
+    def __init__(self, gen: Generation, content: AsyncIterator[bytes], on_end: Callable[[], None],
                  **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._gen, self._on_end = gen, on_end
@@ -459,7 +376,12 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     async def _decode(server: DecodeServer, request: Request, _stream_ended: Callable[[], None]) -> Response:
         req = await read_struct(request, DecodeRequest)
         loop = asyncio.get_running_loop()
-        cache, kv_spans, params = await loop.run_in_executor(server.io, server.fetch_kv, req)
+        fetch = server.io.submit(server.fetch_kv, req)
+        try:
+            block_table, kv_spans, params = await asyncio.wrap_future(fetch)
+        except asyncio.CancelledError:  # the client left: blocks the transfer still fills are given back after
+            fetch.add_done_callback(lambda f: f.cancelled() or f.exception() or server.release(f.result()[0]))
+            raise
         req = msgspec.structs.replace(req, kv_transfer_params=params)  # a pipelined one's, completed
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -469,12 +391,11 @@ def create_app(settings: DecodeSettings) -> FastAPI:
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 pass
 
-        gen = server.admit(req, cache, kv_spans, emit)
-        del cache
+        gen = server.admit(req, block_table, kv_spans, emit)
         if req.stream:
             return _GenerationStream(gen, _stream(gen, queue), _stream_ended, media_type="application/x-ndjson")
         try:
-            while (item := await queue.get()) is not _DONE:
+            while (item := await queue.get()) is not DONE:
                 if isinstance(item, Exception):
                     raise ServingError(f"decode failed: {type(item).__name__}: {item}")
         finally:
@@ -483,12 +404,12 @@ def create_app(settings: DecodeSettings) -> FastAPI:
         return Response(encode(DecodeResponse(req.request_id, list(gen.tokens), "length", gen.spans, logits)),
                         media_type="application/json")
 
-    async def _stream(gen: _Generation, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    async def _stream(gen: Generation, queue: asyncio.Queue) -> AsyncIterator[bytes]:
         # A client that goes away cancels this generator (Starlette listens for http.disconnect): the finally
         # marks the request cancelled and the scheduler drops it before its next step.
         try:
             index = 0
-            while (item := await queue.get()) is not _DONE:
+            while (item := await queue.get()) is not DONE:
                 if isinstance(item, Exception):
                     yield _line(StreamError(f"decode failed: {type(item).__name__}: {item}"))
                     return

@@ -97,8 +97,9 @@ from epd_lab.faults import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                              Metric, NotFound, ServingError, Ticket, Unavailable, decode_body, engine_metrics,
                              json_response, option, read_body, read_struct, role_app, serve_main)
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
-                                       synchronize, use_device)
+from epd_lab.models.runtime import open_runtime
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
+                                       check_placement, synchronize, use_device)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import (
     RegistrationError,
@@ -128,6 +129,7 @@ class EncoderSettings:
     model: str | None = option(None, MODEL_HELP)
     device: str = option("cpu", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
+    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
     transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=TRANSPORTS)
     timeout: float = option(10.0, "seconds; bounds every wait: media fetch, embedding, receive URL, transfer, "
                                   "ZMQ send")
@@ -211,8 +213,8 @@ class MMEncoder:
         self.device = use_device(settings.device)
         models.configure_torch(threads=1)  # the same kernels, hence the same bits, as every other role
         self.model = models.open_model(settings.model, dtype=self.dtype, device=self.device)
-        self.vision = models.VisionEncoder(self.model)
-        self.embedding_dim = self.vision.hidden_size
+        self.runtime = open_runtime(settings.runtime, self.model)  # encode only: no KV cache
+        self.embedding_dim = self.model.config.vision_config.hidden_size
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.recorder = Recorder(node=f"encoder:{settings.port}")
         self.cache = EmbeddingCache(settings.cache_bytes)
@@ -358,7 +360,7 @@ class MMEncoder:
                               sum(img.width * img.height * 3 for img in images)))
             t0 = t_decoded
             with torch.inference_mode():
-                emb, _ = self.vision.encode_images(images)
+                emb = self.runtime.encode(*models.preprocess(images))
             counts = [models.num_image_tokens(img.size) for img in images]
             if sum(counts) != emb.shape[0]:
                 raise RuntimeError(f"the ViT gave {emb.shape[0]} tokens, the image sizes say {sum(counts)}")

@@ -2,12 +2,13 @@
 
 ``POST /v1/prefill`` (`PrefillRequest` → `PrefillResponse`):
 
-1. Images go through an `EmbeddingReceiver` to the encoders (`EPDPrefill`); a text-only prompt runs
-   `PrefillRunner` directly. Without ``--encoders`` images are refused (400).
-2. The prompt's KV is written into blocks of the paged cache (`BlockManager` + `PagedKVCache`, registered with
-   the transfer engine once at start), and ``producer.request_finished(request_id, block_ids)`` lets decode ask for it
-   over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` / ``TRANS_ERROR``, or after
-   ``--kv-free-timeout`` if decode never asks.
+1. Images go through an `EmbeddingReceiver` to the encoders (`EPDPrefill.receive`). Without ``--encoders``
+   images are refused (400).
+2. The prompt's blocks are allocated in the paged cache (`BlockManager` + `PagedKVCache`, registered with the
+   transfer engine once at start), and the model runtime's prefill (``--runtime``, `epd_lab.models.runtime`)
+   writes the prompt's KV into them as it runs; ``producer.request_finished(request_id, block_ids)`` lets decode
+   ask for them over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` /
+   ``TRANS_ERROR``, or after ``--kv-free-timeout`` if decode never asks.
 3. The answer carries the first token (greedy argmax of the last logits) and the `KVTransferParams` decode needs.
 
 ``POST /v1/abort`` (`AbortRequest` → `AbortResponse`): the proxy gave up on a request (its decode failed, or its
@@ -51,6 +52,7 @@ from epd_lab.ep.receiver import RECV_BUFFERS, EmbeddingReceiver, EPDError, Recei
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
+from epd_lab.models.runtime import PrefillOutput, open_runtime
 from epd_lab.servers.messages import (
     AbortRequest,
     AbortResponse,
@@ -63,8 +65,8 @@ from epd_lab.servers.text import prompt_tokens
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, deadline_budget,
                              decode_body, engine_metrics, error_for_status, option, read_body, read_struct, role_app,
                              serve_main)
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, check_placement,
-                                       synchronize, use_device)
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
+                                       check_placement, synchronize, use_device)
 from epd_lab.trace import Recorder
 
 KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
@@ -84,6 +86,7 @@ class PrefillSettings:
     model: str | None = option(None, MODEL_HELP)
     device: str = option("cpu", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
+    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
     recv_buffer: str = option("auto", "where the E→P receiver's buffer for a request's embeddings lives: host, "
                                       "pinned (page-locked host memory, as the seed) or device (GPU memory); auto: "
                                       "pinned on CUDA, host on the CPU", choices=RECV_BUFFERS)
@@ -114,20 +117,22 @@ class PrefillSettings:
 
 
 class _KeptKV:
-    """One request's KV blocks on the prefill side: allocated and announced before the forward (so that a
-    pipelined decode allocates its own meanwhile), written and readied after it, or given back when the request
-    fails (and a decode waiting on the side channel is answered ``TRANS_ERROR`` at once)."""
+    """One request's KV blocks on the prefill side: allocated (and, for remote decode, announced) before the
+    forward, so that a pipelined decode allocates its own meanwhile; the forward writes the prompt's KV straight
+    into them; then handed to the producer (remote decode), or given back (no remote decode, or the request
+    failed: a decode waiting on the side channel is then answered ``TRANS_ERROR`` at once)."""
 
-    def __init__(self, server: "PrefillServer", rid: str, deadline: float) -> None:
-        self.server, self.rid, self.deadline = server, rid, deadline
+    def __init__(self, server: "PrefillServer", rid: str, remote: bool, deadline: float) -> None:
+        self.server, self.rid, self.remote, self.deadline = server, rid, remote, deadline
         self.ids: list[int] | None = None
         self.readied = False
         self.conflict = False  # another request with this id holds KV on the producer: never abort that one
 
-    def announce(self, input_ids: torch.Tensor) -> None:
-        """Allocate the prompt's blocks and announce its plan. A pool exhausted by KV that waits for decode is
-        waited on until the request's deadline (503 then): decode behind is backpressure, which slows the
-        workers, and with them the admission's measured rate, instead of failing requests already encoded."""
+    def announce(self, input_ids: torch.Tensor) -> list[int]:
+        """Allocate the prompt's blocks, announce its plan to the producer when decode is remote; returns the
+        blocks (the forward's block table). A pool exhausted by KV that waits for decode is waited on until the
+        request's deadline (503 then): decode behind is backpressure, which slows the workers, and with them the
+        admission's measured rate, instead of failing requests already encoded."""
         server, prompt_len = self.server, input_ids.shape[1]
         n = blocks_needed(prompt_len, server.cache.block_size)
         while self.ids is None:
@@ -138,6 +143,8 @@ class _KeptKV:
                     server.counters["kv_pool_exhausted"] += 1
                     raise Unavailable(f"KV pool exhausted: {exc}") from None
                 time.sleep(KV_WAIT_POLL_S)
+        if not self.remote:
+            return self.ids
         try:
             server.producer.announce(self.rid, prompt_len, n)
         except RequestAborted:
@@ -145,18 +152,18 @@ class _KeptKV:
         except AlreadyHeld:
             self.conflict = True
             raise Conflict(f"request_id {self.rid!r}: its KV is still waiting for decode") from None
+        return self.ids
 
-    def keep(self, result: models.PrefillResult, first_token: int) -> KVTransferParams:
-        """Write the KV into the blocks and hand them to the producer; the parameters decode needs."""
+    def keep(self, result: PrefillOutput, first_token: int) -> KVTransferParams:
+        """Hand the blocks, which the forward wrote, to the producer; the parameters decode needs."""
         server, ids = self.server, self.ids
         assert ids is not None, "announce() first"
         with server.recorder.span("kv_write", self.rid, nbytes=server.cache.nbytes(len(ids))):
-            server.cache.write_from(result.past_key_values, ids, result.prompt_len)
-            synchronize(server.device)
-        try:
-            server.producer.request_finished(self.rid, ids, KVAux(first_token, result.rope_delta))
-        except RequestAborted:
-            raise self._aborted() from None
+            synchronize(server.device)  # the forward's writes into the blocks are done before a peer reads them
+            try:
+                server.producer.request_finished(self.rid, ids, KVAux(first_token, result.rope_delta))
+            except RequestAborted:
+                raise self._aborted() from None
         self.readied = True  # the producer frees the blocks from here on
         return KVTransferParams(server.producer.url, self.rid, result.prompt_len, result.rope_delta, first_token,
                                 len(ids))
@@ -167,14 +174,14 @@ class _KeptKV:
         return Conflict(f"request_id {self.rid!r} was aborted while it was being prefilled")
 
     def drop(self) -> None:
-        """The request failed before its KV was readied: free the blocks, and abort it on the producer, so that
-        a pipelined decode already waiting for it hears at once (not at its timeout)."""
+        """Give the blocks back unless the producer holds them; for remote decode, abort the request on the
+        producer, so that a pipelined decode already waiting for it hears at once (not at its timeout)."""
         if self.readied:
             return
         if self.ids is not None:
             self.server.blocks.free(self.ids)
             self.ids = None
-        if not self.conflict:
+        if self.remote and not self.conflict:
             self.server.producer.abort(self.rid)
 
 
@@ -187,7 +194,6 @@ class PrefillServer:
         dtype = DTYPES[settings.dtype]
         self.device = use_device(settings.device)
         self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
-        self.runner = models.PrefillRunner(self.model)
         self.max_positions = self.model.config.text_config.max_position_embeddings
         self.recorder = Recorder(node=f"prefill:{settings.port}")
         self.counters: collections.Counter[str] = collections.Counter()
@@ -199,6 +205,7 @@ class PrefillServer:
             self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
                                                   block_size=settings.block_size, dtype=dtype, engine=self.engine,
                                                   device=self.device)
+            self.runtime = open_runtime(settings.runtime, self.model, self.cache)
             self.blocks = BlockManager(settings.kv_blocks)
             self.producer = KVProducer(self.engine, self.cache, free_blocks=self.blocks.free, host=settings.host,
                                        port=0, timeout=settings.timeout, free_timeout=settings.kv_free_timeout)
@@ -230,49 +237,48 @@ class PrefillServer:
 
     def _prefill(self, req: PrefillRequest, rid: str, deadline: float) -> PrefillResponse:
         t0 = time.monotonic_ns()
-        kv = _KeptKV(self, rid, deadline) if req.kv_transfer_params.do_remote_decode else None
-
-        def before_forward(input_ids: torch.Tensor) -> None:  # the whole prompt is known: check, then hold KV
-            self._check_length(input_ids.shape[1])
-            if kv:
-                kv.announce(input_ids)
-
+        kv = _KeptKV(self, rid, req.kv_transfer_params.do_remote_decode, deadline)
         try:
             # the text alone, before E→P, measured without building its ids (50 MB of them hold a worker, GIL and
             # all, for seconds: the event loop, and /health with it, would stop answering)
             self._check_length(prompt_tokens(req.prompt))
             if req.images:
-                if self.epd is None:
-                    raise BadRequest("this prefill server has no encoders (started without --encoders): "
-                                     "images are not allowed, text-only prompts are")
-                try:
-                    result = self.epd.prefill(req.prompt, req.images, rid, before_forward=before_forward).prefill
-                except EPDError as exc:
-                    # an encoder that refused the input (an image that does not decode, ...) is the client's error
-                    if exc.status == 503:  # every encoder at capacity: so is this request's prefill, for now
-                        raise Unavailable(f"E→P failed: {exc}", retry_after=1) from None
-                    status = exc.status if exc.status in (400, 409, 413) else 502
-                    raise error_for_status(status, f"E→P failed: {exc}") from None
-                except ValueError as exc:  # the prompt and the embeddings disagree
-                    raise BadRequest(f"prefill failed: {exc}") from None
+                input_ids, embeds, grid = self._receive(req, rid)
             else:
-                input_ids = models.build_input_ids(req.prompt, [])
+                input_ids, embeds, grid = models.build_input_ids(req.prompt, []), None, None
                 if input_ids.shape[1] == 0:
                     raise BadRequest("empty prompt and no images: nothing to prefill")
-                before_forward(input_ids)
-                with self.recorder.span("prefill", rid):
-                    result = self.runner.prefill(input_ids, None, None)
-                    synchronize(result.logits.device)
-            first_token = int(result.logits.argmax(-1))
-            params = kv.keep(result, first_token) if kv else None
-        except BaseException:
-            if kv:
-                kv.drop()
-            raise
+            self._check_length(input_ids.shape[1])  # the whole prompt is known: check, then hold its KV
+            table = kv.announce(input_ids)
+            with self.recorder.span("prefill", rid):
+                try:
+                    result = self.runtime.prefill(input_ids, embeds, grid, table)
+                except ValueError as exc:  # the prompt and the embeddings disagree
+                    raise BadRequest(f"prefill failed: {exc}") from None
+                first_token = int(result.logits.argmax(-1))  # read back: the span ends when the GPU's work did
+            params = kv.keep(result, first_token) if kv.remote else None
+        finally:
+            kv.drop()  # a no-op once the producer holds the blocks
         self.counters["requests_ok"] += 1
         self.counters["prompt_tokens"] += result.prompt_len
         spans = [s for s in self.recorder.spans(rid) if s.t_start_ns >= t0]
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
+
+    def _receive(self, req: PrefillRequest,
+                 rid: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """E→P: the request's images through the encoders; the prompt's ids, embeddings and grids."""
+        if self.epd is None:
+            raise BadRequest("this prefill server has no encoders (started without --encoders): "
+                             "images are not allowed, text-only prompts are")
+        try:
+            prompt = self.epd.receive(req.prompt, req.images, rid)
+        except EPDError as exc:
+            # an encoder that refused the input (an image that does not decode, ...) is the client's error
+            if exc.status == 503:  # every encoder at capacity: so is this request's prefill, for now
+                raise Unavailable(f"E→P failed: {exc}", retry_after=1) from None
+            status = exc.status if exc.status in (400, 409, 413) else 502
+            raise error_for_status(status, f"E→P failed: {exc}") from None
+        return prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw
 
     def _check_length(self, prompt_len: int) -> None:
         """A prompt the model cannot hold with one generated token, or whose KV outgrows the whole cache, is the

@@ -1,4 +1,5 @@
-"""Where a role's model runs: the ``--model``, ``--device`` and ``--dtype`` options every model role shares.
+"""Where and how a role's model runs: the ``--model``, ``--device``, ``--dtype`` and ``--runtime`` options every
+model role shares.
 
 A role on ``cuda[:N]`` keeps its model and what it computes on that GPU: the encoder its embeddings (and its
 embedding cache), prefill and decode their paged KV cache, registered with the transfer engine, which then
@@ -12,12 +13,17 @@ import torch
 
 from epd_lab.models import DTYPE_NAMES, resolve_device, resolve_dtype
 from epd_lab.models.catalog import DEVICE_NAME
+from epd_lab.models.runtime import RUNTIMES
 
-__all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "check_placement", "synchronize", "use_device"]
+__all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "RUNTIME_HELP", "RUNTIME_NAMES", "check_placement",
+           "synchronize", "use_device"]
 
 MODEL_HELP = "a local model directory, or a model shape: tiny, qwen2-vl-2b, qwen2-vl-7b (default: tiny)"
 DEVICE_HELP = "cpu, cuda or cuda:N: where the model runs and the role's embeddings or KV cache live"
 DTYPE_HELP = "the model's dtype; auto: bfloat16 on CUDA, float32 on the CPU"
+RUNTIME_NAMES = tuple(RUNTIMES)
+RUNTIME_HELP = ("the model runtime: fast (its own forward over the paged KV cache; CUDA graphs and Triton kernels on "
+                "a GPU; HF's bits on the CPU) or hf (HF transformers eager, the KV copied in and out of its cache)")
 
 
 def check_placement(settings: Any) -> None:

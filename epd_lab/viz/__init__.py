@@ -6,6 +6,7 @@
 - `sweep`: a sweep's results table as a heatmap or lines.
 - `split`: whether moving the encoder out pays, from `epd-lab bench e2e` grids (TTFT and throughput against the
   monolithic floor).
+- `runtime`: the model runtimes profiled (`epd-lab bench runtime`): wall against GPU busy per call.
 - `report`: PNG through kaleido (local Chromium) and a self-contained offline HTML report.
 - `layout`: protocol structures drawn: which encoder wrote which byte range of the prefill's buffer, and
   the KV connector's block tables with their merged contiguous runs.
@@ -13,6 +14,7 @@
 from epd_lab.viz.bandwidth import bandwidth_curves, load_bench
 from epd_lab.viz.layout import block_runs, block_runs_frame, block_tables, buffer_layout, part_ranges
 from epd_lab.viz.report import chromium_path, html_report, save_png, save_pngs
+from epd_lab.viz.runtime import load_runtime, runtime_figure, runtime_frame
 from epd_lab.viz.split import e2e_frame, load_e2e, split_figure, split_pays
 from epd_lab.viz.sweep import sweep_heatmap, sweep_lines
 from epd_lab.viz.timeline import (STAGE_ORDER, critical_path_waterfall, request_spans, stage_color, stage_distributions,
@@ -20,5 +22,5 @@ from epd_lab.viz.timeline import (STAGE_ORDER, critical_path_waterfall, request_
 
 __all__ = ["STAGE_ORDER", "bandwidth_curves", "block_runs", "block_runs_frame", "block_tables", "buffer_layout",
            "chromium_path", "critical_path_waterfall", "e2e_frame", "html_report", "load_bench", "load_e2e",
-           "part_ranges", "request_spans", "save_png", "save_pngs", "split_figure", "split_pays", "stage_color",
+           "load_runtime", "part_ranges", "request_spans", "runtime_figure", "runtime_frame", "save_png", "save_pngs", "split_figure", "split_pays", "stage_color",
            "stage_distributions", "sweep_heatmap", "sweep_lines", "waterfall", "waterfalls"]

@@ -43,12 +43,14 @@ def load_e2e(paths: Iterable[str | Path] | None = None) -> list[dict[str, Any]]:
 
 def e2e_frame(runs: Iterable[dict[str, Any]]) -> pd.DataFrame:
     """One row per measured (model, path, images, image_size, concurrency) of `runs`; ``backend`` is the E→P
-    backend (``monolithic`` for the floor)."""
+    backend (``monolithic`` for the floor). ``model`` names the runtime too ("qwen2-vl-2b (fast)"): runs made
+    before the runtime option existed ran HF's ("hf")."""
     records = []
     for run in runs:
+        model = f"{run['model']} ({run.get('runtime', 'hf')})"
         for r in run["rows"]:
             backend = r["path"].removeprefix("epd/")
-            records.append({"model": run["model"], "gpu": run.get("gpu"), "path": r["path"], "backend": backend,
+            records.append({"model": model, "gpu": run.get("gpu"), "path": r["path"], "backend": backend,
                             "images": r["images"], "image_size": r["image_size"], "concurrency": r["concurrency"],
                             "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p90_ms": r["ttft_ms"]["p90"],
                             "tpot_p50_ms": r["tpot_ms"]["p50"], "requests_per_s": r["requests_per_s"],

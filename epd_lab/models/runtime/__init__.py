@@ -1,0 +1,120 @@
+"""Model runtimes: the three calls a role makes of its model, over a paged KV cache that holds the KV from
+prefill to the last decode step (issue 17).
+
+    runtime = open_runtime("fast", model, cache)               # or "hf": HF transformers, eager (the baseline)
+    embeds = runtime.encode(pixel_values, image_grid_thw)      # encoder: images -> embeddings [tokens, hidden]
+    out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table)  # prefill: KV written into the blocks
+    logits = runtime.decode(tokens, positions, block_tables, seq_lens)     # decode: attends over the blocks
+
+Block ids come from the caller's `BlockManager`; a runtime keeps no per-request state. Names map to
+``module:attribute`` and are imported when opened (as `epd_lab.transfer.registry`), so listing them imports
+neither runtime and ``--runtime hf`` never compiles a Triton kernel.
+
+Bits: within one runtime, the split (images encoded in parts, KV moved into another cache's blocks) equals the
+monolithic use bit for bit at the same decode batch; across runtimes, answers agree to rounding (tests state
+the bound).
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import Qwen2VLForConditionalGeneration
+
+from epd_lab.kv.paged_cache import PagedKVCache
+from epd_lab.models.runners import prompt_positions
+
+__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "RuntimeBase", "generate", "open_runtime", "prompt_positions",
+           "token_slot"]
+
+RUNTIMES: dict[str, str] = {
+    "hf": "epd_lab.models.runtime.hf:HFRuntime",
+    "fast": "epd_lab.models.runtime.fast:FastRuntime",
+}
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    """What prefill hands to decode besides the KV in the blocks."""
+
+    logits: torch.Tensor  # [vocab], the last prompt position, on the model's device
+    rope_delta: int  # decode position i is prompt_len + rope_delta + i (DESIGN.md §4)
+    prompt_len: int
+
+    @property
+    def next_position(self) -> int:
+        """The mrope position of the first generated token."""
+        return self.prompt_len + self.rope_delta
+
+
+class ModelRuntime(Protocol):
+    """What every runtime offers; see the module docstring."""
+
+    name: str
+    model: Qwen2VLForConditionalGeneration
+    cache: PagedKVCache | None  # None: encode only
+
+    def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged vision embeddings [tokens, hidden] of every image, in order, on the model's device."""
+
+    def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+                image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
+        """Run the prompt (ids [1, T] or [T]) with `image_embeds` in place of its image_pad tokens; its KV goes
+        into the blocks `block_table` (enough for T tokens)."""
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+               seq_lens: Sequence[int]) -> torch.Tensor:
+        """One step of B sequences: token b at mrope position `positions[b]`, stored as the `seq_lens[b]`-th token
+        (1-based) of blocks `block_tables[b]`, attending over all of them. Returns logits [B, vocab]."""
+
+    def close(self) -> None:
+        """Release what the runtime holds besides the model and the cache (graphs, their memory pool)."""
+
+
+class RuntimeBase:
+    """What every runtime shares: it is a context manager whose exit calls `close`."""
+
+    def close(self) -> None:
+        """Release what the runtime holds besides the model and the cache (none here). Idempotent."""
+
+    def __enter__(self) -> "RuntimeBase":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_runtime(name: str, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None,
+                 **options: Any) -> Any:
+    """Open the runtime registered as `name` over `model` and `cache` (`options` go to its constructor). Without a
+    cache the runtime only encodes (an encoder's).
+
+    Raises:
+        ValueError: an unknown name; the message lists the registered ones.
+    """
+    target = RUNTIMES.get(name)
+    if target is None:
+        raise ValueError(f"unknown runtime {name!r}; choose one of {', '.join(RUNTIMES)}")
+    module_path, attr = target.split(":")
+    return getattr(importlib.import_module(module_path), attr)(model, cache, **options)
+
+
+def token_slot(block_table: Sequence[int], index: int, block_size: int) -> int:
+    """The cache row of token `index` (0-based) of a sequence whose blocks are `block_table`."""
+    return block_table[index // block_size] * block_size + index % block_size
+
+
+def generate(runtime: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+             image_grid_thw: torch.Tensor | None, max_new_tokens: int, block_table: Sequence[int]) -> list[int]:
+    """The monolithic use of one runtime: encode, prefill into `block_table`, then greedy decode steps of batch
+    one; returns the `max_new_tokens` tokens. `block_table` must hold prompt + max_new_tokens - 1 tokens."""
+    embeds = None if pixel_values is None else runtime.encode(pixel_values, image_grid_thw)
+    out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table)
+    tokens = [int(out.logits.argmax(-1))]
+    for i in range(max_new_tokens - 1):
+        logits = runtime.decode([tokens[-1]], [out.next_position + i], [block_table], [out.prompt_len + i + 1])
+        tokens.append(int(logits[0].argmax(-1)))
+    return tokens

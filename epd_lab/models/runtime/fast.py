@@ -1,0 +1,128 @@
+"""The "fast" runtime: `Qwen2LM` over the paged cache; on a GPU, prefill and decode replayed from CUDA graphs
+(bucketed by prompt length and batch size, `runtime.graph`) and the vision tower batched across images in
+fixed-size calls, each replayed from a graph too (`runtime.vision.VisionTower`).
+
+On the CPU the same code runs with torch ops (`ops.TorchOps`), no graphs, and the vision tower image by image
+(a CPU GEMM may pick its kernel by row position too, so there the budget would not buy bit-identity; measured
+in issue 9). That is what CI tests against HF transformers.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+from transformers import Qwen2VLForConditionalGeneration
+
+from epd_lab.kv.block_manager import blocks_needed
+from epd_lab.kv.paged_cache import PagedKVCache
+from epd_lab.models.catalog import model_device
+from epd_lab.models.runners import VisionEncoder, _to
+from epd_lab.models.runtime import PrefillOutput, RuntimeBase, prompt_positions, token_slot
+from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
+from epd_lab.models.runtime.qwen2 import Qwen2LM
+from epd_lab.models.runtime.vision import VisionTower
+
+# Patch rows per vision call on a GPU: two 448² images (1,024 patches each). The budget trades one image's latency
+# (every call costs a full budget) against the work of many (fewer, larger calls); measured on an H200 (2B tower):
+# one 448² image 12.0 ms of GPU time (4096: 24.9), four 25.6 ms (4096: 25.3; HF's batched tower 23.7).
+DEFAULT_VISION_BUDGET = 2048
+
+
+class FastRuntime(RuntimeBase):
+    """See the module docstring. A context manager: `close` drops the graphs and their memory pool.
+
+    Args:
+        model, cache: the loaded model and the paged cache its KV lives in.
+        max_batch: the largest decode batch in buckets (a larger one runs eagerly, unpadded).
+        max_seq_len: the longest sequence (prompt + generated) a bucketed prefill or decode step takes.
+        vision_budget: patch rows per vision call (None: `DEFAULT_VISION_BUDGET` on a GPU; on the CPU, HF's tower
+            image by image).
+        cuda_graphs: replay the buckets from CUDA graphs on a GPU (False: run the same padded buckets eagerly,
+            which gives the same bits; for comparison).
+    """
+
+    name = "fast"
+
+    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None, *,
+                 max_batch: int = 16, max_seq_len: int = 4096, vision_budget: int | None = None,
+                 cuda_graphs: bool = True) -> None:
+        self.model, self.cache = model, cache
+        self.device = model_device(model)
+        on_gpu = self.device.type == "cuda"
+        if vision_budget is None and on_gpu:
+            vision_budget = DEFAULT_VISION_BUDGET
+        self.vision = VisionTower(model.model.visual, vision_budget, cuda_graphs) if vision_budget else None
+        self._hf_vision = VisionEncoder(model)
+        self._lock = threading.Lock()  # the buckets' static buffers: one prefill or decode at a time on a GPU
+        self._vision_lock = threading.Lock()
+        self.lm = self.prefill_graphs = self.graphs = None
+        if cache is None:
+            return
+        self.lm = Qwen2LM(model, cache)
+        if on_gpu:
+            self.prefill_graphs = PrefillGraphs(self.lm, max_seq_len, cuda_graphs)
+            self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs)
+
+    @torch.no_grad()
+    def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged vision embeddings [tokens, hidden]: in budgeted calls on a GPU, HF's tower image by image on the
+        CPU (HF's bits there)."""
+        if self.vision is None:
+            return self._hf_vision.encode(pixel_values, image_grid_thw)
+        with self._vision_lock:  # the graphs' static inputs
+            return self.vision.encode(pixel_values, image_grid_thw)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+                image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
+        if self.lm is None:
+            raise ValueError("this runtime was opened without a KV cache: it only encodes")
+        ids = input_ids.reshape(-1)
+        positions, rope_delta = prompt_positions(self.model, ids, 0 if image_embeds is None else len(image_embeds),
+                                                 image_grid_thw)
+        ids = _to(ids, self.device)
+        embeds = self.lm.embed_tokens(ids)
+        if image_embeds is not None:
+            mask = ids == self.model.config.image_token_id
+            embeds = embeds.masked_scatter(mask[:, None], _to(image_embeds, self.device).to(embeds.dtype))
+        slots = self.cache.slots(block_table, len(ids))
+        positions = _to(positions[:, 0], self.device)
+        if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.max_tokens:
+            with self._lock:
+                logits = self.prefill_graphs.run(embeds, positions, slots)
+        else:
+            logits = self.lm.prefill(embeds, positions, slots)
+        return PrefillOutput(logits, rope_delta, len(ids))
+
+    @torch.no_grad()
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+               seq_lens: Sequence[int]) -> torch.Tensor:
+        if self.lm is None:
+            raise ValueError("this runtime was opened without a KV cache: it only encodes")
+        if not len(tokens) == len(positions) == len(block_tables) == len(seq_lens) > 0:
+            raise ValueError("decode needs as many tokens, positions, block tables and lengths (>= 1)")
+        if not 0 <= min(positions) and max(positions) < self.lm.max_position:
+            raise ValueError(f"decode positions must lie in [0, {self.lm.max_position}) (the model's "
+                             f"max_position_embeddings), got {min(positions)}..{max(positions)}")
+        block_size = self.cache.block_size
+        for table, n in zip(block_tables, seq_lens):
+            if not 0 < n <= len(table) * block_size:
+                raise ValueError(f"a sequence of {n} tokens does not fit {len(table)} blocks of {block_size}")
+        slots = [token_slot(table, n - 1, block_size) for table, n in zip(block_tables, seq_lens)]
+        if self.graphs is not None and len(tokens) <= self.graphs.max_batch and \
+                max(len(t) for t in block_tables) <= self.graphs.max_blocks:
+            with self._lock:
+                return self.graphs.run(list(tokens), list(positions), slots, list(seq_lens),
+                                       [list(t) for t in block_tables])
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], device=self.device)
+
+        def tensor(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+        return self.lm.decode(tensor(tokens), tensor(positions), tensor(slots), tables, tensor(seq_lens))
+
+    def close(self) -> None:
+        """Drop the captured graphs (their pool goes with them). Idempotent."""
+        self.graphs = self.prefill_graphs = None

@@ -1,0 +1,166 @@
+"""`VisionTower`: Qwen2-VL's vision tower written from the architecture, batched across images in calls of a fixed
+number of patch rows, each call replayed from a CUDA graph (the fast runtime's encoder on a GPU).
+
+Why a fixed row count (the budget): a GEMM computes a row the same way whatever the other rows hold, but the
+kernel a library picks, and so the order of its sums, may change with the row count. With every call `budget`
+rows tall, an image meets the same kernels however the images are grouped into requests and parts, so the split
+equals the monolithic use bit for bit while the tower still runs many images per call. Images are packed in
+order (`budget_calls`); the rows left over are a padding image of zeros, which attention keeps apart as it keeps
+every image apart (block-diagonal: one attention call per image), and whose output is dropped. An image larger
+than the budget is a call of its own size.
+
+Why graphs: HF's eager tower launches ~1,100 kernels for one image, and on an H200 their host overhead is three
+times the GPU's work. A call's shapes are fixed by the budget and by how its rows split into images (the key),
+so each key is captured once, on first use, into one shared memory pool (thread-local capture: a role's other
+threads may use the GPU meanwhile); positions and rotary angles are made on the host, outside the graph, and
+copied in.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MAX_GRAPHS = 16  # captured call shapes kept (least recently used dropped first)
+
+
+def budget_calls(patches: list[int], budget: int) -> list[list[int]]:
+    """Images (by their patch counts, in order) packed into calls of at most `budget` patch rows: an image joins
+    the current call while it fits, else opens the next; an image larger than the budget is a call alone."""
+    calls: list[list[int]] = []
+    used = budget  # no open call yet
+    for i, n in enumerate(patches):
+        if used + n > budget:
+            calls.append([])
+            used = 0
+        calls[-1].append(i)
+        used += n
+    return calls
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionTower:
+    """The tower of a loaded Qwen2-VL (its weights, not its forward), in budgeted calls; see the module docstring.
+
+    Args:
+        tower: ``model.model.visual``.
+        budget: patch rows per call; a positive multiple of merge² (4).
+        cuda_graphs: replay each call shape from a CUDA graph (a GPU only; False: the same calls eagerly).
+    """
+
+    def __init__(self, tower: torch.nn.Module, budget: int, cuda_graphs: bool = True) -> None:
+        self.tower = tower
+        self.merge = tower.spatial_merge_size
+        unit = self.merge * self.merge
+        if budget < unit or budget % unit:
+            raise ValueError(f"the vision budget must be a positive multiple of {unit} patch rows, got {budget}")
+        self.budget = budget
+        first = tower.blocks[0]
+        self.num_heads = first.attn.num_heads
+        self.device = first.attn.qkv.weight.device
+        self.dtype = first.attn.qkv.weight.dtype
+        self.inv_freq = tower.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
+        self.patch_dim = tower.patch_embed.proj.weight[0].numel()  # channels x temporal x patch x patch
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphs: OrderedDict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = OrderedDict()
+        self._pool = None
+        self._pixels: torch.Tensor | None = None  # static inputs of the graphs: [rows, patch_dim]
+        self._angles: torch.Tensor | None = None  # [rows, head_dim / 2]
+
+    # ---- host side ----
+    def _positions(self, grid: Sequence[int]) -> np.ndarray:
+        """(h, w) patch coordinates [t*h*w, 2] of one image, block-major over merge x merge blocks (HF's order)."""
+        t, h, w = grid
+        m = self.merge
+        hpos = np.broadcast_to(np.arange(h)[:, None], (h, w)).reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3)
+        wpos = np.broadcast_to(np.arange(w)[None, :], (h, w)).reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3)
+        return np.tile(np.stack([hpos.reshape(-1), wpos.reshape(-1)], axis=-1), (t, 1))
+
+    def _angles_of(self, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Rotary angles [rows, head_dim / 2]: the h frequencies, then the w ones (HF's recomposition)."""
+        positions = torch.from_numpy(np.concatenate([self._positions(g) for g in grids])).to(self.device)
+        return (positions[..., None].float() * self.inv_freq).flatten(1)
+
+    # ---- the forward ----
+    def _forward(self, pixels: torch.Tensor, angles: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+        """The tower over `pixels` [rows, patch_dim] whose rows split into images of `lengths`; no host sync."""
+        tower = self.tower
+        x = tower.patch_embed(pixels)
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().unsqueeze(-2), emb.sin().unsqueeze(-2)
+        rows = x.shape[0]
+        for block in tower.blocks:
+            h = block.norm1(x)
+            q, k, v = block.attn.qkv(h).reshape(rows, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+            q = (q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype)
+            k = (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype)
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, rows, head_dim]
+            out = torch.cat([F.scaled_dot_product_attention(qi, ki, vi) for qi, ki, vi in zip(
+                q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))], dim=2)
+            x = x + block.attn.proj(out[0].transpose(0, 1).reshape(rows, -1))
+            x = x + block.mlp(block.norm2(x))
+        return tower.merger(x)
+
+    def _call(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        """One call of `budget` rows (or one image's own size); the merged rows of its real images."""
+        lengths = [t * h * w for t, h, w in grids]
+        rows = sum(lengths)
+        pad = max(self.budget, rows) - rows
+        if pad:
+            grids = grids + [[1, self.merge, pad // self.merge]]
+            lengths.append(pad)
+        key = tuple(lengths)
+        angles = self._angles_of(grids)
+        unit = self.merge * self.merge
+        if not self.cuda_graphs:
+            full = torch.cat([pixels, pixels.new_zeros(pad, pixels.shape[1])]) if pad else pixels
+            return self._forward(full.to(self.dtype), angles, key)[:rows // unit]
+        graph, out = self._graph(key)
+        total = rows + pad
+        self._pixels[:rows].copy_(pixels)
+        self._pixels[rows:total].zero_()
+        self._angles[:total].copy_(angles)
+        graph.replay()
+        return out[:rows // unit].clone()
+
+    def _graph(self, key: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of a call shape, captured on first use."""
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key]
+        total = sum(key)
+        if self._pixels is None or self._pixels.shape[0] < total:
+            if self._graphs:  # the static inputs move: every graph captured on the old ones goes
+                self._graphs.clear()
+            self._pixels = torch.zeros(total, self.patch_dim, dtype=self.dtype, device=self.device)
+            self._angles = torch.zeros(total, self.inv_freq.numel() * 2, device=self.device)
+        pixels, angles = self._pixels[:total], self._angles[:total]
+        self._forward(pixels, angles, key)  # warm-up: kernel selection, workspaces
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(pixels, angles, key)
+        self._pool = graph.pool()
+        self._graphs[key] = (graph, out)
+        if len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return graph, out
+
+    @torch.no_grad()
+    def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged embeddings [tokens, hidden] of every image, in order, on the tower's device."""
+        grids = image_grid_thw.tolist()
+        patches = [t * h * w for t, h, w in grids]
+        if sum(patches) != pixel_values.shape[0]:
+            raise ValueError(f"grid_thw names {sum(patches)} patches, pixel_values has {pixel_values.shape[0]}")
+        pixels = pixel_values.to(self.device, non_blocking=True).to(self.dtype)  # cast where it is cheap
+        starts = np.concatenate([[0], np.cumsum(patches)]).tolist()
+        return torch.cat([self._call(pixels[starts[c[0]]:starts[c[-1] + 1]], [grids[i] for i in c])
+                          for c in budget_calls(patches, self.budget)])
