@@ -27,8 +27,8 @@ from transformers import Qwen2VLForConditionalGeneration
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.runners import prompt_positions
 
-__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "RuntimeBase", "generate", "open_runtime", "prompt_positions",
-           "token_slot"]
+__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "RuntimeBase", "generate", "greedy", "open_runtime",
+           "prompt_positions", "token_slot"]
 
 RUNTIMES: dict[str, str] = {
     "hf": "epd_lab.models.runtime.hf:HFRuntime",
@@ -107,14 +107,23 @@ def token_slot(block_table: Sequence[int], index: int, block_size: int) -> int:
     return block_table[index // block_size] * block_size + index % block_size
 
 
-def generate(runtime: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-             image_grid_thw: torch.Tensor | None, max_new_tokens: int, block_table: Sequence[int]) -> list[int]:
-    """The monolithic use of one runtime: encode, prefill into `block_table`, then greedy decode steps of batch
-    one; returns the `max_new_tokens` tokens. `block_table` must hold prompt + max_new_tokens - 1 tokens."""
-    embeds = None if pixel_values is None else runtime.encode(pixel_values, image_grid_thw)
-    out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table)
-    tokens = [int(out.logits.argmax(-1))]
+def greedy(runtime: Any, first_token: int, next_position: int, prompt_len: int, block_table: Sequence[int],
+           max_new_tokens: int) -> list[int]:
+    """`max_new_tokens` greedy tokens of one sequence whose prompt's KV (`prompt_len` tokens) is in `block_table`:
+    `first_token` (prefill's), then decode steps of batch one at mrope positions `next_position + i`, each storing
+    its token's KV in the next slot of `block_table` (which must hold prompt + max_new_tokens - 1 tokens)."""
+    tokens = [first_token]
     for i in range(max_new_tokens - 1):
-        logits = runtime.decode([tokens[-1]], [out.next_position + i], [block_table], [out.prompt_len + i + 1])
+        logits = runtime.decode([tokens[-1]], [next_position + i], [block_table], [prompt_len + i + 1])
         tokens.append(int(logits[0].argmax(-1)))
     return tokens
+
+
+def generate(runtime: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+             image_grid_thw: torch.Tensor | None, max_new_tokens: int, block_table: Sequence[int]) -> list[int]:
+    """The monolithic use of one runtime: encode, prefill into `block_table`, then `greedy`; returns the
+    `max_new_tokens` tokens. `block_table` must hold prompt + max_new_tokens - 1 tokens."""
+    embeds = None if pixel_values is None else runtime.encode(pixel_values, image_grid_thw)
+    out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table)
+    return greedy(runtime, int(out.logits.argmax(-1)), out.next_position, out.prompt_len, block_table,
+                  max_new_tokens)
