@@ -9,11 +9,14 @@
    many were admitted and how many refused (and by whom), the refusals' latency, the admitted ones' latency
    against the deadline, the processes' peak RSS and the pools back at idle. Target: what cannot finish is
    refused within 0.5 s, what is admitted finishes within the deadline, memory stays bounded.
-3. ``big_prompt``: a 50 MB text prompt (one chat message of 50 million ASCII characters) sent to the proxy
+3. ``floor``: the same client's 1,000 concurrent requests (the same bodies and deadline header) against a server
+   that answers each with a 503 as soon as its headers are in (raw asyncio, no framework, no cluster): the refusal
+   latency this client on this host measures for a server that costs nothing, the floor under part 2's.
+4. ``big_prompt``: a 50 MB text prompt (one chat message of 50 million ASCII characters) sent to the proxy
    while 8 clients keep streaming ordinary chats: its status and latency, the others' outcomes, and whether the
    proxy found any backend stalled. Target: a 400 within 1 s, the others served, no replica stalled.
 
-    epd-lab bench overload [--json data/bench/overload.json] [--parts burst,deadline,big_prompt]
+    epd-lab bench overload [--json data/bench/overload.json] [--parts burst,deadline,floor,big_prompt]
 
 The figures are this host's (``machine`` in the JSON, with the CPU model); tests check the behaviour, not these
 speeds.
@@ -27,6 +30,9 @@ import os
 import time
 from typing import Any
 
+import subprocess
+import sys
+
 import aiohttp
 import httpx
 
@@ -37,7 +43,7 @@ from epd_lab.campaign.load import run_topology
 from epd_lab.launch import Cluster, Topology
 from epd_lab.serving import DEADLINE_HEADER
 
-PARTS = ("burst", "deadline", "big_prompt")
+PARTS = ("burst", "deadline", "floor", "big_prompt")
 BIG_PROMPT_CHARS = 50_000_000
 
 
@@ -118,10 +124,70 @@ def _deadline_result(n: int, outcomes: list[Outcome], prompts: Prompts, rows: li
             "refusal_latency_s": percentiles([o.latency_s for o in refused]),
             "refusals_past_0_5_s": len(slow_refusals), "refused_by": by_whom,
             "refusal_detail_example": refused[0].error if refused else None,
+            "errors": sorted({o.error[:200] for o in outcomes if o.kind in ("error", "timeout")})[:5],
             "peak_queue_length": queue, "peak_rss_mib": {k: round(v / 2**20, 1) for k, v in rss.items()},
             "idle_after_s": idle_s, "leaks_left": left,
             "target_met": not late and not slow_refusals and idle_s is not None
             and not any(o.kind in ("error", "timeout") for o in outcomes)}
+
+
+# A server that answers every request with a 503 once its head is in, and drops its body unparsed: nothing cheaper
+# can refuse. Kept-alive connections: a body is skipped by its content-length, then the next head is read.
+REFUSER = r"""
+import asyncio, socket
+BODY = b'{"error":{"message":"refused at once","type":"server_error","code":"overloaded"}}'
+ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+          % len(BODY) + BODY)
+
+class Refuser(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport, self.buf, self.skip = transport, b"", 0
+
+    def data_received(self, data):
+        self.buf += data
+        while True:
+            if self.skip:  # the body of a request answered already: dropped
+                n = min(self.skip, len(self.buf))
+                self.buf, self.skip = self.buf[n:], self.skip - n
+                if self.skip:
+                    return
+            head, sep, rest = self.buf.partition(b"\r\n\r\n")
+            if not sep:
+                return
+            self.transport.write(ANSWER)
+            length = [line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")]
+            self.buf, self.skip = rest, int(length[0]) if length else 0
+
+async def main():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4096)
+    print(sock.getsockname()[1], flush=True)
+    server = await asyncio.get_running_loop().create_server(Refuser, sock=sock)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+def floor(count: int = 1000, deadline_s: float = 10.0, bursts: int = 3) -> dict[str, Any]:
+    """`bursts` bursts of `count` requests, part 2's bodies and client, against `REFUSER`: their refusal latency."""
+    prompts = Prompts(1, count=32, image_size=224, max_tokens=8)
+    proc = subprocess.Popen([sys.executable, "-c", REFUSER], stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        runs = []
+        for _ in range(bursts):
+            outcomes = asyncio.run(_burst_with_deadline(url, prompts, count, deadline_s, 60.0))
+            runs.append({"counts": counts(outcomes),
+                         "refusal_latency_s": percentiles([o.latency_s for o in outcomes if o.kind == "refused"])})
+            time.sleep(1.0)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    return {"concurrency": count, "bursts": runs}
 
 
 async def _big_prompt(url: str, prompts: Prompts, others: int) -> tuple[dict[str, Any], list[Outcome]]:
@@ -187,6 +253,10 @@ def run(parts: tuple[str, ...] = PARTS, log: Any = print) -> dict[str, Any]:
         out["deadline"] = deadline()
         for result in out["deadline"]:
             log(f"  {json.dumps(result)}")
+    if "floor" in parts:
+        log("the same client's 1,000 requests against a server that refuses each at once")
+        out["floor"] = floor()
+        log(f"  {json.dumps(out['floor'])}")
     if "big_prompt" in parts:
         log("a 50 MB prompt while 8 clients chat")
         out["big_prompt"] = big_prompt()

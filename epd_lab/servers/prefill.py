@@ -99,6 +99,9 @@ class PrefillSettings:
     max_queued: int = option(1024, "requests waiting for a worker at most (a memory backstop): a request waits while "
                                    "its predicted wait fits its deadline (X-EPD-Deadline-Ms, else --timeout), and is "
                                    "refused with 503 at once when it does not (serving.admission)")
+    service_prior: float = option(0.1, "seconds a prefill is assumed to take with every worker busy until one is "
+                                       "measured: the admission's (and the proxy's) rate on a fresh server, "
+                                       "which served requests only one at a time if at all (serving.admission)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
@@ -111,7 +114,7 @@ class PrefillSettings:
         for name in ("kv_blocks", "block_size", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("timeout", "kv_free_timeout"):
+        for name in ("timeout", "kv_free_timeout", "service_prior"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -219,7 +222,8 @@ class PrefillServer:
             raise
         self.epd = EPDPrefill(self.receiver, self.model) if self.receiver is not None else None
         self.pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefill")
-        self.admission = Admission("prefill", settings.workers, settings.max_queued, settings.timeout)
+        self.admission = Admission("prefill", settings.workers, settings.max_queued, settings.timeout,
+                                   settings.service_prior)
 
     # ---- /v1/prefill ----
     def prefill(self, req: PrefillRequest, deadline: float | None = None) -> PrefillResponse:

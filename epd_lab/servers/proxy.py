@@ -98,6 +98,8 @@ from epd_lab.serving.body import SMALL_BODY_BYTES
 from epd_lab.trace import Recorder, Span
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
+DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
 QUANTILES = (0.5, 0.9, 0.99)
 T = TypeVar("T")
 
@@ -486,6 +488,24 @@ class Proxy:
         rate = sum(b.rate for b in known)
         return max(0, self.pending + 1 - workers) / rate, max(b.service_s for b in known)
 
+    def gate(self, scope: Any) -> ServingError | None:
+        """The admission of a completion request, run before routing (`epd_lab.serving.app.Gate`): its error
+        (503 overloaded, 400 for a malformed deadline), counted in ``refused_total``, or None to serve it. Only
+        the headers are read, so a refusal costs neither the body nor the framework."""
+        if scope["method"] != "POST" or scope["path"] not in COMPLETION_ROUTES:
+            return None
+        headers = {DEADLINE_HEADER.lower(): v.decode("latin-1") for k, v in scope["headers"]
+                   if k == DEADLINE_HEADER_BYTES}
+        try:
+            # the client's deadline, at most --timeout: no backend answer is awaited longer than that anyway
+            self._admit(min(deadline_budget(headers, self.settings.timeout), self.settings.timeout))
+        except Unavailable as exc:
+            self.refused[exc.code] += 1
+            return exc
+        except BadRequest as exc:
+            return exc
+        return None
+
     def _admit(self, budget: float) -> None:
         """Refuse (503, before the body is read) a request whose predicted wait and service at the prefills do
         not fit its deadline (less the time the proxy takes to read and parse a body, `intake_s`): the prefill
@@ -573,9 +593,8 @@ class Proxy:
 
     async def _complete(self, request: Request, kind: str) -> Response:
         t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
-        # the client's deadline, at most --timeout: no backend answer is awaited longer than that anyway
+        # admitted already (`gate`, before routing), at most --timeout like it
         budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
-        self._admit(budget)  # before the body is read: a refusal costs the proxy nothing more
         self.pending += 1
         try:
             body = await read_body(request)
@@ -838,7 +857,7 @@ async def _discard(decode: asyncio.Task) -> None:
 def create_app(settings: ProxySettings) -> FastAPI:
     """The proxy's app; its HTTP client to the backends lives for the app's lifespan. Errors, unknown routes
     included, are OpenAI error objects."""
-    app = role_app("proxy", lambda: Proxy(settings), ROUTES, error_body)
+    app = role_app("proxy", lambda: Proxy(settings), ROUTES, error_body, gate=Proxy.gate)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

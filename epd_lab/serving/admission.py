@@ -12,13 +12,18 @@ service times, not from a count: with `position` requests queued ahead, the newc
 
     predicted wait = (position + 1) / rate        (0 while a worker is free)
 
-``rate = workers / service`` (Little's law with every worker busy, which is when anyone waits), `service` the
-median of the last `SERVICE_WINDOW` admitted requests' times from admission to `leave`, measured under the load
-they ran in: contention is in it. A median, not a weighted mean: a cold first request (a process's first
-transfer calibrates its copy path, ~1 s) made the mean's starting point and refused most of the next burst.
-Before the first request finishes it is `prior_s`. Each completion rechecks the queue from its back: a waiter
-the prediction no longer fits (the service time rose: a burst's own intake, the proxy reading a thousand bodies,
-slows every role on a shared host) is refused then, not at its deadline.
+``rate = workers / loaded_service`` (Little's law with every worker busy, which is when anyone waits),
+`loaded_service` the median of the last `LOADED_WINDOW` times from admission to `leave` of requests that
+started with every worker busy: contention is in it. A request served alone says nothing about that (on a
+shared 2-vCPU host four prefills at once take ~3 times one alone), so those only feed `service` (the median of
+every request's time, the "its own service fits" check). Until `PRIOR_SAMPLES` loaded times are measured,
+`prior_s` fills the window in for the missing ones: a fresh cluster that served requests one at a time would otherwise predict several times the rate it has,
+admit a whole burst at the proxy, and refuse the excess only at the prefill, seconds later, after the proxy
+read every body. A median, not a weighted mean: a cold first request (a process's first transfer calibrates
+its copy path, ~1 s) made the mean's starting point and refused most of the next burst. Each completion
+rechecks the queue from its back: a waiter the prediction no longer fits (the service time rose: a burst's own
+intake, the proxy reading a thousand bodies, slows every role on a shared host) is refused then, not at its
+deadline.
 
 The judgment call: a service time measured one request at a time promises a burst more than it gets where
 the roles share a few cores (four workers are not four times one), and the median catches up only as the
@@ -54,6 +59,13 @@ __all__ = ["DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
 DEADLINE_HEADER = "X-EPD-Deadline-Ms"  # the milliseconds the sender will still wait for the whole answer
 EWMA_WEIGHT = 0.2  # weight of the newest sample in the proxy's weighted means (decode per token, intake)
 SERVICE_WINDOW = 32  # service times the median is taken over
+# loaded ones: a whole burst's, its intake (slow: the proxy reads the bodies on the same cores) and its tail alike;
+# the last 32 alone are a drained queue's, faster than the next burst's start will be
+LOADED_WINDOW = 256
+# the prior counts as this many samples until as many are measured: a burst's first ones run during its intake,
+# several times slower than the burst goes on, and alone they predicted a rate that refused most of a burst served
+# at 4 times it
+PRIOR_SAMPLES = 16
 REASONS = ("deadline", "queue_full", "expired")
 MAX_BUDGET_S = 86400.0  # a longer deadline is read as this one (a timer needs a finite time)
 
@@ -86,30 +98,36 @@ class Ticket:
     """One admitted request's slot: `leave` (idempotent) hands it to the next waiter and records the service
     time."""
 
-    __slots__ = ("_admission", "_started", "_left")
+    __slots__ = ("_admission", "_started", "_left", "_loaded")
 
     def __init__(self, admission: "Admission") -> None:
         self._admission, self._started, self._left = admission, time.monotonic(), False
+        self._loaded = admission.running >= admission.workers  # it started with every worker busy
 
     def leave(self) -> None:
         """The request is done (answered, failed, or its stream ended)."""
         if not self._left:
             self._left = True
-            self._admission._finished(time.monotonic() - self._started)
+            self._admission._finished(time.monotonic() - self._started, self._loaded)
 
 
 class Admission:
     """`workers` requests at once, a deadline-aware FIFO queue of at most `max_queued` behind them. `timeout`
-    is the deadline of a request that names none; `prior_s` the service time assumed until one is measured."""
+    is the deadline of a request that names none; `prior_s` the service time, with every worker busy, assumed
+    until one is measured (the module's docstring)."""
 
     def __init__(self, role: str, workers: int, max_queued: int, timeout: float, prior_s: float = 0.1) -> None:
         if workers < 1 or max_queued < 0 or not timeout > 0 or not prior_s >= 0:
             raise ValueError(f"admission needs workers >= 1, max_queued >= 0, timeout > 0, prior_s >= 0; got "
                              f"{workers}, {max_queued}, {timeout}, {prior_s}")
         self.role, self.workers, self.max_queued, self.timeout = role, workers, max_queued, timeout
-        self.service_s = prior_s
+        self.prior_s = prior_s
+        self.service_s = prior_s  # every request's (median)
+        self.loaded_service_s = prior_s  # with every worker busy (median): the rate's base
         self._recent: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
+        self._recent_loaded: collections.deque[float] = collections.deque(maxlen=LOADED_WINDOW)
         self.measured = 0  # service times measured
+        self.measured_loaded = 0  # of them, with every worker busy
         self.running = 0
         self._queue: collections.deque[_Waiter] = collections.deque()
         self.refused: collections.Counter[str] = collections.Counter({r: 0 for r in REASONS})
@@ -118,8 +136,8 @@ class Admission:
 
     @property
     def rate(self) -> float:
-        """Completions per second with every worker busy: ``workers / service``."""
-        return self.workers / self.service_s if self.service_s > 0 else math.inf
+        """Completions per second with every worker busy: ``workers / loaded_service``."""
+        return self.workers / self.loaded_service_s if self.loaded_service_s > 0 else math.inf
 
     @property
     def queued(self) -> int:
@@ -186,12 +204,18 @@ class Admission:
         self.waited_s += time.monotonic() - t0
         return Ticket(self)
 
-    def _finished(self, service_s: float | None) -> None:
-        """A slot is free: record its service time (None: a grant never used), then hand it to the next waiter."""
+    def _finished(self, service_s: float | None, loaded: bool = False) -> None:
+        """A slot is free: record its service time (None: a grant never used; `loaded`: it started with every
+        worker busy), then hand it to the next waiter."""
         if service_s is not None:
             self._recent.append(service_s)
             self.service_s = statistics.median(self._recent)
             self.measured += 1
+            if loaded:
+                self._recent_loaded.append(service_s)
+                prior = [self.prior_s] * max(0, PRIOR_SAMPLES - len(self._recent_loaded))
+                self.loaded_service_s = statistics.median([*self._recent_loaded, *prior])
+                self.measured_loaded += 1
         try:
             while self._queue:
                 waiter = self._queue.popleft()
@@ -226,7 +250,9 @@ class Admission:
     def stats(self) -> dict[str, Any]:
         """For ``/health``: workers, running, queued, the service time and predicted wait, refusals by reason."""
         return {"workers": self.workers, "running": self.running, "queued": len(self._queue),
-                "max_queued": self.max_queued, "service_s": round(self.service_s, 4), "rate_per_s": round(self.rate, 3),
+                "max_queued": self.max_queued, "service_s": round(self.service_s, 4),
+                "loaded_service_s": round(self.loaded_service_s, 4), "loaded_measured": self.measured_loaded > 0,
+                "rate_per_s": round(self.rate, 3),
                 "predicted_wait_s": round(self.predicted_wait(), 4), "refused": dict(self.refused)}
 
     def metric_families(self) -> list[Metric]:
@@ -240,6 +266,8 @@ class Admission:
             ("max_queued", "gauge", self.max_queued, "requests waiting at most (memory backstop)"),
             ("service_seconds", "gauge", round(self.service_s, 6),
              "time from admission to done (median of the last 32)"),
+            ("loaded_service_seconds", "gauge", round(self.loaded_service_s, 6),
+             "the same, of requests started with every worker busy (the prior until one is measured)"),
             ("rate_per_second", "gauge", round(self.rate, 6),
              "completions per second with every worker busy (workers / service): the prediction's base"),
             ("predicted_wait_seconds", "gauge", round(self.predicted_wait(), 6),
