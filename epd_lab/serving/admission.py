@@ -13,7 +13,7 @@ service times, not from a count: with `position` requests queued ahead, the newc
     predicted wait = (position + 1) / rate        (0 while a worker is free)
 
 ``rate = workers / loaded_service`` (Little's law with every worker busy, which is when anyone waits),
-`loaded_service` the median of the last `LOADED_WINDOW` times from admission to `leave` of requests that
+`loaded_service` the median of the last `SERVICE_WINDOW` times from admission to `leave` of requests that
 started with every worker busy: contention is in it. A request served alone says nothing about that (on a
 shared 2-vCPU host four prefills at once take ~3 times one alone), so those only feed `service` (the median of
 every request's time, the "its own service fits" check). Until `PRIOR_SAMPLES` loaded times are measured,
@@ -58,10 +58,8 @@ __all__ = ["DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
 
 DEADLINE_HEADER = "X-EPD-Deadline-Ms"  # the milliseconds the sender will still wait for the whole answer
 EWMA_WEIGHT = 0.2  # weight of the newest sample in the proxy's weighted means (decode per token, intake)
-SERVICE_WINDOW = 32  # service times the median is taken over
-# loaded ones: a whole burst's, its intake (slow: the proxy reads the bodies on the same cores) and its tail alike;
-# the last 32 alone are a drained queue's, faster than the next burst's start will be
-LOADED_WINDOW = 256
+SERVICE_WINDOW = 32  # service times the median is taken over (loaded ones too: a window of a whole burst, 256,
+# moved too slowly to guard the deadline; the prefill then admitted what finished late)
 # the prior counts as this many samples until as many are measured: a burst's first ones run during its intake,
 # several times slower than the burst goes on, and alone they predicted a rate that refused most of a burst served
 # at 4 times it
@@ -125,7 +123,7 @@ class Admission:
         self.service_s = prior_s  # every request's (median)
         self.loaded_service_s = prior_s  # with every worker busy (median): the rate's base
         self._recent: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
-        self._recent_loaded: collections.deque[float] = collections.deque(maxlen=LOADED_WINDOW)
+        self._recent_loaded: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
         self.measured = 0  # service times measured
         self.measured_loaded = 0  # of them, with every worker busy
         self.running = 0
