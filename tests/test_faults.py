@@ -59,6 +59,7 @@ def test_fault_cell(name, prompts):
     inflight = [r for r in result["requests"] if r["tag"] == "inflight"]
     during = [r for r in result["requests"] if r["tag"] == "during"]
     assert len(inflight) == 3 and during  # the fault met requests in flight and new ones
+    assert "proxy" in result["refusals"]  # the survivors' refusals by reason, reported beside the verdict
     failed = {k: v for k, v in verdicts.items() if not v["passed"]}
     assert not failed, f"{reproduce(cell, 0, TIMEOUT, 3, 2, TIMEOUT + 2)}\n{json.dumps(failed, indent=1)}"
 
