@@ -285,7 +285,7 @@ static int proc_stat(int pid, uint64_t *start, char *state) {
     buf[n] = 0;
     char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
     if (!p || sscanf(p + 2, "%c", state) != 1) return -1;
-    for (int field = 3; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    for (int field = 3; field <= 22 && p; field++) p = strchr(p + 1, ' '); /* from ')' to the space before 22 */
     if (!p || sscanf(p + 1, "%lu", start) != 1) return -1;
     return 1;
 }

@@ -140,8 +140,18 @@ def test_a_burst_far_past_its_deadline_is_refused_at_once_with_the_predicted_wai
         assert all(o.clear and "predicted wait" in o.error and "does not fit" in o.error for o in refused), \
             (len(served), sum("passed while" in o.error for o in refused), sorted({o.error[:100] for o in refused})[:3])
         assert all(o.latency_s < deadline_s for o in refused), max(o.latency_s for o in refused)
+        # judged from the headers, before routing: a deadline nothing fits is 503 with Retry-After, one that is not
+        # a number 400, each an OpenAI error object
+        for value, status in (("1", 503), ("soon", 400)):
+            r = httpx.post(proxy + "/v1/chat/completions", content=raws[0], timeout=HANG_GUARD_S,
+                           headers={"content-type": "application/json", DEADLINE_HEADER: value})
+            assert r.status_code == status, r.text
+            assert (status == 503) == ("retry-after" in r.headers), r.headers
+            error = r.json()["error"]
+            assert error["code"] == ("overloaded_deadline" if status == 503 else "invalid_request")
+            assert ("predicted wait" if status == 503 else DEADLINE_HEADER) in error["message"]
         metrics = httpx.get(proxy + "/metrics", timeout=10).text
-        assert metric(metrics, "epd_proxy_refused_total{") == len(refused)
+        assert metric(metrics, "epd_proxy_refused_total{") == len(refused) + 1
         assert metric(metrics, "epd_proxy_pending ") == 0
         prefill = httpx.get(cluster.prefill_urls[0] + "/metrics", timeout=10).text
         assert metric(prefill, "epd_prefill_admitted ") == 0 and metric(prefill, "epd_prefill_queue_length ") == 0

@@ -25,7 +25,7 @@ from epd_lab.serving.errors import ServingError, error_for_status
 from epd_lab.serving.metrics import CountRequests, Metric, metrics_text
 from epd_lab.serving.stack import http_info
 
-__all__ = ["RequireBearer", "Role", "json_response", "role_app"]
+__all__ = ["Gate", "RequireBearer", "Role", "error_response", "json_response", "role_app"]
 
 STATUS_ROUTES = ("/health", "/metrics", "/v1/spans", "/v1/clock")
 
@@ -102,10 +102,16 @@ class Gate:
         if exc is None:
             await self.app(scope, receive, send)
             return
-        response = json_response(self.error_body(exc), exc.status)
-        if getattr(exc, "retry_after", None) is not None:
-            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-        await response(scope, receive, send)
+        await error_response(exc, self.error_body)(scope, receive, send)
+
+
+def error_response(exc: ServingError, error_body: Callable[[ServingError], Any]) -> Any:
+    """`exc` answered: its status, the role's error body, and ``Retry-After`` (whole seconds, at least 1) when
+    it says when to retry."""
+    response = json_response(error_body(exc), exc.status)
+    if getattr(exc, "retry_after", None) is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return response
 
 
 def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
@@ -150,10 +156,7 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
 
     @app.exception_handler(ServingError)
     async def serving_error(request: Request, exc: ServingError) -> Any:
-        response = json_response(error_body(exc), exc.status)
-        if getattr(exc, "retry_after", None) is not None:
-            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-        return response
+        return error_response(exc, error_body)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Any:  # a bug: answered, and logged by uvicorn
