@@ -222,6 +222,10 @@ def test_a_shm_writer_killed_mid_write_leaves_no_pin(managed):
                              stdout=subprocess.PIPE, text=True)
         try:
             assert w.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 60
+            while not peer.stats()["writes_in"]:  # attached: its first shm peer may calibrate the copy first
+                assert time.monotonic() < deadline, "the writer never wrote"
+                time.sleep(0.01)
             for _ in range(40):  # a 256 MiB copy takes ~25-50 ms and the loop ~10 us: freeze until mid-copy
                 time.sleep(0.03)
                 freeze(w.pid)
@@ -236,8 +240,11 @@ def test_a_shm_writer_killed_mid_write_leaves_no_pin(managed):
             while open(f"/proc/{w.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
                 assert time.monotonic() < deadline, "the killed writer did not exit"
                 time.sleep(0.005)
-            s = peer.stats()  # the writer is a zombie: gone, though its pid is not reaped yet
-            assert (s["writes_in_flight"], s["pins_reaped"]) == (0, 1)
+            # a zombie, its pid not reaped yet: gone once its last thread has exited (its pidfd then polls readable)
+            while (s := peer.stats())["writes_in_flight"]:
+                assert time.monotonic() < deadline, "the dead writer's pin was never dropped"
+                time.sleep(0.01)
+            assert s["pins_reaped"] == 1
             peer.call("deregister", ptr=dst, timeout=10)  # would wait 2 x 2 s and fail with "stalled mid-write"
         finally:
             w.kill()
