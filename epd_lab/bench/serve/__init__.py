@@ -23,6 +23,7 @@ from epd_lab.bench.serve.datasets import DATASETS, image_dataset, jsonl_dataset,
 from epd_lab.bench.serve.metrics import METRICS, parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark
 from epd_lab.bench.serve.topologies import launch
+from epd_lab.servers.openai_api import MODEL_ID
 
 __all__ = ["ServeConfig", "benchmark", "load_requests", "main", "summary_lines"]
 
@@ -81,8 +82,9 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument("--device", default="cpu", help="the launched cluster's device")
     where.add_argument("--instant", action="store_true", help="against a server that answers at once (the "
                        "bench's own cost)")
-    where.add_argument("--model", default="epd-lab-tiny-qwen2-vl", help="the model field of each request "
-                       "(--launch: the model the cluster loads, tiny by default)")
+    where.add_argument("--model", default=MODEL_ID, help="the model field of each request")
+    where.add_argument("--launch-model", help="the model the launched cluster loads: tiny (default), a shape "
+                       "(qwen2-vl-2b) or a local directory")
     where.add_argument("--endpoint", default="/v1/chat/completions")
     load = ap.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=100)
@@ -132,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     with contextlib.ExitStack() as stack:
         if args.launch:
-            model = None if args.model == ServeConfig.model else args.model
-            cluster = stack.enter_context(launch(args.launch, backend=args.backend, device=args.device, model=model,
+            cluster = stack.enter_context(launch(args.launch, backend=args.backend, device=args.device,
+                                                 model=args.launch_model,
                                                  media_url=args.media == "url"))
             config.base_url = cluster.proxy_url
         elif args.instant:

@@ -23,6 +23,7 @@ from epd_lab.bench.serve.client import MEDIA_MODES, chat_body, send_chat
 from epd_lab.bench.serve.datasets import SampleRequest
 from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.bench.serve.metrics import METRICS, RequestOutput, calculate_metrics
+from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.trace import bare_request_id, collect, summarize_critical_paths
 
 
@@ -45,7 +46,7 @@ class ServeConfig:
     """
 
     base_url: str
-    model: str = "epd-lab-tiny-qwen2-vl"
+    model: str = MODEL_ID
     endpoint: str = "/v1/chat/completions"
     request_rate: float = math.inf
     burstiness: float = 1.0
