@@ -99,3 +99,12 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float, slos: d
                    f"std_{name}_ms": float(ms.std())}
         result |= {percentile_key(name, q): float(np.percentile(ms, q)) for q in percentiles}
     return result
+
+
+def outputs_from_result(result: dict) -> list[RequestOutput]:
+    """The per-request outputs back from a saved result's lists (vLLM's ``ttfts``, ``itls``, ``latencies``,
+    ``output_lens``, ``input_lens``, ``errors``): enough to compute every metric again, e.g. for other SLOs."""
+    return [RequestOutput(success=not error, error=error or "", prompt_len=p, output_tokens=n, ttft=ttft, itl=itl,
+                          latency=latency)
+            for ttft, itl, latency, n, p, error in zip(result["ttfts"], result["itls"], result["latencies"],
+                                                       result["output_lens"], result["input_lens"], result["errors"])]
