@@ -72,7 +72,7 @@ def percentile_key(metric: str, q: float) -> str:
 def is_good(out: RequestOutput, slos: dict[str, float]) -> bool:
     """Whether a finished request met every SLO (ms) in `slos`."""
     values = {"ttft": out.ttft, "tpot": out.tpot, "e2el": out.latency}
-    return all(values[name] * 1e3 <= bound for name, bound in slos.items())
+    return all(values[name] <= bound / 1e3 for name, bound in slos.items())  # in seconds, as vLLM compares
 
 
 def calculate_metrics(outputs: Sequence[RequestOutput], duration: float, slos: dict[str, float] | None = None,
