@@ -268,5 +268,8 @@ def test_the_monolithic_floor_answers_as_the_split_does(requests, epd_answers):
 
 def test_encoders_refuse_the_bench_urls_unless_their_policy_allows_loopback(requests):
     with launch("1e1p1d", media_url=False) as cluster:
-        result = benchmark(requests[:1], ServeConfig(cluster.proxy_url, media="url", progress=False))
-    assert result["completed"] == 0 and "public addresses only" in result["errors"][0]
+        config = ServeConfig(cluster.proxy_url, media="url", progress=False)
+        result = benchmark(requests[:1], config, warmup=False)
+        assert result["completed"] == 0 and "public addresses only" in result["errors"][0]
+        with pytest.raises(RuntimeError, match="warm-up request failed.*public addresses only"):
+            benchmark(requests[:1], config)

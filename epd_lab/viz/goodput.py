@@ -4,6 +4,7 @@
   the SLOs asked (the JSONs keep every request's TTFT, ITLs and E2EL, so any SLO can be applied afterwards).
 - `goodput_figure`: goodput (solid) and throughput (dotted) against the offered rate, one colour per topology;
   the dashed diagonal is goodput = rate (every request served within its SLOs).
+- `goodput_gain`: each split topology's goodput over the monolithic floor's at the same rate.
 - `pareto_front` / `pareto_figure`: each point a rate's (TTFT, TPOT) at a statistic (p50, p99); per topology the
   points no other point of it beats on both, joined as a step line.
 """
@@ -23,16 +24,20 @@ _COLORS = {"monolithic": "#444444", "1e1p1d": "#1F77B4", "2e1p1d": "#FF7F0E", "1
 
 def load_rates(out: str | Path, slos: dict[str, float] | None = None, label: str | None = None) -> pd.DataFrame:
     """One row per (topology, rate) of the sweep in `out`, with ``request_goodput`` for `slos` (ms; none: the
-    sweep's own) and p50/p99 TTFT, TPOT and E2EL; ``run`` is `label` (default: the folder's name)."""
+    sweep's own) and p50/p99 TTFT, TPOT and E2EL; ``run`` is `label` (default: the folder's name), ``images`` and
+    ``resolution`` what its ``sweep.json`` says each request carried."""
     out = Path(out)
     points = pd.read_csv(out / "rates.csv")
+    meta = json.loads((out / "sweep.json").read_text())
     rows = []
     for point in points.to_dict("records"):
         result = json.loads((out / point["topology"] / f"rate={point['request_rate']:g}.json").read_text())
         wanted = slos if slos is not None else (result.get("goodput") or {})
         m = calculate_metrics(outputs_from_result(result), result["duration"], wanted, ("ttft", "tpot", "e2el"),
                               (50, 99))
-        rows.append({"run": label or out.name, "topology": point["topology"], "request_rate": point["request_rate"],
+        rows.append({"run": label or out.name, "images": meta.get("image_count"),
+                     "resolution": meta.get("image_resolution"), "topology": point["topology"],
+                     "request_rate": point["request_rate"],
                      "completed": m["completed"], "failed": m["failed"],
                      "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"],
                      **{k: m[k] for k in m if k.startswith(("p50_", "p99_"))}})
@@ -94,3 +99,14 @@ def pareto_figure(table: pd.DataFrame, stat: str = "p50") -> go.Figure:
     fig.update_layout(title=f"TTFT / TPOT ({stat}) per topology; labels: offered req/s", xaxis_title=f"TTFT {stat} (ms)",
                       yaxis_title=f"TPOT {stat} (ms)", xaxis_type="log", legend_title="topology")
     return fig
+
+
+def goodput_gain(table: pd.DataFrame, floor: str = "monolithic") -> pd.DataFrame:
+    """Per run, rate and split topology: its goodput, the floor's at the same rate, and their ratio (above 1: moving
+    the encoder out raised goodput there; NaN where the floor's goodput is 0)."""
+    base = table[table["topology"] == floor].set_index(["run", "request_rate"])["request_goodput"]
+    split = table[table["topology"] != floor]
+    gain = split[["run", "images", "resolution", "request_rate", "topology", "request_goodput"]].copy()
+    gain["floor_goodput"] = [base.get((r, q), float("nan")) for r, q in zip(split["run"], split["request_rate"])]
+    gain["ratio"] = gain["request_goodput"] / gain["floor_goodput"].where(gain["floor_goodput"] > 0)
+    return gain.reset_index(drop=True)

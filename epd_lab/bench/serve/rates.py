@@ -39,19 +39,24 @@ def point_row(name: str, rate: float, result: dict) -> dict:
 
 def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests: Callable[[int], list],
                config: ServeConfig, out: str | Path, launch_options: dict | None = None,
-               log: Callable[[str], None] = print) -> pd.DataFrame:
+               settings: dict | None = None, log: Callable[[str], None] = print) -> pd.DataFrame:
     """Run every rate on every topology (see the module docstring); returns the rows of ``rates.csv``.
-    `make_requests(seed)` gives one rate's requests."""
+    `make_requests(seed)` gives one rate's requests; `settings` (what they are: image count, resolution, ...) go
+    to ``sweep.json`` with the topologies, rates and SLOs."""
     out = Path(out)
     options = launch_options or {}
     for name in topologies:
         topology(name, **options)  # an unknown name fails before any cluster starts
     out.mkdir(parents=True, exist_ok=True)
+    meta = {**(settings or {}), "topologies": list(topologies), "rates": sorted(rates), "goodput": config.slos,
+            "media": config.media, "burstiness": config.burstiness}
+    (out / "sweep.json").write_text(json.dumps(meta, indent=1) + "\n")
     rows = []
     for name in topologies:
         with launch(name, **options) as cluster:
             base = replace(config, base_url=cluster.proxy_url, progress=False)
-            benchmark(make_requests(10_000), replace(base, request_rate=math.inf), server_spans=False)  # warm-up
+            # warm-up: a burst, so that every process has served concurrent requests before the first rate
+            benchmark(make_requests(10_000), replace(base, request_rate=math.inf), server_spans=False, warmup=False)
             for i, rate in enumerate(sorted(rates)):
                 result = benchmark(make_requests(i), replace(base, request_rate=rate))
                 path = out / name / f"rate={rate:g}.json"
@@ -101,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     topologies = args.topologies.split(",")
     options = {"backend": args.backend, "device": args.device, "model": args.launch_model,
                "media_url": args.media == "url"}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"rates": rates, "topologies": topologies}
-    (Path(args.out) / "sweep.json").write_text(json.dumps(settings, indent=1) + "\n")
-    rate_sweep(topologies, rates, make_requests, config, args.out, options)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "topologies", "goodput")}
+    rate_sweep(topologies, rates, make_requests, config, args.out, options, settings)
     return 0
