@@ -9,12 +9,14 @@ left against its schedule) and, where the endpoint is an epd_lab server, its own
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import io
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -27,6 +29,8 @@ from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.bench.serve.metrics import METRICS, RequestOutput, calculate_metrics
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.trace import bare_request_id, collect, summarize_critical_paths
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -161,7 +165,7 @@ def benchmark(requests: Sequence[SampleRequest], config: ServeConfig, server_spa
                         urls[id(item)] = media.add(item)
             url_of = lambda raw: urls[id(raw)]  # noqa: E731 - the lookup the body builder calls
         cpu0 = time.process_time()
-        outputs, duration = asyncio.run(_run(requests, config, url_of, offsets))
+        outputs, duration = _run_to_end(_run(requests, config, url_of, offsets))
         cpu = time.process_time() - cpu0
     result = calculate_metrics(outputs, duration, config.slos, config.percentile_metrics, config.metric_percentiles)
     result |= _vllm_fields(outputs, duration, config)
@@ -178,6 +182,17 @@ def benchmark(requests: Sequence[SampleRequest], config: ServeConfig, server_spa
         "server": server_report(config.base_url, [o.response_id for o in ok]) if server_spans and ok else None,
     }
     return result
+
+
+def _run_to_end(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on an event loop of its own: in this thread, or in another one where this thread already runs a
+    loop (a notebook's kernel)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-serve") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def _fresh(req: SampleRequest) -> SampleRequest:
