@@ -7,7 +7,8 @@ Each topology's cluster starts once (`topologies.launch`), answers warm-up reque
 every rate in turn, lowest first. Each rate's requests come from a seed of their own, and every image is distinct, so
 no request hits an encoder's embedding cache; every topology gets the same requests at a rate. Every point's result
 (`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate=<r>.json``; ``OUT/rates.csv`` has a row per point
-(`point_row`) and ``OUT/sweep.json`` the settings. The per-request lists in each JSON let goodput be recomputed for
+(`point_row`) and ``OUT/sweep.json`` the settings. A later call into the same folder replaces the rows of the
+topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in each JSON let goodput be recomputed for
 any other SLOs afterwards (`epd_lab.viz.goodput`).
 """
 from __future__ import annotations
@@ -50,6 +51,9 @@ def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests:
     out.mkdir(parents=True, exist_ok=True)
     meta = {**(settings or {}), "topologies": list(topologies), "rates": sorted(rates), "goodput": config.slos,
             "media": config.media, "burstiness": config.burstiness}
+    if (out / "sweep.json").exists():  # the topologies of earlier calls into the same folder, in order
+        earlier = json.loads((out / "sweep.json").read_text()).get("topologies", [])
+        meta["topologies"] = [*earlier, *(t for t in topologies if t not in earlier)]
     (out / "sweep.json").write_text(json.dumps(meta, indent=1) + "\n")
     rows = []
     for name in topologies:
@@ -68,6 +72,9 @@ def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests:
                     f"goodput {r['request_goodput'] if r['request_goodput'] is None else round(r['request_goodput'], 2)}"
                     f", TTFT p50 {r['median_ttft_ms']:.1f} ms, TPOT p50 {r['median_tpot_ms']:.2f} ms")
     table = pd.DataFrame(rows)
+    if (out / "rates.csv").exists():  # an earlier call's other topologies stay (one call per topology fits a budget)
+        earlier = pd.read_csv(out / "rates.csv")
+        table = pd.concat([earlier[~earlier["topology"].isin(topologies)], table], ignore_index=True)
     table.to_csv(out / "rates.csv", index=False)
     return table
 
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="mooncake")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--launch-model", default=None)
+    ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of each prefill, decode or floor")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     topologies = args.topologies.split(",")
     options = {"backend": args.backend, "device": args.device, "model": args.launch_model,
-               "media_url": args.media == "url"}
+               "media_url": args.media == "url", "kv_blocks": args.kv_blocks}
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "topologies", "goodput")}
     rate_sweep(topologies, rates, make_requests, config, args.out, options, settings)
     return 0
