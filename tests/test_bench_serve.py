@@ -273,3 +273,22 @@ def test_encoders_refuse_the_bench_urls_unless_their_policy_allows_loopback(requ
         assert result["completed"] == 0 and "public addresses only" in result["errors"][0]
         with pytest.raises(RuntimeError, match="warm-up request failed.*public addresses only"):
             benchmark(requests[:1], config)
+
+
+def test_the_command_line_writes_its_result(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", "--instant", "--num-prompts", "6",
+                          "--request-rate", "50", "--dataset-name", "random-mm", "--random-mm-base-items-per-request",
+                          "2", "--random-mm-bucket-config", "{(64, 96, 1): 1.0}", "--random-output-len", "4",
+                          "--goodput", "ttft:5000", "--metric-percentiles", "50,99", "--save-result", "--result-dir",
+                          str(tmp_path), "--result-filename", "r.json", "--disable-tqdm"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Request goodput (req/s):" in out.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 6 and result["epd_lab"]["images"] == 12 and "p50_ttft_ms" in result
+    refused = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", "--num-prompts", "1"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "exactly one of --base-url, --launch, --instant" in refused.stderr

@@ -136,8 +136,12 @@ class MonolithicServer:
         if job.max_tokens == 1:
             emit(DONE)
             self.blocks.free(table)
-        else:
+            return gen
+        try:
             self.scheduler.add(gen)
+        except RuntimeError as exc:  # the scheduler is closing: the server shuts down
+            self.blocks.free(table)
+            emit(exc)
         return gen
 
     def health(self) -> dict:

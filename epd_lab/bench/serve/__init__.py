@@ -5,7 +5,7 @@
     epd-lab bench serve --launch 1e1p1d --media url ...     # an epd_lab cluster of its own, images by URL
 
 Flags shared with `vllm bench serve` have its names and meanings, and so do the result JSON's shared keys
-(`metrics`). The modules: `arrivals` (the open-loop schedule), `datasets` (random-mm, image, jsonl), `client` (one
+(`metrics`); as vLLM, ``OPENAI_API_KEY`` in the environment is sent as the bearer token. The modules: `arrivals` (the open-loop schedule), `datasets` (random-mm, image, jsonl), `client` (one
 streamed request, timed), `media_server` (images by URL), `metrics`, `run` (the loop and the report), `instant` (a
 server that answers at once, for the bench's own cost), `topologies` (the clusters ``--launch`` starts).
 """
@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.burstiness, args.max_concurrency, args.media, parse_goodput(args.goodput),
                              tuple(args.percentile_metrics.split(",")),
                              tuple(float(q) for q in args.metric_percentiles.split(",")), args.seed,
-                             not args.disable_tqdm)
+                             not args.disable_tqdm, os.environ.get("OPENAI_API_KEY"))
     except ValueError as exc:
         ap.error(str(exc))
     with contextlib.ExitStack() as stack:
