@@ -84,8 +84,9 @@ class Topology:
     proxy: bool = option(False, "start the OpenAI-compatible proxy in front of the prefills and decodes")
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
                                     "prefill answered, which gave the lower TTFT on 2 vCPUs (README, bench e2e)")
-    monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor E→P→D "
-                                     "is measured against (`cluster.proxy_url`); no encoder, prefill, decode or proxy")
+    monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor "
+                                     "E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, decode or "
+                                     "proxy")
     kv_blocks: int = option(512, "KV-cache blocks per prefill and decode server")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
     media_roots: tuple[str, ...] = option((tempfile.gettempdir(),), "folders whose files the encoders serve as "

@@ -145,16 +145,20 @@ class MonolithicServer:
         return gen
 
     def health(self) -> dict:
+        """``/health``: the model, the free KV blocks, the requests generating and those served."""
         return {"status": "ok", "role": "monolithic", "model": self.settings.model or "tiny-qwen2-vl",
-                "device": str(self.device), "runtime": self.settings.runtime, "free_blocks": self.blocks.num_free_blocks,
+                "device": str(self.device), "runtime": self.settings.runtime,
+                "free_blocks": self.blocks.num_free_blocks,
                 "active_requests": self.scheduler.num_active, "served": self.served}
 
     def metric_families(self) -> list[Metric]:
+        """``/metrics``: the free KV blocks and the requests generating."""
         h = self.health()
         return [Metric.of("kv_blocks_free", "gauge", "KV blocks free", h["free_blocks"]),
                 Metric.of("active_requests", "gauge", "requests generating", h["active_requests"])]
 
     def close(self) -> None:
+        """Stop the prefill thread and the scheduler (failing what it holds), then the runtime and the cache."""
         self.prefills.shutdown(wait=True, cancel_futures=True)
         self.scheduler.close()
         self.runtime.close()

@@ -88,7 +88,8 @@ def pareto_figure(table: pd.DataFrame, stat: str = "p50") -> go.Figure:
     fig = go.Figure()
     for topology, rows in table.groupby("topology", sort=False):
         color = _color(topology)
-        fig.add_trace(go.Scatter(x=rows[x], y=rows[y], mode="markers+text", text=[f"{r:g}" for r in rows["request_rate"]],
+        fig.add_trace(go.Scatter(x=rows[x], y=rows[y], mode="markers+text",
+                                 text=[f"{r:g}" for r in rows["request_rate"]],
                                  textposition="top center", name=topology, legendgroup=topology,
                                  marker=dict(color=color, size=9),
                                  hovertemplate=f"<b>{topology}</b> rate %{{text}} req/s<br>TTFT {stat} %{{x:.1f}} ms"
@@ -96,7 +97,8 @@ def pareto_figure(table: pd.DataFrame, stat: str = "p50") -> go.Figure:
         front = pareto_front(rows, x, y)
         fig.add_trace(go.Scatter(x=front[x], y=front[y], mode="lines", line=dict(color=color, shape="hv"),
                                  legendgroup=topology, showlegend=False, hoverinfo="skip"))
-    fig.update_layout(title=f"TTFT / TPOT ({stat}) per topology; labels: offered req/s", xaxis_title=f"TTFT {stat} (ms)",
+    fig.update_layout(title=f"TTFT / TPOT ({stat}) per topology; labels: offered req/s",
+                      xaxis_title=f"TTFT {stat} (ms)",
                       yaxis_title=f"TPOT {stat} (ms)", xaxis_type="log", legend_title="topology")
     return fig
 

@@ -5,7 +5,8 @@
     epd-lab bench serve --launch 1e1p1d --media url ...     # an epd_lab cluster of its own, images by URL
 
 Flags shared with `vllm bench serve` have its names and meanings, and so do the result JSON's shared keys
-(`metrics`); as vLLM, ``OPENAI_API_KEY`` in the environment is sent as the bearer token. The modules: `arrivals` (the open-loop schedule), `datasets` (random-mm, image, jsonl), `client` (one
+(`metrics`); as vLLM, ``OPENAI_API_KEY`` in the environment is sent as the bearer token. The modules: `arrivals`
+(the open-loop schedule), `datasets` (random-mm, image, jsonl), `client` (one
 streamed request, timed), `media_server` (images by URL), `metrics`, `run` (the loop and the report), `instant` (a
 server that answers at once, for the bench's own cost), `topologies` (the clusters ``--launch`` starts).
 """
@@ -20,7 +21,8 @@ import time
 from pathlib import Path
 
 from epd_lab.bench.serve.client import MEDIA_MODES
-from epd_lab.bench.serve.datasets import DATASETS, image_dataset, jsonl_dataset, parse_buckets, random_mm
+from epd_lab.bench.serve.datasets import (DATASETS, SampleRequest, image_dataset, jsonl_dataset, parse_buckets,
+                                          random_mm)
 from epd_lab.bench.serve.metrics import METRICS, parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark
 from epd_lab.bench.serve.topologies import launch
@@ -29,7 +31,7 @@ from epd_lab.servers.openai_api import MODEL_ID
 __all__ = ["ServeConfig", "benchmark", "load_requests", "main", "summary_lines"]
 
 
-def load_requests(args: argparse.Namespace) -> list:
+def load_requests(args: argparse.Namespace) -> list[SampleRequest]:
     """The dataset the arguments name, as `SampleRequest`s."""
     if args.dataset_name == "random-mm":
         return random_mm(args.num_prompts, args.seed, args.random_input_len, args.random_output_len,
@@ -74,6 +76,7 @@ def _rate(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line's options, grouped: where to send, the load, the dataset, the report."""
     ap = argparse.ArgumentParser(prog="epd-lab bench serve", description=__doc__.splitlines()[0])
     where = ap.add_argument_group("where")
     where.add_argument("--base-url", help="the server's root, e.g. http://127.0.0.1:8000 (or --launch)")

@@ -8,7 +8,8 @@ every rate in turn, lowest first. Each rate's requests come from a seed of their
 no request hits an encoder's embedding cache; every topology gets the same requests at a rate. Every point's result
 (`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate=<r>.json``; ``OUT/rates.csv`` has a row per point
 (`point_row`) and ``OUT/sweep.json`` the settings. A later call into the same folder replaces the rows of the
-topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in each JSON let goodput be recomputed for
+topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in
+each JSON let goodput be recomputed for
 any other SLOs afterwards (`epd_lab.viz.goodput`).
 """
 from __future__ import annotations
@@ -68,9 +69,9 @@ def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests:
                 path.write_text(json.dumps(result, default=float) + "\n")
                 rows.append(point_row(name, rate, result))
                 r = rows[-1]
+                goodput = r["request_goodput"] if r["request_goodput"] is None else round(r["request_goodput"], 2)
                 log(f"  {name:12s} rate {rate:6g}: {r['completed']} done, {r['request_throughput']:.2f} req/s, "
-                    f"goodput {r['request_goodput'] if r['request_goodput'] is None else round(r['request_goodput'], 2)}"
-                    f", TTFT p50 {r['median_ttft_ms']:.1f} ms, TPOT p50 {r['median_tpot_ms']:.2f} ms")
+                    f"goodput {goodput}, TTFT p50 {r['median_ttft_ms']:.1f} ms, TPOT p50 {r['median_tpot_ms']:.2f} ms")
     table = pd.DataFrame(rows)
     if (out / "rates.csv").exists():  # an earlier call's other topologies stay (one call per topology fits a budget)
         earlier = pd.read_csv(out / "rates.csv")
