@@ -12,12 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="benchmarks", add_help=False)
     bench.add_argument("what", choices=["transfer", "epd", "e2e", "trace", "vit", "http", "runtime",
-                                        "overload"])
+                                        "overload", "serve"])
     sub.add_parser("encoder", help="an encode server (FastAPI): /encode, /send, /scheduler_receive_url", add_help=False)
     sub.add_parser("launch", help="start a topology on loopback and keep it up until Ctrl-C", add_help=False)
     sub.add_parser("prefill-server", help="a prefill server: E→P, then KV for decode", add_help=False)
     sub.add_parser("decode-server", help="a decode server: pulls KV, generates, streams", add_help=False)
     sub.add_parser("proxy", help="the OpenAI-compatible proxy in front of prefills and decodes", add_help=False)
+    sub.add_parser("monolithic", help="the whole model in one process behind OpenAI's chat API (the floor)",
+                   add_help=False)
     sub.add_parser("sweep", help="run a papermill notebook over a parameter grid, collect sweep.csv", add_help=False)
     sub.add_parser("demo", help="transfer engine, E→P, E→P→D on loopback; ends with an HTML report", add_help=False)
     sub.add_parser("campaign", help="reliability campaign: load, soak, faults or fuzz, with a JSON + HTML report",
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         from epd_lab import sweep
 
         return sweep.main(rest)
-    if args.cmd in ("encoder", "prefill-server", "decode-server", "proxy"):
+    if args.cmd in ("encoder", "prefill-server", "decode-server", "proxy", "monolithic"):
         import importlib
 
         module = importlib.import_module(f"epd_lab.servers.{args.cmd.removesuffix('-server')}")

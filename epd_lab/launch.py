@@ -34,6 +34,7 @@ from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.servers.decode import DecodeSettings
+from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
@@ -56,6 +57,8 @@ ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
     "decode": ("epd_lab.servers.decode", DecodeSettings,
                ("model", "device", "dtype", "runtime", "timeout", "transport", "kv_blocks")),
     "proxy": ("epd_lab.servers.proxy", ProxySettings, ("timeout", "pipelined")),
+    "monolithic": ("epd_lab.servers.monolithic", MonolithicSettings,
+                   ("model", "device", "dtype", "runtime", "timeout", "kv_blocks", "media_roots")),
 }
 
 
@@ -81,6 +84,9 @@ class Topology:
     proxy: bool = option(False, "start the OpenAI-compatible proxy in front of the prefills and decodes")
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
                                     "prefill answered, which gave the lower TTFT on 2 vCPUs (README, bench e2e)")
+    monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor "
+                                     "E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, decode or "
+                                     "proxy")
     kv_blocks: int = option(512, "KV-cache blocks per prefill and decode server")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
     media_roots: tuple[str, ...] = option((tempfile.gettempdir(),), "folders whose files the encoders serve as "
@@ -107,6 +113,8 @@ class Topology:
             security.check_secret(self.secret)
         if self.prefills < 0 or self.decodes < 0:
             raise ValueError("prefills and decodes must be >= 0")
+        if self.monolithic and (self.prefills or self.decodes or self.proxy):
+            raise ValueError("a monolithic topology starts one process: no prefills, decodes or proxy")
         if self.proxy and not (self.prefills and self.decodes):
             raise ValueError("the proxy needs at least one prefill and one decode server")
         for role, values in self.settings.items():
@@ -141,6 +149,10 @@ class Cluster:
         self.proxy_url: str | None = None
         _LIVE.add(self)
         try:
+            if topology.monolithic:
+                self.proxy_url = self._start("monolithic", "monolithic")
+                self._wait_healthy(self.proxy_url)
+                return
             for i in range(topology.encoders):
                 self.encoder_urls.append(self._start(f"encoder{i}", "encoder"))
             for i in range(topology.prefills):

@@ -255,7 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     """``epd-lab sweep NOTEBOOK --grid key=v1,v2 ... --out DIR [--param key=value ...] [--timeout S]``."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="epd-lab sweep", description=__doc__.splitlines()[0])
+    if argv and argv[0] == "rates":  # `epd-lab sweep rates`: bench serve over request rates and topologies
+        from epd_lab.bench.serve.rates import main as rates
+
+        return rates(argv[1:])
+    ap = argparse.ArgumentParser(prog="epd-lab sweep", description=__doc__.splitlines()[0],
+                                 epilog="epd-lab sweep rates --help: bench serve over request rates and topologies")
     ap.add_argument("notebook", help="a notebook with a cell tagged 'parameters' and an out_dir parameter")
     ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to sweep (repeatable)")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a fixed parameter (repeatable)")

@@ -8,6 +8,10 @@
 #     2b        ... --model qwen2-vl-2b, the grid $SIZES x $IMAGES, --kv-tokens 4096 ($BACKENDS_2B, default all)
 #     7b        ... --model qwen2-vl-7b, the same grid ($BACKENDS_7B, default mooncake)
 #     notebook  notebooks/08_gpu.ipynb through papermill with -p device cuda (skipped where papermill is absent)
+#     rates     epd-lab sweep rates --device cuda --launch-model $RATES_MODEL (default qwen2-vl-2b): goodput against
+#               request rate for $RATES_TOPOLOGIES (default monolithic,1e1p1d,2e1p1d; one per call fits the budget) at
+#               $RATES (req/s), $RATES_PROMPTS requests each, $RATES_IMAGES x $RATES_RESOLUTION, into
+#               $OUT/goodput-h200-<model>-<images>x<side>/ (a later call adds its topologies to the same folder)
 #     runtime   epd-lab bench runtime --device cuda --models $RT_MODELS (default qwen2-vl-2b,qwen2-vl-7b): the model
 #               runtimes in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)
 #
@@ -75,6 +79,18 @@ for stage in "$@"; do
                 ${BACKENDS_2B:+--backends "$BACKENDS_2B"} ;;
         7b) bench qwen2-vl-7b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 \
                 --backends "${BACKENDS_7B:-mooncake}" ;;
+        rates)
+            # the folder is named by the image's height: 448x448 -> goodput-h200-qwen2-vl-2b-4x448
+            dir="$OUT/goodput-h200-${RATES_MODEL:=qwen2-vl-2b}-${RATES_IMAGES:=4}x${RATES_RESOLUTION:=448x448}"
+            dir=${dir%x*}
+            say "sweep rates --launch-model $RATES_MODEL --topologies ${RATES_TOPOLOGIES:=monolithic,1e1p1d,2e1p1d}"
+            # shellcheck disable=SC2086  # RATES_SLOS is a list of arguments
+            timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli sweep rates --device cuda --launch-model "$RATES_MODEL" \
+                --topologies "$RATES_TOPOLOGIES" --rates "${RATES:-2,4,8,16,32}" --num-prompts "${RATES_PROMPTS:-48}" \
+                --image-count "$RATES_IMAGES" --image-resolution "$RATES_RESOLUTION" --kv-blocks 4096 \
+                --goodput ${RATES_SLOS:-ttft:300 tpot:30} --out "$dir" 2>&1 | stamp
+            say "rates: exit ${PIPESTATUS[0]}"
+            ;;
         runtime)
             say "bench runtime --models ${RT_MODELS:=qwen2-vl-2b,qwen2-vl-7b}"
             timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench runtime --device cuda --models "$RT_MODELS" \
@@ -92,7 +108,7 @@ for stage in "$@"; do
                 say "notebook skipped: papermill, plotly or ipykernel is not installed here"
             fi
             ;;
-        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, runtime, notebook)"; exit 2 ;;
+        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, rates, runtime, notebook)"; exit 2 ;;
     esac
 done
 say "done"

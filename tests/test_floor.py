@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.launch import ROLES, Cluster, Topology
 from epd_lab.servers.decode import DecodeSettings
+from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings, create_app as proxy_app
@@ -42,6 +43,7 @@ NON_DEFAULT = [
     ProxySettings(prefills=("http://127.0.0.1:3",), decodes=("http://127.0.0.1:4", "http://127.0.0.1:5"),
                   policy="least_loaded", retry_after=0.5, model="m", pipelined=True),
     Topology(encoders=3, backend="zmq_to_scheduler", prefills=1, decodes=2, proxy=True, trace=False),
+    MonolithicSettings(kv_blocks=32, block_size=8, max_batch=2, media_roots=("/tmp",), media_private_hosts=True),
 ]
 
 
@@ -215,7 +217,7 @@ def test_every_role_serves_its_openapi_schema(role) -> None:
     assert {"/health", "/metrics", "/v1/spans", "/v1/clock"} <= set(r.json()["paths"])
 
 
-@pytest.mark.parametrize("command", ["encoder", "prefill-server", "decode-server", "proxy", "launch"])
+@pytest.mark.parametrize("command", ["encoder", "prefill-server", "decode-server", "proxy", "monolithic", "launch"])
 def test_every_role_has_its_command_line(command, capsys) -> None:
     """``epd-lab <role> --help`` reaches the role's settings parser (the CLI imports the right module)."""
     from epd_lab import cli

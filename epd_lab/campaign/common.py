@@ -58,11 +58,12 @@ class Outcome:
         return asdict(self)
 
 
-def random_png(seed: int | tuple[int, ...], size: int, compress_level: int = 6) -> bytes:
-    """A random RGB image of `size`² as PNG bytes (distinct per seed). Noise does not compress: level 0 stores it
-    and spares both ends a deflate that gains nothing."""
+def random_png(seed: int | tuple[int, ...], size: int | tuple[int, int], compress_level: int = 6) -> bytes:
+    """A random RGB image of `size`² (or `size` = (height, width)) as PNG bytes (distinct per seed). Noise does not
+    compress: level 0 stores it and spares both ends a deflate that gains nothing."""
     buf = io.BytesIO()
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    height, width = (size, size) if isinstance(size, int) else size
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(buf, "PNG", compress_level=compress_level)
     return buf.getvalue()
 

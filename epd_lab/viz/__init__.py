@@ -6,12 +6,14 @@
 - `sweep`: a sweep's results table as a heatmap or lines.
 - `split`: whether moving the encoder out pays, from `epd-lab bench e2e` grids (TTFT and throughput against the
   monolithic floor).
+- `goodput`: `epd-lab sweep rates` runs: goodput against request rate and TTFT/TPOT Pareto fronts per topology.
 - `runtime`: the model runtimes profiled (`epd-lab bench runtime`): wall against GPU busy per call.
 - `report`: PNG through kaleido (local Chromium) and a self-contained offline HTML report.
 - `layout`: protocol structures drawn: which encoder wrote which byte range of the prefill's buffer, and
   the KV connector's block tables with their merged contiguous runs.
 """
 from epd_lab.viz.bandwidth import bandwidth_curves, load_bench
+from epd_lab.viz.goodput import goodput_figure, goodput_gain, load_rates, pareto_figure, pareto_front
 from epd_lab.viz.layout import block_runs, block_runs_frame, block_tables, buffer_layout, part_ranges
 from epd_lab.viz.report import chromium_path, html_report, save_png, save_pngs
 from epd_lab.viz.runtime import load_runtime, runtime_figure, runtime_frame
@@ -21,6 +23,6 @@ from epd_lab.viz.timeline import (STAGE_ORDER, critical_path_waterfall, request_
                                   waterfall, waterfalls)
 
 __all__ = ["STAGE_ORDER", "bandwidth_curves", "block_runs", "block_runs_frame", "block_tables", "buffer_layout",
-           "chromium_path", "critical_path_waterfall", "e2e_frame", "html_report", "load_bench", "load_e2e",
-           "load_runtime", "part_ranges", "request_spans", "runtime_figure", "runtime_frame", "save_png", "save_pngs", "split_figure", "split_pays", "stage_color",
+           "chromium_path", "critical_path_waterfall", "e2e_frame", "goodput_figure", "goodput_gain", "html_report", "load_bench", "load_e2e",
+           "load_rates", "load_runtime", "pareto_figure", "pareto_front", "part_ranges", "request_spans", "runtime_figure", "runtime_frame", "save_png", "save_pngs", "split_figure", "split_pays", "stage_color",
            "stage_distributions", "sweep_heatmap", "sweep_lines", "waterfall", "waterfalls"]

@@ -1,0 +1,158 @@
+"""`epd-lab bench serve`: a serving benchmark in the field's own terms, against any OpenAI-compatible endpoint.
+
+    epd-lab bench serve --base-url http://127.0.0.1:8000 --dataset-name random-mm --num-prompts 200 \\
+        --request-rate 4 --burstiness 1 --goodput ttft:500 tpot:50 --save-result --result-dir out/
+    epd-lab bench serve --launch 1e1p1d --media url ...     # an epd_lab cluster of its own, images by URL
+
+Flags shared with `vllm bench serve` have its names and meanings, and so do the result JSON's shared keys
+(`metrics`); as vLLM, ``OPENAI_API_KEY`` in the environment is sent as the bearer token. The modules: `arrivals`
+(the open-loop schedule), `datasets` (random-mm, image, jsonl), `client` (one
+streamed request, timed), `media_server` (images by URL), `metrics`, `run` (the loop and the report), `instant` (a
+server that answers at once, for the bench's own cost), `topologies` (the clusters ``--launch`` starts).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from epd_lab.bench.serve.client import MEDIA_MODES
+from epd_lab.bench.serve.datasets import (DATASETS, SampleRequest, image_dataset, jsonl_dataset, parse_buckets,
+                                          random_mm)
+from epd_lab.bench.serve.metrics import METRICS, parse_goodput
+from epd_lab.bench.serve.run import ServeConfig, benchmark
+from epd_lab.bench.serve.topologies import launch
+from epd_lab.servers.openai_api import MODEL_ID
+
+__all__ = ["ServeConfig", "benchmark", "load_requests", "main", "summary_lines"]
+
+
+def load_requests(args: argparse.Namespace) -> list[SampleRequest]:
+    """The dataset the arguments name, as `SampleRequest`s."""
+    if args.dataset_name == "random-mm":
+        return random_mm(args.num_prompts, args.seed, args.random_input_len, args.random_output_len,
+                         args.random_range_ratio, args.random_mm_base_items_per_request,
+                         args.random_mm_num_mm_items_range_ratio, args.random_mm_limit_mm_per_prompt,
+                         parse_buckets(args.random_mm_bucket_config))
+    if args.dataset_name == "image":
+        return image_dataset(args.num_prompts, args.seed, args.image_count, args.image_resolution,
+                             args.random_input_len, args.random_output_len)
+    if not args.dataset_path:
+        raise ValueError("--dataset-name jsonl needs --dataset-path")
+    return jsonl_dataset(args.dataset_path, args.num_prompts, args.random_output_len)
+
+
+def summary_lines(result: dict) -> list[str]:
+    """vLLM's printout of a result: counts, throughputs, then each metric's mean, median and percentiles."""
+    lines = [f"{'Successful requests:':40s} {result['completed']}", f"{'Failed requests:':40s} {result['failed']}",
+             f"{'Benchmark duration (s):':40s} {result['duration']:.2f}",
+             f"{'Total input tokens:':40s} {result['total_input_tokens']}",
+             f"{'Total generated tokens:':40s} {result['total_output_tokens']}",
+             f"{'Request throughput (req/s):':40s} {result['request_throughput']:.2f}"]
+    if result["request_goodput"] is not None:
+        lines.append(f"{'Request goodput (req/s):':40s} {result['request_goodput']:.2f}")
+    lines.append(f"{'Output token throughput (tok/s):':40s} {result['output_throughput']:.2f}")
+    for name in METRICS:
+        keys = [k for k in result if k.endswith(f"_{name}_ms") and not k.startswith("std")]
+        lines += [f"{k.replace('_ms', '').replace('_', ' ') + ' (ms):':40s} {result[k]:.2f}" for k in keys]
+    own = result["epd_lab"]
+    lines.append(f"{'Client encoding per request, p50 (ms):':40s} {own['client_encode_ms']['p50']:.3f}")
+    lines.append(f"{'Bench CPU per request (ms):':40s} {own['bench_cpu_ms_per_request']:.3f}")
+    if own.get("server") and own["server"].get("proxy_parse_to_load_ms"):
+        lines.append(f"{'Server proxy_parse->load gap, p50 (ms):':40s} "
+                     f"{own['server']['proxy_parse_to_load_ms']['p50']:.3f}")
+    return lines
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive (inf: all at once), got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's options, grouped: where to send, the load, the dataset, the report."""
+    ap = argparse.ArgumentParser(prog="epd-lab bench serve", description=__doc__.splitlines()[0])
+    where = ap.add_argument_group("where")
+    where.add_argument("--base-url", help="the server's root, e.g. http://127.0.0.1:8000 (or --launch)")
+    where.add_argument("--launch", metavar="TOPOLOGY", help="start an epd_lab cluster on loopback: monolithic, or "
+                       "NeMpKd (1e1p1d, 2e1p1d: encoders, prefills, decodes behind the proxy)")
+    where.add_argument("--backend", default="mooncake", help="the launched cluster's E→P backend")
+    where.add_argument("--device", default="cpu", help="the launched cluster's device")
+    where.add_argument("--instant", action="store_true", help="against a server that answers at once (the "
+                       "bench's own cost)")
+    where.add_argument("--model", default=MODEL_ID, help="the model field of each request")
+    where.add_argument("--launch-model", help="the model the launched cluster loads: tiny (default), a shape "
+                       "(qwen2-vl-2b) or a local directory")
+    where.add_argument("--endpoint", default="/v1/chat/completions")
+    load = ap.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int, default=100)
+    load.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf: all at once)")
+    load.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--media", choices=MEDIA_MODES, default="data-uri", help="images inside the request, or by "
+                      "URL from a media server on 127.0.0.1")
+    data = ap.add_argument_group("dataset")
+    data.add_argument("--dataset-name", choices=DATASETS, default="random-mm")
+    data.add_argument("--dataset-path", help="jsonl: the file")
+    data.add_argument("--random-input-len", type=int, default=64, help="characters of text per request")
+    data.add_argument("--random-output-len", type=int, default=16, help="tokens asked per request")
+    data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-mm-base-items-per-request", type=int, default=1)
+    data.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-mm-limit-mm-per-prompt", type=int, default=8)
+    data.add_argument("--random-mm-bucket-config", default="{(448, 448, 1): 1.0}")
+    data.add_argument("--image-count", type=int, default=1)
+    data.add_argument("--image-resolution", default="448x448")
+    out = ap.add_argument_group("report")
+    out.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl")
+    out.add_argument("--metric-percentiles", default="99")
+    out.add_argument("--save-result", action="store_true")
+    out.add_argument("--result-dir", default=".")
+    out.add_argument("--result-filename")
+    out.add_argument("--disable-tqdm", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``epd-lab bench serve``: run, print vLLM's summary, save the JSON when asked."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    if sum(map(bool, (args.base_url, args.launch, args.instant))) != 1:
+        ap.error("give exactly one of --base-url, --launch, --instant")
+    try:
+        requests = load_requests(args)
+        config = ServeConfig(args.base_url or "http://placeholder", args.model, args.endpoint, args.request_rate,
+                             args.burstiness, args.max_concurrency, args.media, parse_goodput(args.goodput),
+                             tuple(args.percentile_metrics.split(",")),
+                             tuple(float(q) for q in args.metric_percentiles.split(",")), args.seed,
+                             not args.disable_tqdm, os.environ.get("OPENAI_API_KEY"))
+    except ValueError as exc:
+        ap.error(str(exc))
+    with contextlib.ExitStack() as stack:
+        if args.launch:
+            cluster = stack.enter_context(launch(args.launch, backend=args.backend, device=args.device,
+                                                 model=args.launch_model,
+                                                 media_url=args.media == "url"))
+            config.base_url = cluster.proxy_url
+        elif args.instant:
+            from epd_lab.bench.serve.instant import InstantServer
+
+            config.base_url = stack.enter_context(InstantServer(args.random_output_len)).url
+        result = benchmark(requests, config)
+    result["epd_lab"] |= {"dataset": args.dataset_name, "launch": args.launch, "instant": args.instant}
+    print("\n".join(summary_lines(result)))
+    if args.save_result:
+        name = args.result_filename or f"openai-chat-{args.request_rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = Path(args.result_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(f"wrote {path}")
+    return 0 if result["completed"] else 1

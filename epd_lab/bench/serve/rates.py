@@ -1,0 +1,120 @@
+"""`epd-lab sweep rates`: `bench serve` over request rates and topologies, for goodput-vs-rate and TTFT/TPOT fronts.
+
+    epd-lab sweep rates --topologies monolithic,1e1p1d,2e1p1d --rates 1,2,4,8 --num-prompts 64 \\
+        --image-count 4 --image-resolution 448x448 --goodput ttft:1000 tpot:20 --out data/bench/goodput-cpu-tiny
+
+Each topology's cluster starts once (`topologies.launch`), answers warm-up requests sent all at once, then takes
+every rate in turn, lowest first. Each rate's requests come from a seed of their own, and every image is distinct, so
+no request hits an encoder's embedding cache; every topology gets the same requests at a rate. Every point's result
+(`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate=<r>.json``; ``OUT/rates.csv`` has a row per point
+(`point_row`) and ``OUT/sweep.json`` the settings. A later call into the same folder replaces the rows of the
+topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in
+each JSON let goodput be recomputed for
+any other SLOs afterwards (`epd_lab.viz.goodput`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+
+from epd_lab.bench.serve.datasets import image_dataset
+from epd_lab.bench.serve.metrics import parse_goodput
+from epd_lab.bench.serve.run import ServeConfig, benchmark
+from epd_lab.bench.serve.topologies import launch, topology
+
+SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                "median_e2el_ms", "p99_e2el_ms")
+
+
+def point_row(name: str, rate: float, result: dict) -> dict:
+    """One sweep point's row: topology, rate, and the result's summary keys."""
+    return {"topology": name, "request_rate": rate, **{k: result.get(k) for k in SUMMARY_KEYS},
+            "achieved_rate": result["epd_lab"]["achieved_rate"]}
+
+
+def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests: Callable[[int], list],
+               config: ServeConfig, out: str | Path, launch_options: dict | None = None,
+               settings: dict | None = None, log: Callable[[str], None] = print) -> pd.DataFrame:
+    """Run every rate on every topology (see the module docstring); returns the rows of ``rates.csv``.
+    `make_requests(seed)` gives one rate's requests; `settings` (what they are: image count, resolution, ...) go
+    to ``sweep.json`` with the topologies, rates and SLOs."""
+    out = Path(out)
+    options = launch_options or {}
+    for name in topologies:
+        topology(name, **options)  # an unknown name fails before any cluster starts
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**(settings or {}), "topologies": list(topologies), "rates": sorted(rates), "goodput": config.slos,
+            "media": config.media, "burstiness": config.burstiness}
+    if (out / "sweep.json").exists():  # the topologies of earlier calls into the same folder, in order
+        earlier = json.loads((out / "sweep.json").read_text()).get("topologies", [])
+        meta["topologies"] = [*earlier, *(t for t in topologies if t not in earlier)]
+    (out / "sweep.json").write_text(json.dumps(meta, indent=1) + "\n")
+    rows = []
+    for name in topologies:
+        with launch(name, **options) as cluster:
+            base = replace(config, base_url=cluster.proxy_url, progress=False)
+            # warm-up: a burst, so that every process has served concurrent requests before the first rate
+            benchmark(make_requests(10_000), replace(base, request_rate=math.inf), server_spans=False, warmup=False)
+            for i, rate in enumerate(sorted(rates)):
+                result = benchmark(make_requests(i), replace(base, request_rate=rate))
+                path = out / name / f"rate={rate:g}.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(result, default=float) + "\n")
+                rows.append(point_row(name, rate, result))
+                r = rows[-1]
+                goodput = r["request_goodput"] if r["request_goodput"] is None else round(r["request_goodput"], 2)
+                log(f"  {name:12s} rate {rate:6g}: {r['completed']} done, {r['request_throughput']:.2f} req/s, "
+                    f"goodput {goodput}, TTFT p50 {r['median_ttft_ms']:.1f} ms, TPOT p50 {r['median_tpot_ms']:.2f} ms")
+    table = pd.DataFrame(rows)
+    if (out / "rates.csv").exists():  # an earlier call's other topologies stay (one call per topology fits a budget)
+        earlier = pd.read_csv(out / "rates.csv")
+        table = pd.concat([earlier[~earlier["topology"].isin(topologies)], table], ignore_index=True)
+    table.to_csv(out / "rates.csv", index=False)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``epd-lab sweep rates ...``: see the module docstring."""
+    ap = argparse.ArgumentParser(prog="epd-lab sweep rates", description=__doc__.splitlines()[0])
+    ap.add_argument("--topologies", default="monolithic,1e1p1d,2e1p1d")
+    ap.add_argument("--rates", required=True, help="requests/s, comma-separated")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--image-count", type=int, default=1)
+    ap.add_argument("--image-resolution", default="448x448")
+    ap.add_argument("--random-input-len", type=int, default=64)
+    ap.add_argument("--random-output-len", type=int, default=16)
+    ap.add_argument("--burstiness", type=float, default=1.0)
+    ap.add_argument("--media", choices=("data-uri", "url"), default="url")
+    ap.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
+    ap.add_argument("--backend", default="mooncake")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--launch-model", default=None)
+    ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of each prefill, decode or floor")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+        config = ServeConfig("http://placeholder", burstiness=args.burstiness, media=args.media,
+                             slos=parse_goodput(args.goodput), percentile_metrics=("ttft", "tpot", "itl", "e2el"),
+                             seed=args.seed)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+    def make_requests(seed: int) -> list:
+        return image_dataset(args.num_prompts, args.seed * 1000 + seed, args.image_count, args.image_resolution,
+                             args.random_input_len, args.random_output_len)
+
+    topologies = args.topologies.split(",")
+    options = {"backend": args.backend, "device": args.device, "model": args.launch_model,
+               "media_url": args.media == "url", "kv_blocks": args.kv_blocks}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "topologies", "goodput")}
+    rate_sweep(topologies, rates, make_requests, config, args.out, options, settings)
+    return 0

@@ -1,0 +1,248 @@
+"""The monolithic floor as a server: the whole model in one process behind OpenAI's chat API (``epd-lab monolithic``).
+
+It is what E→P→D is compared against under load (`epd-lab bench serve`, `epd-lab sweep rates`): the same model,
+runtime and decode scheduler as the roles, with no process boundary, no HTTP hop and no transfer. One thread reads
+each request's images (under the same `MediaPolicy` as an encoder), runs the ViT and the prefill into the paged
+cache's blocks, one request at a time; `DecodeScheduler` steps every admitted request in batches on another thread,
+as the decode server does. So the floor overlaps one prefill with the decode batch, as an engine without chunked
+prefill does, and spends its two threads where E→P→D spreads over processes.
+
+Routes: ``POST /v1/chat/completions`` (streamed or not; greedy at temperature 0, else sampled), ``GET /v1/models``,
+``/health``, ``/metrics``, ``/v1/spans``, ``/v1/clock``. Spans per request: ``proxy_parse``, ``load`` (media read and
+headers parsed), ``vit`` (pixels decoded, preprocessed, encoded), ``prefill``, ``ttft``, ``decode_step``s, ``e2e``.
+
+Run: ``python -m epd_lab.servers.monolithic --port 0`` prints ``{"url": ..., "pid": ...}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from epd_lab import models
+from epd_lab.ep.media import MAX_MEDIA_BYTES, MediaError, MediaPolicy, fetch_media, load_rgb, open_image
+from epd_lab.ep.messages import DTYPES
+from epd_lab.kv import BlockManager, OutOfBlocks, PagedKVCache, blocks_needed
+from epd_lab.models.runtime import open_runtime
+from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
+from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation, sampling_probs
+from epd_lab.servers.text import Detokenizer, detokenize
+from epd_lab.serving import (BadRequest, Metric, ServingError, Unavailable, decode_body, json_response, option,
+                             read_body, role_app, serve_main)
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
+                                       check_placement, use_device)
+from epd_lab.trace import Recorder, Span
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class MonolithicSettings:
+    """What the monolithic server is started with; checked on construction (`ValueError`)."""
+
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "0: the OS picks (printed on stdout)")
+    model: str | None = option(None, MODEL_HELP)
+    device: str = option("cpu", DEVICE_HELP)
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
+    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
+    timeout: float = option(10.0, "seconds a media item may take to fetch")
+    kv_blocks: int = option(512, "blocks in the paged KV cache")
+    block_size: int = option(16, "tokens per KV block")
+    max_batch: int = option(16, "requests per decode forward")
+    media_roots: tuple[str, ...] = option((), "folders whose files clients may name as media items")
+    media_private_hosts: bool = option(False, "fetch http(s) media items from loopback and private addresses too")
+
+    def __post_init__(self) -> None:
+        check_placement(self)
+        for name in ("kv_blocks", "block_size", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+
+class MonolithicServer:
+    """The model, its paged cache and runtime, the prefill thread and the decode scheduler."""
+
+    def __init__(self, settings: MonolithicSettings) -> None:
+        self.settings = settings
+        models.configure_torch(threads=1)  # the roles' kernels, so answers equal theirs
+        dtype = DTYPES[settings.dtype]
+        self.device = use_device(settings.device)
+        self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
+        self.recorder = Recorder(node=f"monolithic:{settings.port}")
+        self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
+                                              block_size=settings.block_size, dtype=dtype, device=self.device)
+        options = {"max_batch": settings.max_batch} if settings.runtime == "fast" else {}
+        self.runtime = open_runtime(settings.runtime, self.model, self.cache, **options)
+        self.blocks = BlockManager(settings.kv_blocks)
+        self.policy = MediaPolicy(settings.media_roots, settings.media_private_hosts)
+        self.prefills = ThreadPoolExecutor(1, thread_name_prefix="monolithic-prefill")
+        self.served = 0
+        self.scheduler = DecodeScheduler(self.runtime, settings.max_batch, self.blocks.allocate, self.recorder,
+                                         lambda *names, **amounts: None, lambda gen: self.blocks.free(gen.block_table))
+
+    def start(self, job: Job, prompt: str, items: list[str], emit: Callable[[Any], None]) -> Generation:
+        """In the prefill thread: read the images, encode, prefill, emit the first token and hand the rest to the
+        scheduler. `BadRequest` for an unusable image, `Unavailable` when the KV pool is full."""
+        node, t0 = self.recorder.node, time.monotonic_ns()
+        try:
+            images = [open_image(fetch_media(item, self.settings.timeout, MAX_MEDIA_BYTES, self.policy), item)
+                      for item in items]
+            t1 = time.monotonic_ns()
+            pixels = grid = embeds = None
+            if images:
+                pixels, grid = models.preprocess([load_rgb(img, item) for img, item in zip(images, items)])
+                with torch.inference_mode():
+                    embeds = self.runtime.encode(pixels, grid)
+        except MediaError as exc:
+            raise BadRequest(str(exc)) from None
+        t2 = time.monotonic_ns()
+        input_ids = models.build_input_ids(prompt, [] if grid is None else grid.tolist())
+        prompt_len = input_ids.shape[-1]
+        try:
+            table = self.blocks.allocate(blocks_needed(prompt_len, self.settings.block_size))
+        except OutOfBlocks as exc:
+            raise Unavailable(f"KV pool exhausted: {exc}") from None
+        try:
+            with torch.inference_mode():
+                out = self.runtime.prefill(input_ids, embeds, grid, table)
+            generator = None
+            if job.temperature > 0:
+                generator = torch.Generator()
+                generator.seed() if job.seed is None else generator.manual_seed(job.seed)
+                first = int(torch.multinomial(sampling_probs(out.logits.float().cpu(), job.temperature), 1,
+                                              generator=generator))
+            else:
+                first = int(out.logits.argmax(-1))
+        except BaseException:
+            self.blocks.free(table)
+            raise
+        t3 = time.monotonic_ns()
+        job.prompt_len = prompt_len
+        spans = [Span(job.rid, -1, "load", node, t0, t1), Span(job.rid, -1, "vit", node, t1, t2),
+                 Span(job.rid, -1, "prefill", node, t2, t3), Span(job.rid, -1, "ttft", node, job.t0, t3)]
+        self.recorder.extend(spans if images else spans[2:])
+        gen = Generation(job.rid, table, prompt_len, out.next_position, job.max_tokens, job.temperature, generator,
+                         emit, [first], [])
+        emit(first)
+        if job.max_tokens == 1:
+            emit(DONE)
+            self.blocks.free(table)
+            return gen
+        try:
+            self.scheduler.add(gen)
+        except RuntimeError as exc:  # the scheduler is closing: the server shuts down
+            self.blocks.free(table)
+            emit(exc)
+        return gen
+
+    def health(self) -> dict:
+        """``/health``: the model, the free KV blocks, the requests generating and those served."""
+        return {"status": "ok", "role": "monolithic", "model": self.settings.model or "tiny-qwen2-vl",
+                "device": str(self.device), "runtime": self.settings.runtime,
+                "free_blocks": self.blocks.num_free_blocks,
+                "active_requests": self.scheduler.num_active, "served": self.served}
+
+    def metric_families(self) -> list[Metric]:
+        """``/metrics``: the free KV blocks and the requests generating."""
+        h = self.health()
+        return [Metric.of("kv_blocks_free", "gauge", "KV blocks free", h["free_blocks"]),
+                Metric.of("active_requests", "gauge", "requests generating", h["active_requests"])]
+
+    def close(self) -> None:
+        """Stop the prefill thread and the scheduler (failing what it holds), then the runtime and the cache."""
+        self.prefills.shutdown(wait=True, cancel_futures=True)
+        self.scheduler.close()
+        self.runtime.close()
+        self.cache.close()
+
+
+def create_app(settings: MonolithicSettings) -> FastAPI:
+    """The monolithic server's app; the model loads in its lifespan."""
+    app = role_app("monolithic", lambda: MonolithicServer(settings), ("/v1/chat/completions", "/v1/models"),
+                   error_body=error_body)
+
+    @app.get("/v1/models")
+    async def list_models() -> Any:
+        return json_response({"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "epd_lab",
+                                                          "root": MODEL_ID}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        server: MonolithicServer = app.state.server
+        t0 = time.monotonic_ns()
+        job, prompt, items = parse_request(decode_body(await read_body(request)), "chat", t0)
+        server.recorder.add(Span(job.rid, -1, "proxy_parse", server.recorder.node, t0, time.monotonic_ns()))
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+                pass
+
+        gen = await asyncio.wrap_future(server.prefills.submit(server.start, job, prompt, items, emit))
+        if job.stream:
+            return StreamingResponse(_events(server, job, gen, queue), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            tokens = [item async for item in _tokens(queue)]
+        finally:
+            gen.cancelled = True
+        server.recorder.add(Span(job.rid, -1, "e2e", server.recorder.node, job.t0, time.monotonic_ns()))
+        server.served += 1
+        return json_response(completion(job, MODEL_ID, detokenize(tokens), "length", len(tokens)))
+
+    return app
+
+
+async def _tokens(queue: asyncio.Queue) -> AsyncIterator[int]:
+    """A request's tokens as the threads emit them, until `DONE`; a failure raises `ServingError`."""
+    while (item := await queue.get()) is not DONE:
+        if isinstance(item, Exception):
+            raise ServingError(f"generation failed: {type(item).__name__}: {item}")
+        yield item
+
+
+async def _events(server: MonolithicServer, job: Job, gen: Generation, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    """OpenAI's SSE events of a streamed request: the role chunk, text deltas, the finish chunk, usage, [DONE]."""
+    detok, count = Detokenizer(), 0
+    try:
+        yield chunk(job, MODEL_ID, "", role=True)
+        try:
+            async for token in _tokens(queue):
+                count += 1
+                if text := detok.feed(token):
+                    yield chunk(job, MODEL_ID, text)
+        except ServingError as exc:  # after the stream began: an error event, as the proxy sends
+            yield b"data: " + json_response(error_body(exc)).body + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            return
+        if tail := detok.flush():
+            yield chunk(job, MODEL_ID, tail)
+        yield chunk(job, MODEL_ID, None, "length")
+        if job.include_usage:
+            yield chunk(job, MODEL_ID, None, usage=usage(job, count))
+        yield b"data: [DONE]\n\n"
+        server.served += 1
+    finally:
+        gen.cancelled = True  # a client gone mid-stream: the scheduler drops it before its next step
+        server.recorder.add(Span(job.rid, -1, "e2e", server.recorder.node, job.t0, time.monotonic_ns()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    return serve_main(MonolithicSettings, create_app, argv, "python -m epd_lab.servers.monolithic",
+                      "the monolithic floor: the whole model behind OpenAI's chat API")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

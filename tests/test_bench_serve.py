@@ -1,0 +1,294 @@
+"""`epd-lab bench serve`: its metrics against hand-computed traces, its arrival schedule, its datasets, its result
+JSON against vLLM's keys, and short real runs (an instant server; a 1E1P1D cluster and the monolithic floor, by data
+URI and by URL)."""
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import numpy as np
+import pytest
+
+from epd_lab.bench.serve import benchmark
+from epd_lab.bench.serve.arrivals import arrival_offsets
+from epd_lab.bench.serve.datasets import (SampleRequest, image_dataset, jsonl_dataset, parse_buckets,
+                                          parse_resolution, random_mm)
+from epd_lab.bench.serve.instant import InstantServer
+from epd_lab.bench.serve.media_server import MediaServer
+from epd_lab.bench.serve.metrics import (RequestOutput, calculate_metrics, is_good, outputs_from_result,
+                                         parse_goodput, percentile_key)
+from epd_lab.bench.serve.run import ServeConfig
+from epd_lab.bench.serve.topologies import launch, topology
+from epd_lab.campaign.common import random_png
+from epd_lab.launch import Topology
+from epd_lab.viz import pareto_front
+
+
+# ---- metrics, against traces computed by hand ----
+
+def _out(ttft: float, itl: list[float], tokens: int, ok: bool = True, prompt: int = 10) -> RequestOutput:
+    """A request whose last token came at ttft + sum(itl) (the client's E2EL)."""
+    return RequestOutput(success=ok, error="" if ok else "boom", prompt_len=prompt, output_tokens=tokens, ttft=ttft,
+                         itl=itl, latency=ttft + sum(itl))
+
+
+def test_tpot_is_e2el_minus_ttft_over_the_tokens_after_the_first():
+    out = _out(0.100, [0.010, 0.030, 0.020], tokens=4)  # E2EL 0.160
+    assert out.latency == pytest.approx(0.160)
+    assert out.tpot == pytest.approx(0.060 / 3)
+    assert _out(0.1, [], tokens=1).tpot == 0.0  # one token: no TPOT (goodput counts it as 0)
+
+
+def test_metrics_of_a_hand_computed_trace():
+    outs = [_out(0.100, [0.010, 0.030], 3), _out(0.200, [0.020], 2), _out(0.400, [], 1),
+            _out(0.300, [0.040, 0.040, 0.040], 4, prompt=20), _out(9.0, [1.0], 2, ok=False)]
+    m = calculate_metrics(outs, duration=2.0, slos={}, selected=("ttft", "tpot", "itl", "e2el"),
+                          percentiles=(50, 90, 99.9))
+    assert (m["completed"], m["failed"]) == (4, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (50, 10)  # the failed one counts nothing
+    assert m["request_throughput"] == 2.0 and m["output_throughput"] == 5.0 and m["total_token_throughput"] == 30.0
+    assert m["request_goodput"] is None  # no SLOs given
+    # TTFT 100, 200, 300, 400 ms: mean 250, median 250, population std sqrt(12500), p90 by linear interpolation
+    assert m["mean_ttft_ms"] == pytest.approx(250) and m["median_ttft_ms"] == pytest.approx(250)
+    assert m["std_ttft_ms"] == pytest.approx(math.sqrt(12500))
+    assert m["p90_ttft_ms"] == pytest.approx(370) and m["p99.9_ttft_ms"] == pytest.approx(399.7)
+    # TPOT only for requests of more than one token: 20, 20, 40 ms
+    assert m["mean_tpot_ms"] == pytest.approx(80 / 3) and m["median_tpot_ms"] == pytest.approx(20)
+    # ITL: every gap of every finished request, 10, 30, 20, 40, 40, 40 ms
+    assert m["mean_itl_ms"] == pytest.approx(30) and m["median_itl_ms"] == pytest.approx(35)
+    # E2EL 140, 220, 400, 420 ms
+    assert m["mean_e2el_ms"] == pytest.approx(295) and m["p50_e2el_ms"] == pytest.approx(310)
+
+
+def test_goodput_counts_requests_within_every_slo():
+    # binary fractions, so that the boundary cases compare exactly
+    outs = [_out(0.25, [0.03125, 0.03125], 3),   # TTFT 250, TPOT 31.25, E2EL 312.5 ms
+            _out(0.125, [0.015625], 2),          # TTFT 125, TPOT 15.625, E2EL 140.625
+            _out(0.5, [], 1),                    # TTFT 500, TPOT 0 (one token), E2EL 500
+            _out(0.375, [0.0625] * 3, 4),        # TTFT 375, TPOT 62.5, E2EL 562.5
+            _out(0.0625, [0.001], 2, ok=False)]  # failed: never good
+    slos = parse_goodput(["ttft:250", "tpot:31.25"])
+    assert [is_good(o, slos) for o in outs[:4]] == [True, True, False, False]  # 250 <= 250 is good
+    assert calculate_metrics(outs, 2.0, slos)["request_goodput"] == 1.0  # 2 good in 2 s
+    assert calculate_metrics(outs, 2.0, {"tpot": 31.25})["request_goodput"] == 1.5  # the one-token one is good
+    assert calculate_metrics(outs, 2.0, {"e2el": 500})["request_goodput"] == 1.5
+    assert calculate_metrics(outs, 2.0, {"ttft": 100})["request_goodput"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [["ttft"], ["latency:5"], ["tpot:x"], ["e2el:-1"]])
+def test_goodput_refuses_what_it_cannot_read(bad):
+    with pytest.raises(ValueError):
+        parse_goodput(bad)
+
+
+def test_percentile_keys_are_vllms():
+    assert percentile_key("ttft", 99) == "p99_ttft_ms" and percentile_key("itl", 99.9) == "p99.9_itl_ms"
+    assert percentile_key("e2el", 50.0) == "p50_e2el_ms"
+
+
+# ---- the arrival schedule (computed, never slept through) ----
+
+@pytest.mark.parametrize("rate", [2.0, 50.0, 400.0])
+def test_arrivals_keep_the_rate_in_steady_state(rate):
+    offsets = arrival_offsets(20_000, rate, 1.0, seed=3)
+    assert np.all(np.diff(offsets) >= 0)
+    middle = offsets[2_000:18_000]  # away from both ends, which the final scaling pins
+    achieved = (len(middle) - 1) / (middle[-1] - middle[0])
+    assert achieved == pytest.approx(rate, rel=0.05)
+    assert len(offsets) / offsets[-1] == pytest.approx(rate)  # the last one due at n / rate, as vLLM
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 0.5, 1.0, 2.0, 8.0])
+def test_gamma_burstiness_sets_the_gaps_variance(burstiness):
+    gaps = np.diff(arrival_offsets(40_000, 10.0, burstiness, seed=5))
+    # gamma(k, 1/(rate k)): mean 1/rate, squared coefficient of variation 1/k
+    assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+    assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1 / burstiness, rel=0.08)
+
+
+def test_arrival_edge_cases():
+    assert not arrival_offsets(50, math.inf).any()  # inf rate: all at once
+    even = arrival_offsets(50, 5.0, math.inf)
+    assert np.allclose(np.diff(even), 0.2) and even[0] == pytest.approx(0.2)
+    assert np.array_equal(arrival_offsets(100, 3.0, 0.7, seed=1), arrival_offsets(100, 3.0, 0.7, seed=1))
+    assert not np.array_equal(arrival_offsets(100, 3.0, 0.7, seed=1), arrival_offsets(100, 3.0, 0.7, seed=2))
+    for bad in ((0, 1.0, 1.0), (5, 0.0, 1.0), (5, 1.0, 0.0), (5, -1.0, 1.0)):
+        with pytest.raises(ValueError):
+            arrival_offsets(*bad)
+
+
+# ---- datasets ----
+
+def _size(raw: bytes) -> tuple[int, int]:
+    from PIL import Image
+    import io
+
+    return Image.open(io.BytesIO(raw)).size
+
+
+def test_random_mm_items_and_buckets():
+    buckets = parse_buckets("{(224, 224, 1): 0.5, (112, 336, 1): 0.5}")
+    assert buckets == {(224, 224): 0.5, (112, 336): 0.5}
+    reqs = random_mm(40, seed=1, input_len=50, output_len=8, range_ratio=0.2, base_items=2, items_range_ratio=0.5,
+                     limit_items=3, buckets=buckets)
+    counts = [len(r.images) for r in reqs]
+    assert min(counts) >= 1 and max(counts) == 3 and len(set(counts)) > 1
+    assert all(40 <= len(r.prompt) <= 60 and 6 <= r.output_len <= 10 for r in reqs)
+    assert {_size(i) for r in reqs for i in r.images} == {(224, 224), (336, 112)}  # PIL: (width, height)
+    assert len({i for r in reqs for i in r.images}) == sum(counts)  # every image distinct: no cache hit
+    for bad in ("{(224, 224, 4): 1.0}", "{(20, 224, 1): 1.0}", "{(224, 224, 1): 0.0}"):
+        with pytest.raises(ValueError):
+            parse_buckets(bad)
+
+
+def test_image_dataset_and_resolutions():
+    reqs = image_dataset(3, seed=2, image_count=2, resolution="120x200", input_len=10, output_len=4)
+    assert [len(r.images) for r in reqs] == [2, 2, 2] and _size(reqs[0].images[0]) == (200, 120)
+    assert parse_resolution("720p") == (720, 1280)
+    with pytest.raises(ValueError):
+        parse_resolution("10x10")
+
+
+def test_jsonl_dataset_reads_paths_and_keeps_urls(tmp_path):
+    raw = random_png(1, 64)
+    (tmp_path / "a.png").write_bytes(raw)
+    lines = [{"prompt": "one", "images": ["a.png", "https://example.org/b.jpg"], "output_len": 3}, {"prompt": "two"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    reqs = jsonl_dataset(path, 5, output_len=7)
+    assert reqs == [SampleRequest("one", [raw, "https://example.org/b.jpg"], 3), SampleRequest("two", [], 7)]
+    path.write_text('{"prompt": "ok"}\n{"images": []}\n')
+    with pytest.raises(ValueError, match="data.jsonl:2"):
+        jsonl_dataset(path, 5)
+
+
+def test_media_server_serves_what_it_holds():
+    raw = random_png(4, 32)
+    with MediaServer() as media:
+        url = media.add(raw)
+        assert url.startswith("http://127.0.0.1:") and url.endswith(".png")
+        answer = httpx.get(url)
+        assert answer.content == raw and answer.headers["content-type"] == "image/png"
+        assert httpx.get(media.url + "/m/404.png").status_code == 404
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url)
+
+
+def test_pareto_front_keeps_the_points_nothing_beats():
+    import pandas as pd
+
+    points = pd.DataFrame({"x": [1, 2, 3, 4, 2.5], "y": [5, 3, 4, 1, 3]})
+    assert pareto_front(points, "x", "y")[["x", "y"]].values.tolist() == [[1, 5], [2, 3], [4, 1]]
+
+
+# ---- the result JSON and a real run against a server that answers at once ----
+
+# The keys of `vllm bench serve`'s result JSON (vllm/benchmarks/serve.py) that this bench shares, with their meaning:
+# run settings, counts, throughputs, the per-request lists, and each metric's statistics.
+VLLM_KEYS = ("date", "backend", "endpoint_type", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+             "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+             "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+             "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
+             "generated_texts", "errors", "max_output_tokens_per_s", "max_concurrent_requests",
+             *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")))
+
+
+def test_result_json_has_vllms_keys_against_an_instant_server():
+    reqs = image_dataset(30, seed=0, image_count=1, resolution="64x64", input_len=8, output_len=5)
+    with InstantServer(tokens=5) as server:
+        config = ServeConfig(server.url, request_rate=200.0, slos=parse_goodput(["ttft:10000", "tpot:10000"]),
+                             percentile_metrics=("ttft", "tpot", "itl", "e2el"), progress=False)
+        result = json.loads(json.dumps(benchmark(reqs, config)))
+    assert set(VLLM_KEYS) <= set(result)
+    assert (result["completed"], result["failed"], result["num_prompts"]) == (30, 0, 30)
+    assert result["total_output_tokens"] == 150 and result["output_lens"] == [5] * 30
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # SLOs nobody misses
+    assert len(result["itls"]) == 30 and all(len(itl) == 4 for itl in result["itls"])
+    assert result["request_rate"] == 200.0 and result["epd_lab"]["server"] is None  # not an epd_lab server
+    again = calculate_metrics(outputs_from_result(result), result["duration"], {"ttft": 10000})
+    assert again["completed"] == 30 and again["mean_ttft_ms"] == pytest.approx(result["mean_ttft_ms"])
+
+
+def test_max_concurrency_bounds_the_requests_in_flight():
+    reqs = image_dataset(12, seed=0, image_count=0, resolution="64x64", input_len=8, output_len=3)
+    with InstantServer(tokens=3) as server:
+        result = benchmark(reqs, ServeConfig(server.url, max_concurrency=1, progress=False))
+    assert result["completed"] == 12 and result["max_concurrent_requests"] == 1
+
+
+def test_topologies_by_name():
+    assert topology("monolithic").monolithic and topology("2e1p1d").encoders == 2
+    assert topology("1e1p1d", media_url=True).settings == {"encoder": {"media_private_hosts": True}}
+    with pytest.raises(ValueError):
+        topology("3x")
+    with pytest.raises(ValueError):
+        Topology(monolithic=True, proxy=True, prefills=1, decodes=1)
+
+
+# ---- short real runs: 1E1P1D and the monolithic floor, by data URI and by URL ----
+
+@pytest.fixture(scope="module")
+def requests():
+    return image_dataset(4, seed=7, image_count=2, resolution="112x112", input_len=20, output_len=6)
+
+
+@pytest.fixture(scope="module")
+def epd_answers(requests):
+    answers = {}
+    with launch("1e1p1d", media_url=True) as cluster:
+        for media in ("data-uri", "url"):
+            result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media=media,
+                                                     progress=False))
+            answers[media] = result
+    return answers
+
+
+@pytest.mark.parametrize("media", ["data-uri", "url"])
+def test_a_1e1p1d_cluster_serves_the_bench(epd_answers, media):
+    result = epd_answers[media]
+    assert (result["completed"], result["failed"]) == (4, 0), result["errors"]
+    assert result["output_lens"] == [6] * 4
+    server = result["epd_lab"]["server"]
+    assert server is not None and {"load", "vit", "prefill", "ttft"} <= set(server["critical_path_ms"])
+    assert server["proxy_parse_to_load_ms"] is not None  # the proxy's parse and the encoder's load both seen
+
+
+def test_images_by_url_give_the_answers_data_uris_give(epd_answers):
+    assert epd_answers["url"]["generated_texts"] == epd_answers["data-uri"]["generated_texts"]
+
+
+def test_the_monolithic_floor_answers_as_the_split_does(requests, epd_answers):
+    with launch("monolithic", media_url=True) as cluster:
+        result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media="url", progress=False))
+    assert result["completed"] == 4
+    assert result["generated_texts"] == epd_answers["data-uri"]["generated_texts"]
+    assert result["epd_lab"]["server"]["critical_path_ms"]["prefill"] > 0
+
+
+def test_encoders_refuse_the_bench_urls_unless_their_policy_allows_loopback(requests):
+    with launch("1e1p1d", media_url=False) as cluster:
+        config = ServeConfig(cluster.proxy_url, media="url", progress=False)
+        result = benchmark(requests[:1], config, warmup=False)
+        assert result["completed"] == 0 and "public addresses only" in result["errors"][0]
+        with pytest.raises(RuntimeError, match="warm-up request failed.*public addresses only"):
+            benchmark(requests[:1], config)
+
+
+def test_the_command_line_writes_its_result(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", "--instant", "--num-prompts", "6",
+                          "--request-rate", "50", "--dataset-name", "random-mm", "--random-mm-base-items-per-request",
+                          "2", "--random-mm-bucket-config", "{(64, 96, 1): 1.0}", "--random-output-len", "4",
+                          "--goodput", "ttft:5000", "--metric-percentiles", "50,99", "--save-result", "--result-dir",
+                          str(tmp_path), "--result-filename", "r.json", "--disable-tqdm"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Request goodput (req/s):" in out.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 6 and result["epd_lab"]["images"] == 12 and "p50_ttft_ms" in result
+    refused = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", "--num-prompts", "1"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "exactly one of --base-url, --launch, --instant" in refused.stderr
