@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,11 +46,12 @@ if TYPE_CHECKING:
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
-# each role: the module its process runs, the settings its command line is written from, and the `Topology`
-# options it takes (the proxy's `model` is the id it lists, not the model directory)
 PLACEMENTS = ("local", "ray")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement group strategies
 RAY_OPTIONS = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
+
+# each role: the module its process runs, the settings its command line is written from, and the `Topology`
+# options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
     "encoder": ("epd_lab.servers.encoder", EncoderSettings,
                 ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "media_roots")),

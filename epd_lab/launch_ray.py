@@ -154,15 +154,22 @@ class RayRoles:
         secret = topology.secret.encode() if topology.secret is not None else security.load_secret()
         self.secret = None if secret is None else ray.put(secret)
         self.group = None
-        if topology.ray_strategy is not None:
-            bundles = [self._bundle(name) for name in self.names]
-            self.group = placement_group(bundles, strategy=topology.ray_strategy)
-            try:
-                ray.get(self.group.ready(), timeout=6 * topology.timeout)
-            except GetTimeoutError:
-                self.close([], [])
-                raise TimeoutError(f"the placement group ({topology.ray_strategy}, bundles {bundles}) was not "
-                                   f"placed within {6 * topology.timeout} s: not enough resources (ray status)")
+        try:
+            if topology.ray_strategy is not None:
+                self._place_group()
+        except BaseException:
+            self.close([], [])
+            raise
+
+    def _place_group(self) -> None:
+        bundles = [self._bundle(name) for name in self.names]
+        self.group = placement_group(bundles, strategy=self.topology.ray_strategy)
+        timeout = 6 * self.topology.timeout
+        try:
+            ray.get(self.group.ready(), timeout=timeout)
+        except GetTimeoutError:
+            raise TimeoutError(f"the placement group ({self.topology.ray_strategy}, bundles {bundles}) was not "
+                               f"placed within {timeout} s: not enough resources (ray status)") from None
 
     def options(self, name: str) -> dict[str, Any]:
         """The actor options of process `name`: defaults, then ``ray_options`` of its role, then of its name."""
@@ -183,9 +190,10 @@ class RayRoles:
         by the node's own); the URL comes with `RayProcess.await_url`."""
         opts = self.options(name)
         if device.startswith("cuda") and not opts["num_gpus"]:
-            raise ValueError(f"{name} runs on {device} but asks Ray for no GPU: Ray hides every GPU from an actor "
-                             f"without num_gpus (CUDA_VISIBLE_DEVICES); give ray_options {{'{role}': "
-                             f"{{'num_gpus': 1}}}} and device 'cuda' (the actor's GPU is its cuda:0)")
+            # Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone at num_gpus=0: the role would see every GPU of its node
+            # and take one that Ray gave to another actor
+            raise ValueError(f"{name} runs on {device} but reserves no GPU with Ray; give ray_options "
+                             f"{{'{role}': {{'num_gpus': 1}}}} and device 'cuda' (the actor's GPU is its cuda:0)")
         if self.group is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=self.names.index(name))
