@@ -1,0 +1,112 @@
+"""The topology on Ray nodes that are separate network hosts: three network namespaces on one bridge
+(`epd_lab.campaign.netns`), each running ``ray start`` with its own address, the driver inside the head's.
+Every role binds its node's address (``ray_bind="node"``), so bytes between roles cross the emulated links.
+Skips with the reason where network namespaces cannot be made (no CAP_NET_ADMIN).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+from epd_lab.campaign import netns  # noqa: E402
+from epd_lab.models import configure_torch, load_model  # noqa: E402
+from epd_lab.servers.reference import monolithic_chat  # noqa: E402
+
+NODES = ("a", "b", "c")
+PINS = {"encoder0": "host_a", "prefill0": "host_b", "decode0": "host_c", "proxy": "host_a"}
+MAX_TOKENS = 8
+
+# The driver: on a Ray node (a Ray driver must be), i.e. inside host a's namespace; it prints one JSON line
+DRIVER = r"""
+import json, sys, httpx, ray
+from ray.util.placement_group import placement_group_table
+from epd_lab.launch import Cluster, Topology
+address, pins, messages, max_tokens = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+options = {name: {"num_cpus": 0, "resources": {host: 1}} for name, host in pins.items()}
+topology = Topology(prefills=1, decodes=1, proxy=True, timeout=20, placement="ray", ray_bind="node",
+                    ray_options=options)
+with Cluster(topology) as cluster:
+    answers = [httpx.post(cluster.proxy_url + "/v1/chat/completions", timeout=60, json={
+        "model": "x", "messages": m, "max_tokens": max_tokens, "temperature": 0}).json()["choices"][0]["message"]["content"]
+        for m in messages]
+    paths = {url: [ln for ln in httpx.get(url + "/metrics").text.splitlines() if "_engine_bytes_out_total{" in ln]
+             for url in cluster.urls()[:2]}
+    urls, pids = cluster.urls(), [p.pid for p in cluster.procs]
+alive = [a["ActorClassName"] for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+print(json.dumps({"answers": answers, "paths": paths, "urls": urls, "pids": pids, "actors": alive,
+                  "groups": len(groups)}))
+"""
+
+
+def _image_uri() -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+MESSAGES = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_uri()}},
+                                          {"type": "text", "text": "which host answered?"}]}]]
+
+
+def _in(hosts: netns.Hosts, node: str, *cmd: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", hosts.netns(node), *cmd], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    with netns.Hosts(list(NODES)) as h:
+        try:
+            for node in NODES:
+                join = ["--head", "--port", "6379", "--include-dashboard=false"] if node == "a" else \
+                    ["--address", f"{h.address('a')}:6379"]
+                started = _in(h, node, ray_cli, "start", "--num-cpus", "1", "--object-store-memory", str(80 << 20),
+                              "--disable-usage-stats", "--node-ip-address", h.address(node),
+                              "--resources", json.dumps({f"host_{node}": 8}), *join, timeout=120)
+                assert started.returncode == 0, started.stderr[-2000:]
+            yield h
+        finally:
+            # everything in the namespaces is this fixture's (Ray's daemons): kill those processes by id
+            for node in NODES:
+                pids = subprocess.run(["ip", "netns", "pids", h.netns(node)], capture_output=True, text=True).stdout
+                for pid in map(int, pids.split()):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.5)  # the kernel frees a namespace once its last process is reaped
+
+
+def test_roles_on_three_network_hosts_answer_right_over_tcp_and_leave_nothing(hosts):
+    run = _in(hosts, "a", sys.executable, "-c", DRIVER, f"{hosts.address('a')}:6379", json.dumps(PINS),
+              json.dumps(MESSAGES), str(MAX_TOKENS), timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    configure_torch()
+    assert got["answers"] == [monolithic_chat(load_model(), m, MAX_TOKENS) for m in MESSAGES]
+    # each role bound its own host's address: encoder and proxy on a, prefill on b, decode on c
+    assert [u.split("//")[1].rsplit(":", 1)[0] for u in got["urls"]] == [hosts.address(n) for n in "abca"]
+    encoder, prefill = got["urls"][:2]
+    assert [ln.split("{")[1].split("}")[0] for ln in got["paths"][encoder]] == ['path="tcp"']  # E→P: a to b
+    assert [ln.split("{")[1].split("}")[0] for ln in got["paths"][prefill]] == ['path="tcp"']  # P→D: b to c
+    assert got["actors"] == [] and got["groups"] == 0
+    left = [pid for pid in got["pids"] if os.path.exists(f"/proc/{pid}")]  # one PID namespace for all hosts
+    assert left == []
