@@ -99,8 +99,9 @@ class Topology:
     hosts: Mapping[str, tuple[str, str]] = field(default_factory=dict, metadata={"cli": False})
     placement: str = option("local", "where the processes run: local (children of this one) or ray (each owned by "
                                      "a Ray actor on a node of a Ray cluster; docs/ray.md)", choices=PLACEMENTS)
-    ray_address: str | None = option(None, "the Ray cluster to join (implies placement=ray; unset: ray.init()'s own "
-                                           "choice: RAY_ADDRESS, a running cluster, else a new local one)", flag="--ray")
+    ray_address: str | None = option(None, "the Ray cluster to join (implies placement=ray; unset: ray.init()'s "
+                                           "own choice: RAY_ADDRESS, a running cluster, else a new local one)",
+                                     flag="--ray")
     ray_strategy: str | None = option(None, "one placement group over all processes, a bundle each (their Ray "
                                             "resources), with this strategy", choices=STRATEGIES)
     ray_bind: str = option("loopback", "the address each process binds on its Ray node: loopback (127.0.0.1: nodes "

@@ -66,5 +66,5 @@ def test_bench_transfer_writes_the_json_schema(tmp_path):
 
 def test_the_local_launcher_does_not_import_ray():
     """Ray is optional: `epd_lab.launch` (hence `make demo`) imports it only for placement="ray"."""
-    code = "import sys, epd_lab.launch, epd_lab.cli; assert 'ray' not in sys.modules, 'ray imported'"
+    code = "import sys, epd_lab.launch, epd_lab.cli, epd_lab.demo; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

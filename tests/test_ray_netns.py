@@ -39,9 +39,9 @@ options = {name: {"num_cpus": 0, "resources": {host: 1}} for name, host in pins.
 topology = Topology(prefills=1, decodes=1, proxy=True, timeout=20, placement="ray", ray_bind="node",
                     ray_options=options)
 with Cluster(topology) as cluster:
-    answers = [httpx.post(cluster.proxy_url + "/v1/chat/completions", timeout=60, json={
-        "model": "x", "messages": m, "max_tokens": max_tokens, "temperature": 0}).json()["choices"][0]["message"]["content"]
-        for m in messages]
+    body = {"model": "x", "max_tokens": max_tokens, "temperature": 0}
+    answers = [httpx.post(cluster.proxy_url + "/v1/chat/completions", json={**body, "messages": m}, timeout=60)
+               .json()["choices"][0]["message"]["content"] for m in messages]
     paths = {url: [ln for ln in httpx.get(url + "/metrics").text.splitlines() if "_engine_bytes_out_total{" in ln]
              for url in cluster.urls()[:2]}
     urls, pids = cluster.urls(), [p.pid for p in cluster.procs]
