@@ -9,11 +9,8 @@ import base64
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,35 +65,18 @@ def _in(hosts: netns.Hosts, node: str, *cmd: str, timeout: float) -> subprocess.
 
 
 @pytest.fixture(scope="module")
-def hosts():
+def ray_hosts():
+    """(the hosts, the Ray head's address)."""
     ok, why = netns.available()
     if not ok:
         pytest.skip(f"network namespaces unavailable: {why}")
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    with netns.Hosts(list(NODES)) as h:
-        try:
-            for node in NODES:
-                join = ["--head", "--port", "6379", "--include-dashboard=false"] if node == "a" else \
-                    ["--address", f"{h.address('a')}:6379"]
-                started = _in(h, node, ray_cli, "start", "--num-cpus", "1", "--object-store-memory", str(80 << 20),
-                              "--disable-usage-stats", "--node-ip-address", h.address(node),
-                              "--resources", json.dumps({f"host_{node}": 8}), *join, timeout=120)
-                assert started.returncode == 0, started.stderr[-2000:]
-            yield h
-        finally:
-            # everything in the namespaces is this fixture's (Ray's daemons): kill those processes by id
-            for node in NODES:
-                pids = subprocess.run(["ip", "netns", "pids", h.netns(node)], capture_output=True, text=True).stdout
-                for pid in map(int, pids.split()):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            time.sleep(0.5)  # the kernel frees a namespace once its last process is reaped
+    with netns.Hosts(list(NODES)) as hosts, netns.ray_nodes(hosts) as head:
+        yield hosts, head
 
 
-def test_roles_on_three_network_hosts_answer_right_over_tcp_and_leave_nothing(hosts):
-    run = _in(hosts, "a", sys.executable, "-c", DRIVER, f"{hosts.address('a')}:6379", json.dumps(PINS),
+def test_roles_on_three_network_hosts_answer_right_over_tcp_and_leave_nothing(ray_hosts):
+    hosts, head = ray_hosts
+    run = _in(hosts, "a", sys.executable, "-c", DRIVER, head, json.dumps(PINS),
               json.dumps(MESSAGES), str(MAX_TOKENS), timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
