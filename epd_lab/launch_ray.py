@@ -64,7 +64,7 @@ class RoleActor:
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str], secret: bytes | None,
               bind_node: bool, timeout: float) -> dict[str, Any]:
         """Start ``python argv...`` (this node's Python) and wait for its URL; returns url, pid (the role's),
-        actor_pid (this actor's process) and node_id."""
+        actor_pid (this actor's process), node_id and log (its path on this node)."""
         node_id = ray.get_runtime_context().get_node_id()
         child_env = {k: v for k, v in os.environ.items() if k not in (security.ENV_SECRET, security.ENV_SECRET_FILE)}
         child_env.update(env)
@@ -75,7 +75,7 @@ class RoleActor:
         host = ["--host", ray.util.get_node_ip_address()] if bind_node else []
         self.proc = procs.spawn([sys.executable, *argv, *host], self.log, child_env)
         url = procs.await_url(self.proc, name, self.log, timeout)
-        return {"url": url, "pid": self.proc.pid, "actor_pid": os.getpid(), "node_id": node_id}
+        return {"url": url, "pid": self.proc.pid, "actor_pid": os.getpid(), "node_id": node_id, "log": str(self.log)}
 
     def poll(self) -> int | None:
         """The role's returncode, None while it runs."""
@@ -99,12 +99,13 @@ class RoleActor:
 class RayProcess:
     """A role process owned by a `RoleActor`, shaped as the `subprocess.Popen` the local launcher keeps
     (``pid``, `poll`, `kill`, `wait`), so that `Cluster.alive` and the fault campaign read both alike.
-    ``pid`` is the role's on its node, ``actor_pid`` its actor's, ``node_id`` the Ray node they run on."""
+    ``pid`` is the role's on its node, ``actor_pid`` its actor's, ``node_id`` the Ray node they run on,
+    ``node_log`` the role's log there (what is left of a killed actor's role)."""
 
     def __init__(self, name: str, actor: Any, started: Any) -> None:
         self.name, self.actor, self._started = name, actor, started
         self.pid = self.actor_pid = 0
-        self.node_id = ""
+        self.node_id = self.node_log = ""
         self.returncode: int | None = None
 
     def await_url(self, timeout: float) -> str:
@@ -114,7 +115,8 @@ class RayProcess:
         except GetTimeoutError:
             raise TimeoutError(f"{self.name}: its Ray actor was not placed and started within {timeout} s (are "
                                f"the resources it asks for in the cluster? ray status)") from None
-        self.pid, self.actor_pid, self.node_id = info["pid"], info["actor_pid"], info["node_id"]
+        self.pid, self.actor_pid, self.node_id, self.node_log = (info["pid"], info["actor_pid"], info["node_id"],
+                                                                 info["log"])
         return info["url"]
 
     def poll(self) -> int | None:
@@ -210,7 +212,8 @@ class RayRoles:
             try:
                 log.write_bytes(ray.get(stop, timeout=10 + CALL_TIMEOUT))
             except (RayError, GetTimeoutError):
-                log.write_bytes(f"(the log of {p.name} was lost with its Ray actor)\n".encode())
+                log.write_bytes(f"(the log of {p.name} was lost with its Ray actor; on its node: {p.node_log})\n"
+                                .encode())
             ray.kill(p.actor, no_restart=True)
         if self.group is not None:
             remove_placement_group(self.group)

@@ -13,6 +13,7 @@ import io
 import os
 import re
 import secrets
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -173,6 +174,7 @@ def test_what_ray_cannot_place_is_refused_before_a_role_starts(ray_cluster):
 
 def test_close_leaves_no_actor_process_or_placement_group(cluster, ray_cluster):
     pids = [pid for p in cluster.procs for pid in (p.pid, p.actor_pid)]
+    procs = list(cluster.procs)  # close() empties it
     cluster.close()  # with one node lost: its bundle of the placement group cannot be placed again
     assert _gone(pids)
     assert [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"] == []
@@ -180,3 +182,8 @@ def test_close_leaves_no_actor_process_or_placement_group(cluster, ray_cluster):
     # every log came back from its node before the actors went; the killed one's went with its actor
     lost = {log.stem for log in cluster.logs if "lost with its Ray actor" in log.read_text()}
     assert lost == {"prefill0", "decode1"} and all(log.exists() for log in cluster.logs)
+    # a killed actor's folder stays on its node for the post-mortem; the others' went with close()
+    folders = {p.name: Path(p.node_log).parent for p in procs}
+    assert {name for name, folder in folders.items() if folder.exists()} == lost
+    for name in lost:
+        shutil.rmtree(folders[name])
