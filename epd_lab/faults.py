@@ -6,7 +6,7 @@ campaign (`epd_lab.campaign.faults`) acts at that precise step.
 Armed by the environment variable ``EPD_FAILPOINTS``, read once at import:
 
 - ``EPD_FAILPOINTS="encoder.before_notify,decode.mid_stream"``: each named point stops the process
-  (``SIGSTOP`` to itself) the first time it is reached;
+  (``SIGSTOP`` sent to the thread that reached it, which stops them all) the first time it is reached;
 - ``EPD_FAILPOINTS="@/some/dir"``: points are armed at run time, per process: while the file
   ``/some/dir/<pid>`` names a point, the process stops the first time it reaches that point and deletes the
   file (one stop per arming). The campaign starts a whole cluster this way and arms only its victim.
@@ -60,7 +60,9 @@ def failpoint(name: str) -> None:
             if name not in _ONCE:
                 return
             _ONCE.discard(name)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    # To this thread, not the process: a process-directed signal is taken by the main thread, and this one ran on
+    # past the point (into the write it stands before) until the group stop reached it, microseconds to ms later.
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def arm(directory: str, pid: int, name: str) -> None:

@@ -275,6 +275,7 @@ cdef class Owner:
         return dict(regions=s.regions, registered_bytes=s.registered_bytes, writes_in=s.writes_in,
                     bytes_in=s.bytes_in, writes_refused=s.writes_refused, writes_in_flight=s.writes_in_flight, managed_buffers=s.managed_arenas,
                     managed_bytes=s.managed_bytes, deregister_timeouts=s.deregister_timeouts,
+                    pins_reaped=s.pins_reaped,
                     conns_active=v.conns_active, conns_accepted=v.conns_accepted, conns_refused=v.conns_refused,
                     conns_idle_closed=v.conns_idle_closed, auth_failures=v.auth_failures)
 

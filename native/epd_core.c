@@ -42,7 +42,9 @@ _Static_assert(sizeof(epd_wire_req) == 40 && sizeof(epd_wire_rep) == 24, "wire s
 #define WINDOW 512               /* pipelined writes per batch window (replies are 24 bytes each) */
 #define MAX_ARENAS 256
 #define TABLE_CAP 8192
-#define TABLE_MAGIC 0x31304C4254445045ULL /* "EPDTBL01" */
+#define MAX_WRITERS 64           /* same-host writer processes attached to one owner at once */
+#define REAP_EVERY_NS 1000000ULL /* how often a deregister waiting for pins looks for dead writers */
+#define TABLE_MAGIC 0x32304C4254445045ULL /* "EPDTBL02" */
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
@@ -207,15 +209,31 @@ typedef struct {
     int32_t fd, pad;
 } arena_rec_t;
 
+/* A same-host writer process attached to the table (epd_shm_attach). Its pins are counted here, per slot,
+ * and not in the slot: a writer killed mid-copy never releases them, and the owner, seeing the process gone,
+ * drops them all at once (reap_writer). A slot's pins are its own `inflight` (the owner's server threads, the
+ * cuda transport) plus every writer's count for it. */
+enum { WRITER_FREE = 0, WRITER_CLAIMING = 1, WRITER_LIVE = 2, WRITER_REAPING = 3 };
+
+typedef struct {
+    uint32_t state;
+    int32_t pid;
+    uint64_t start; /* the process's start time (/proc/<pid>/stat), which tells a reused pid apart; 0: unknown */
+    uint64_t pad[6];
+    int32_t pins[TABLE_CAP];
+} writer_rec_t;
+
 typedef struct {
     uint64_t magic, nonce;
     int32_t pid;
     uint32_t used; /* slots ever used: the scan bound */
     uint64_t writes_in, bytes_in, writes_refused; /* placed by whoever wrote: server thread or shm peer */
     uint64_t arena_epoch;                         /* bumped when an arena is freed, so peers unmap it */
-    uint64_t pad[9];
+    uint64_t pins_reaped;                         /* pins dropped with the writer that held them (it died) */
+    uint64_t pad[8];
     arena_rec_t arenas[MAX_ARENAS];
     slot_t slots[TABLE_CAP];
+    writer_rec_t writers[MAX_WRITERS]; /* after the slots: the layout before them is cuda_table.py's too */
 } table_t;
 
 static int covers(uint64_t a, uint64_t l, uint64_t addr, uint64_t len) {
@@ -230,19 +248,124 @@ static int slot_matches(slot_t *s, uint64_t addr, uint64_t len, uint64_t key) {
            (key == 0 || LOAD(&s->key) == key);
 }
 
-static slot_t *table_acquire(table_t *t, uint64_t addr, uint64_t len, uint64_t key) {
+/* `w`: the writer record to count the pin in (a same-host writer), NULL for the slot's own count. Returns
+ * the pinned counter (give it to table_release) and sets *slot, or NULL when nothing covers the write. */
+static int32_t *table_acquire(table_t *t, writer_rec_t *w, uint64_t addr, uint64_t len, uint64_t key,
+                              slot_t **slot) {
     uint32_t used = LOAD(&t->used);
     for (uint32_t i = 0; i < used; i++) {
         slot_t *s = &t->slots[i];
         if (!slot_matches(s, addr, len, key)) continue;
-        ADD(&s->inflight, 1);
-        if (slot_matches(s, addr, len, key)) return s;
-        ADD(&s->inflight, -1);
+        int32_t *pin = w ? &w->pins[i] : &s->inflight;
+        ADD(pin, 1);
+        if (slot_matches(s, addr, len, key)) {
+            if (slot) *slot = s;
+            return pin;
+        }
+        ADD(pin, -1);
     }
     return NULL;
 }
 
-static void table_release(slot_t *s) { ADD(&s->inflight, -1); }
+static void table_release(int32_t *pin) { ADD(pin, -1); }
+
+/* ---- writer records ---- */
+
+/* Field 22 of /proc/<pid>/stat (start time, in clock ticks since boot) and field 3 (state). Returns 1, 0 when
+ * the process does not exist, -1 when it cannot tell. */
+static int proc_stat(int pid, uint64_t *start, char *state) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT || errno == ESRCH ? 0 : -1;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    int e = errno;
+    close(fd);
+    if (n <= 0) return n < 0 && e == ESRCH ? 0 : -1;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    if (!p || sscanf(p + 2, "%c", state) != 1) return -1;
+    for (int field = 3; field <= 22 && p; field++) p = strchr(p + 1, ' '); /* from ')' to the space before 22 */
+    if (!p || sscanf(p + 1, "%lu", start) != 1) return -1;
+    return 1;
+}
+
+/* Whether the writer (pid, start) is certainly gone: exited (a zombie too: it copies nothing any more), or
+ * its pid now names another process. In doubt it counts as alive, so a live writer never loses its pins. */
+static int writer_gone(int32_t pid, uint64_t start) {
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0); /* first, so that the start time checked is its process's */
+    if (pidfd < 0 && errno == ESRCH) return 1;
+    uint64_t now_start = 0;
+    char state = 0;
+    int known = proc_stat(pid, &now_start, &state);
+    int gone = known == 0 || (known == 1 && start && now_start != start);
+    if (!gone && known == 1) {
+        if (pidfd >= 0) {
+            struct pollfd pf = {pidfd, POLLIN, 0};
+            gone = poll(&pf, 1, 0) == 1; /* a pidfd becomes readable once the whole process has exited */
+        } else {
+            gone = state == 'Z' || state == 'X';
+        }
+    }
+    if (pidfd >= 0) close(pidfd);
+    return gone;
+}
+
+/* Drop every pin of a writer whose process is gone and free its record; the pins it held return to 0. */
+static void reap_writer(table_t *t, writer_rec_t *w) {
+    uint32_t live = WRITER_LIVE;
+    if (!__atomic_compare_exchange_n(&w->state, &live, WRITER_REAPING, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return; /* another reaper took it */
+    uint64_t dropped = 0;
+    for (uint32_t i = 0; i < TABLE_CAP; i++) {
+        int32_t p = __atomic_exchange_n(&w->pins[i], 0, __ATOMIC_SEQ_CST);
+        if (p > 0) dropped += (uint64_t)p;
+    }
+    ADD(&t->pins_reaped, dropped);
+    STORE(&w->state, WRITER_FREE);
+}
+
+/* Reap the records of writers that are gone; with `pinned_only`, only of those that still pin something. */
+static void reap_gone_writers(table_t *t, int pinned_only) {
+    uint32_t used = LOAD(&t->used);
+    for (int k = 0; k < MAX_WRITERS; k++) {
+        writer_rec_t *w = &t->writers[k];
+        if (LOAD(&w->state) != WRITER_LIVE) continue;
+        int pinned = !pinned_only;
+        for (uint32_t i = 0; i < used && !pinned; i++) pinned = LOAD(&w->pins[i]) != 0;
+        if (pinned && writer_gone(LOAD(&w->pid), LOAD(&w->start))) reap_writer(t, w);
+    }
+}
+
+/* Every pin on slot i: its own and each writer's. */
+static int64_t slot_pins(table_t *t, uint32_t i) {
+    int64_t n = LOAD(&t->slots[i].inflight);
+    for (int k = 0; k < MAX_WRITERS; k++)
+        if (LOAD(&t->writers[k].state) != WRITER_FREE) n += LOAD(&t->writers[k].pins[i]);
+    return n;
+}
+
+static writer_rec_t *writer_claim(table_t *t) {
+    uint64_t start = 0;
+    char state;
+    if (proc_stat(getpid(), &start, &state) != 1) start = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int k = 0; k < MAX_WRITERS; k++) {
+            writer_rec_t *w = &t->writers[k];
+            uint32_t free_ = WRITER_FREE;
+            if (!__atomic_compare_exchange_n(&w->state, &free_, WRITER_CLAIMING, 0, __ATOMIC_SEQ_CST,
+                                             __ATOMIC_SEQ_CST))
+                continue;
+            memset(w->pins, 0, sizeof(w->pins)); /* a writer that detached left none; one reaped, none either */
+            STORE(&w->pid, (int32_t)getpid());
+            STORE(&w->start, start);
+            STORE(&w->state, WRITER_LIVE);
+            return w;
+        }
+        reap_gone_writers(t, 0); /* full: records of writers that died without detaching come back */
+    }
+    return NULL;
+}
 
 /* ===================== owner ===================== */
 
@@ -320,7 +443,8 @@ int epd_owner_register(epd_owner *o, uint64_t addr, uint64_t length, uint64_t *k
     for (uint32_t i = 0; i < t->used; i++) {
         slot_t *s = &t->slots[i];
         if (s->state == SLOT_FREE) {
-            if (free_slot < 0) free_slot = (int)i;
+            /* a slot a deregister gave up on may still be pinned by a frozen writer: not reused while it is */
+            if (free_slot < 0 && slot_pins(t, i) == 0) free_slot = (int)i;
             continue;
         }
         if (s->addr == addr && s->length == length) {
@@ -359,8 +483,9 @@ int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err) {
     table_t *t = o->t;
     pthread_mutex_lock(&o->mu);
     slot_t *s = NULL;
+    uint32_t idx = 0;
     for (uint32_t i = 0; i < t->used; i++)
-        if (t->slots[i].state == SLOT_ACTIVE && t->slots[i].addr == addr) s = &t->slots[i];
+        if (t->slots[i].state == SLOT_ACTIVE && t->slots[i].addr == addr) s = &t->slots[i], idx = i;
     if (!s) {
         pthread_mutex_unlock(&o->mu);
         return fail(err, EPD_EINVAL, "0x%lx is not the start of a registered region", addr);
@@ -368,13 +493,19 @@ int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err) {
     STORE(&s->state, SLOT_REVOKING);
     pthread_mutex_unlock(&o->mu);
     /* No write may land after deregister returns: wait for pinned writers. A stalled TCP writer is cut
-     * off by its connection's idle timeout, so wait twice that; only a frozen shm writer outlasts it. */
-    uint64_t deadline = now_ns() + 2 * (uint64_t)o->timeout_ms * 1000000ULL;
+     * off by its connection's idle timeout, so wait twice that; an shm writer that died mid-copy has its
+     * pins dropped here; only a frozen shm writer outlasts the wait. */
+    uint64_t t0 = now_ns(), deadline = t0 + 2 * (uint64_t)o->timeout_ms * 1000000ULL, reap_at = t0 + REAP_EVERY_NS;
     int expired = 0;
-    while (LOAD(&s->inflight) > 0) {
-        if (now_ns() > deadline) {
+    while (slot_pins(t, idx) > 0) {
+        uint64_t now = now_ns();
+        if (now > deadline) {
             expired = 1;
             break;
+        }
+        if (now >= reap_at) {
+            reap_gone_writers(t, 1);
+            reap_at = now + REAP_EVERY_NS;
         }
         struct timespec ts = {0, 20000};
         nanosleep(&ts, NULL);
@@ -392,9 +523,9 @@ int epd_owner_deregister(epd_owner *o, uint64_t addr, char *err) {
 }
 
 int epd_owner_covers(epd_owner *o, uint64_t addr, uint64_t length) {
-    slot_t *s = table_acquire(o->t, addr, length, 0);
-    if (s) table_release(s);
-    return s != NULL;
+    int32_t *pin = table_acquire(o->t, NULL, addr, length, 0, NULL);
+    if (pin) table_release(pin);
+    return pin != NULL;
 }
 
 int epd_owner_alloc_managed(epd_owner *o, uint64_t length, uint64_t *addr_out, char *err) {
@@ -474,12 +605,23 @@ int epd_owner_regions(epd_owner *o, epd_region *out, int cap) {
 void epd_owner_stats_get(epd_owner *o, epd_owner_stats *st) {
     memset(st, 0, sizeof(*st));
     pthread_mutex_lock(&o->mu);
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t pinned = 0;
+        for (uint32_t i = 0; i < o->t->used; i++)
+            if (o->t->slots[i].state == SLOT_ACTIVE) {
+                int64_t pins = slot_pins(o->t, i);
+                pinned += pins > 0 ? (uint64_t)pins : 0;
+            }
+        if (pinned == 0 || pass == 1) {
+            st->writes_in_flight = pinned;
+            break;
+        }
+        reap_gone_writers(o->t, 1); /* pins seen: those of writers that died mid-copy go before they are counted */
+    }
     for (uint32_t i = 0; i < o->t->used; i++)
         if (o->t->slots[i].state == SLOT_ACTIVE) {
-            int32_t pins = LOAD(&o->t->slots[i].inflight);
             st->regions++;
             st->registered_bytes += o->t->slots[i].length;
-            st->writes_in_flight += pins > 0 ? (uint64_t)pins : 0;
         }
     for (int i = 0; i < MAX_ARENAS; i++)
         if (o->arenas[i].base) {
@@ -491,6 +633,7 @@ void epd_owner_stats_get(epd_owner *o, epd_owner_stats *st) {
     st->writes_in = LOAD(&o->t->writes_in);
     st->bytes_in = LOAD(&o->t->bytes_in);
     st->writes_refused = LOAD(&o->t->writes_refused);
+    st->pins_reaped = LOAD(&o->t->pins_reaped);
 }
 
 epd_hello epd_owner_hello(epd_owner *o) { return (epd_hello){o->t->pid, o->table_fd, o->t->nonce}; }
@@ -632,7 +775,7 @@ static int drain(int fd, uint64_t len, int timeout_ms) {
 
 static int serve_write(epd_server *s, int fd, const epd_wire_req *q) {
     table_t *t = s->o->t;
-    slot_t *sl = q->length ? table_acquire(t, q->addr, q->length, q->key) : NULL;
+    int32_t *sl = q->length ? table_acquire(t, NULL, q->addr, q->length, q->key, NULL) : NULL;
     if (!sl) {
         ADD(&t->writes_refused, 1);
         if (q->length > DRAIN_MAX || !drain(fd, q->length, s->timeout_ms)) return 0;
@@ -1073,6 +1216,7 @@ struct epd_shm_peer {
     int pid, pidfd, timeout_ms;
     pthread_mutex_t mu; /* guards the arena mappings; copies run concurrently */
     table_t *t;
+    writer_rec_t *w; /* this process's record in the owner's table: where its pins are counted */
     uint64_t epoch;
     arena_map_t maps[MAX_ARENAS];
 };
@@ -1099,13 +1243,20 @@ int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char 
         munmap(t, sizeof(table_t));
         return fail(err, EPD_ECONN, "pid %d's table does not match the peer's HELLO (another host?)", h->pid);
     }
+    writer_rec_t *w = writer_claim(t);
+    if (!w) {
+        munmap(t, sizeof(table_t));
+        return fail(err, EPD_ECONN, "pid %d already has %d same-host writers attached", h->pid, MAX_WRITERS);
+    }
     epd_shm_peer *p = calloc(1, sizeof(*p));
     if (!p) {
+        STORE(&w->state, WRITER_FREE);
         munmap(t, sizeof(table_t));
         return fail(err, EPD_ESYS, "out of memory");
     }
     p->pid = h->pid;
     p->t = t;
+    p->w = w;
     p->timeout_ms = timeout_ms;
     p->epoch = LOAD(&t->arena_epoch);
     p->pidfd = (int)syscall(SYS_pidfd_open, h->pid, 0);
@@ -1122,6 +1273,7 @@ static void unmap_arena(arena_map_t *m) {
 void epd_shm_detach(epd_shm_peer *p) {
     if (!p) return;
     for (int i = 0; i < MAX_ARENAS; i++) unmap_arena(&p->maps[i]);
+    STORE(&p->w->state, WRITER_FREE); /* no write runs now, so it pins nothing */
     munmap(p->t, sizeof(table_t));
     if (p->pidfd >= 0) close(p->pidfd);
     pthread_mutex_destroy(&p->mu);
@@ -1290,7 +1442,7 @@ int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, c
     int large, streamed = 0;
     uint64_t large_min;
     epd_copy_policy_get(&large, &large_min);
-    slot_t *pinned[WINDOW];
+    int32_t *pinned[WINDOW];
     struct iovec liov[WINDOW], riov[WINDOW];
     int rc = EPD_OK;
     uint64_t bytes = 0;
@@ -1299,15 +1451,16 @@ int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, c
         int m = n - base < WINDOW ? n - base : WINDOW, npin = 0, nvm = 0;
         for (int i = 0; i < m; i++) {
             uint64_t src = srcs[base + i], dst = dsts[base + i], len = lens[base + i];
-            slot_t *s = len ? table_acquire(t, dst, len, keys ? keys[base + i] : 0) : NULL;
-            if (!s) {
+            slot_t *s = NULL;
+            int32_t *pin = len ? table_acquire(t, p->w, dst, len, keys ? keys[base + i] : 0, &s) : NULL;
+            if (!pin) {
                 ADD(&t->writes_refused, 1);
                 rc = fail(err, EPD_EREFUSED,
                           "pid %d refused the write of %lu bytes to 0x%lx: not inside memory it registered%s", p->pid,
                           len, dst, keys && keys[base + i] ? " under that key" : "");
                 break;
             }
-            pinned[npin++] = s;
+            pinned[npin++] = pin;
             if (s->kind) {
                 pthread_mutex_lock(&p->mu);
                 char *local = arena_local(p, s, err);

@@ -82,6 +82,7 @@ typedef struct {
     uint64_t writes_in, bytes_in, writes_refused, writes_in_flight;
     uint64_t managed_arenas, managed_bytes;
     uint64_t deregister_timeouts;
+    uint64_t pins_reaped; /* pins dropped because the same-host writer holding them died mid-write */
 } epd_owner_stats;
 
 int epd_owner_create(epd_owner **out, int timeout_ms, char *err);

@@ -36,6 +36,7 @@ cdef extern from "epd_core.h" nogil:
         uint64_t writes_in, bytes_in, writes_refused, writes_in_flight
         uint64_t managed_arenas, managed_bytes
         uint64_t deregister_timeouts
+        uint64_t pins_reaped
 
     ctypedef struct epd_owner:
         pass

@@ -472,7 +472,7 @@ def test_a_busy_encoder_passes_the_part_on_and_a_failed_request_releases_its_par
             result = work.check(rx, "float32", "one busy", work.images("busy-failover", SIZES[:2]))
             assert [p.encoder for p in result.received.parts] == [1, 1]
             assert rx.counters["encoder_failovers"] == 1
-        assert 'epd_encoder_refused_at_capacity_total 2' in httpx.get(busy + "/metrics", timeout=10).text
+        assert 'epd_encoder_refused_total{reason="queue_full"} 2' in httpx.get(busy + "/metrics", timeout=10).text
         answer = httpx.post(busy + "/release", json={"req_id": held.req_id}, timeout=10).json()
         assert answer == {"req_id": held.req_id, "released": True}
         assert httpx.get(busy + "/health", timeout=10).json()["admitted"] == 0

@@ -204,3 +204,53 @@ def test_deregister_of_a_frozen_shm_writer_is_bounded():
             w.stdout.close()
         s = peer.stats()
         assert (s["deregister_timeouts"], s["regions"]) == (1, 0)
+
+
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "external"])
+def test_a_shm_writer_killed_mid_write_leaves_no_pin(managed):
+    """A same-host writer killed mid-copy never releases its pins; the owner sees its process gone and drops
+    them: writes_in_flight goes back to 0 (while the writer is still an unreaped zombie too) and the region
+    deregisters at once, with no timeout. Managed memory is a memcpy into the mapping, external memory a
+    process_vm_writev: both pin."""
+    import subprocess
+    import sys
+
+    n = 256 * MiB
+    with PeerProcess(protocol="tcp", timeout=2.0) as peer:
+        dst = peer.alloc(n, managed=managed)
+        w = subprocess.Popen([sys.executable, "-c", FROZEN_WRITER, peer.session_id, str(dst), str(n)],
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            assert w.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 60
+            while not peer.stats()["writes_in"]:  # attached: its first shm peer may calibrate the copy first
+                assert time.monotonic() < deadline, "the writer never wrote"
+                time.sleep(0.01)
+            for _ in range(40):  # a 256 MiB copy takes ~25-50 ms and the loop ~10 us: freeze until mid-copy
+                time.sleep(0.03)
+                freeze(w.pid)
+                if peer.stats()["writes_in_flight"] == 1:
+                    break
+                os.kill(w.pid, signal.SIGCONT)
+            else:
+                pytest.fail("never froze the writer mid-copy in 40 tries")
+            assert peer.stats()["writes_in_flight"] == 1  # frozen, alive: its pin holds
+            os.kill(w.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while open(f"/proc/{w.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                assert time.monotonic() < deadline, "the killed writer did not exit"
+                time.sleep(0.005)
+            # a zombie, its pid not reaped yet: gone once its last thread has exited (its pidfd then polls readable)
+            while (s := peer.stats())["writes_in_flight"]:
+                assert time.monotonic() < deadline, "the dead writer's pin was never dropped"
+                time.sleep(0.01)
+            assert s["pins_reaped"] == 1
+            peer.call("deregister", ptr=dst, timeout=10)  # would wait 2 x 2 s and fail with "stalled mid-write"
+        finally:
+            w.kill()
+            w.wait()
+            w.stdout.close()
+        s = peer.stats()
+        assert (s["deregister_timeouts"], s["regions"], s["writes_in_flight"]) == (0, 0, 0)
+        peer.call("register", ptr=dst, nbytes=n)  # the address takes a new registration, unpinned
+        assert peer.stats()["writes_in_flight"] == 0

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,6 +59,7 @@ def test_fault_cell(name, prompts):
     inflight = [r for r in result["requests"] if r["tag"] == "inflight"]
     during = [r for r in result["requests"] if r["tag"] == "during"]
     assert len(inflight) == 3 and during  # the fault met requests in flight and new ones
+    assert "proxy" in result["refusals"]  # the survivors' refusals by reason, reported beside the verdict
     failed = {k: v for k, v in verdicts.items() if not v["passed"]}
     assert not failed, f"{reproduce(cell, 0, TIMEOUT, 3, 2, TIMEOUT + 2)}\n{json.dumps(failed, indent=1)}"
 
@@ -120,6 +122,41 @@ def test_failpoint_unset_costs_nothing():
     proc = _run_probe({"EPD_FAILPOINTS": ""})
     out, _ = proc.communicate(timeout=60)
     assert out.split() == ["before", "after"] and proc.returncode == 0
+
+
+THREAD_PROBE = """
+import threading, time
+from epd_lab.faults import failpoint
+after = []
+def worker():
+    failpoint("prefill.kv_write")
+    after.append(time.monotonic())  # the first thing past the point
+t = threading.Thread(target=worker)
+print("before", flush=True)
+t.start()
+t.join()  # the main thread sleeps, as a server's event loop does between requests
+print(repr(after[0]), flush=True)
+"""
+
+
+def test_a_failpoint_stops_its_thread_at_the_point():
+    """The point is reached in a worker thread while the main thread sleeps: the thread must not run on past the
+    point before the process stops (a signal sent to the process is taken by the main thread, and the caller ran
+    on into the step until the stop reached it: into the KV write the point stands before)."""
+    for _ in range(3):  # the race it guards against was lost in 2 of 3 runs
+        proc = subprocess.Popen([sys.executable, "-c", THREAD_PROBE], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "EPD_FAILPOINTS": "prefill.kv_write"})
+        try:
+            assert proc.stdout.readline().strip() == "before"
+            assert fp.wait_stopped(proc.pid, 30)
+            t_resumed = time.monotonic()
+            os.kill(proc.pid, signal.SIGCONT)
+            assert float(proc.stdout.readline()) > t_resumed  # it went past the point only once resumed
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
 
 
 SERVER = """

@@ -311,38 +311,75 @@ def test_bad_requests_are_4xx_or_503_with_detail(stack):
     assert "epd_decode_kv_blocks_free 64" in stack.http.get(stack.decode.url + "/metrics").text
 
 
-def test_a_prefill_at_capacity_refuses_at_once_with_retry_after(tmp_path):
-    """workers 1 + max_queued 1: of a burst of 8 concurrent prefills, those beyond the two admitted are refused
-    with 503 and Retry-After at once (before their body is read), none waits in a queue to time out, and the
-    admitted ones are served."""
+def test_a_prefill_past_its_queue_bound_refuses_at_once_with_retry_after(tmp_path):
+    """workers 1 + max_queued 1 (the memory backstop, here tiny): of a burst of 8 concurrent prefills, those beyond
+    the one running and the one waiting are refused with 503 and Retry-After at once (before their body is read),
+    counted by reason, and the admitted ones are served. (Before issue 18 this bound was the only admission rule:
+    workers + max_queued, 4 + 32 by default; now a request waits while its deadline allows, and this bound is a
+    large backstop.)"""
     tight = Server("tight", "epd_lab.servers.prefill", "--workers", "1", "--max-queued", "1", "--kv-blocks", "64",
                    log_dir=tmp_path).wait_ready()
     try:
         body = {"prompt": "slow " * 100, "kv_transfer_params": {"do_remote_decode": False}}
 
-        def post(i: int) -> tuple[int, float, str | None]:
+        def post(i: int) -> tuple[int, float, str | None, str]:
             t0 = time.monotonic()
             r = httpx.post(tight.url + "/v1/prefill", json={"request_id": f"burst-{i}", **body}, timeout=60)
-            return r.status_code, time.monotonic() - t0, r.headers.get("retry-after")
+            return r.status_code, time.monotonic() - t0, r.headers.get("retry-after"), r.text
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(post, range(8)))
-        statuses = sorted(status for status, _, _ in answers)
+        statuses = sorted(status for status, _, _, _ in answers)
         assert set(statuses) == {200, 503} and statuses.count(200) >= 2, answers
-        refused = [(elapsed, retry) for status, elapsed, retry in answers if status == 503]
-        assert all(retry == "1" and elapsed < 2.0 for elapsed, retry in refused), refused
+        refused = [(elapsed, retry, text) for status, elapsed, retry, text in answers if status == 503]
+        assert all(int(retry) >= 1 and elapsed < 2.0 and "at capacity" in text for elapsed, retry, text in refused)
         metrics = httpx.get(tight.url + "/metrics").text
-        assert f"epd_prefill_refused_at_capacity_total {len(refused)}" in metrics
-        assert "epd_prefill_capacity 2" in metrics and "epd_prefill_admitted 0" in metrics
+        assert f'epd_prefill_refused_total{{reason="queue_full"}} {len(refused)}' in metrics
+        assert "epd_prefill_max_queued 1" in metrics and "epd_prefill_admitted 0" in metrics
+        assert "epd_prefill_queue_length 0" in metrics
+    finally:
+        tight.close()
+
+
+def test_a_prefill_queues_what_fits_the_deadline_and_refuses_what_does_not(tmp_path):
+    """workers 1, the default queue: a burst of 8 concurrent prefills waits and is served in full (the old fixed
+    cap refused 6 of them); a request whose deadline (X-EPD-Deadline-Ms) cannot hold even its own service is
+    refused at once with 503, Retry-After and the predicted wait, and counted by reason."""
+    tight = Server("queueing", "epd_lab.servers.prefill", "--workers", "1", "--kv-blocks", "64",
+                   log_dir=tmp_path).wait_ready()
+    try:
+        body = {"prompt": "slow " * 100, "kv_transfer_params": {"do_remote_decode": False}}
+
+        def post(i: int) -> int:
+            return httpx.post(tight.url + "/v1/prefill", json={"request_id": f"wait-{i}", **body},
+                              timeout=60).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(post, range(8))) == [200] * 8
+        metrics = httpx.get(tight.url + "/metrics").text
+        assert "epd_prefill_queued_total 0" not in metrics  # some of them waited their turn
+        r = httpx.post(tight.url + "/v1/prefill", json={"request_id": "hurried", **body},
+                       headers={"X-EPD-Deadline-Ms": "0.001"}, timeout=10)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert "predicted wait 0.00 s" in r.json()["detail"] and "deadline of 0.00 s" in r.json()["detail"]
+        r = httpx.post(tight.url + "/v1/prefill", json={"request_id": "garbled", **body},
+                       headers={"X-EPD-Deadline-Ms": "soon"}, timeout=10)
+        assert r.status_code == 400 and "X-EPD-Deadline-Ms" in r.json()["detail"]
+        metrics = httpx.get(tight.url + "/metrics").text
+        assert 'epd_prefill_refused_total{reason="deadline"} 1' in metrics
+        assert 'epd_prefill_refused_total{reason="queue_full"} 0' in metrics
+        admission = tight.health()["admission"]
+        assert admission["workers"] == 1 and admission["queued"] == 0 and admission["service_s"] > 0
     finally:
         tight.close()
 
 
 def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
-    """max_active 1: while one streamed request generates, a second is refused with 503 and Retry-After at once
-    (its KV stays with prefill, untouched); once the first stream ends, the second is admitted and served."""
-    tight = Server("tight-decode", "epd_lab.servers.decode", "--max-active", "1", "--kv-blocks", str(KV_BLOCKS),
-                   log_dir=tmp_path).wait_ready()
+    """max_active 1 and no queue (--max-queued 0): while one streamed request generates, a second is refused with
+    503 and Retry-After at once (its KV stays with prefill, untouched); once the first stream ends, the second is
+    admitted and served. (Before issue 18 max_active alone refused; now --max-queued 0 asks for that.)"""
+    tight = Server("tight-decode", "epd_lab.servers.decode", "--max-active", "1", "--max-queued", "0",
+                   "--kv-blocks", str(KV_BLOCKS), log_dir=tmp_path).wait_ready()
     try:
         kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in ("cap-a", "cap-b")}
         body = stack.decode_body("cap-a", kv["cap-a"], 4000, stream=True)  # seconds of generating
@@ -360,7 +397,35 @@ def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
             time.sleep(0.05)
         r = stack.http.post(tight.url + "/v1/decode", json=stack.decode_body("cap-b", kv["cap-b"], 2))
         assert r.status_code == 200 and len(r.json()["tokens"]) == 2
-        assert "epd_decode_refused_at_capacity_total 1" in httpx.get(tight.url + "/metrics").text
+        assert 'epd_decode_refused_total{reason="queue_full"} 1' in httpx.get(tight.url + "/metrics").text
+    finally:
+        tight.close()
+
+
+def test_a_decode_request_waits_holding_no_kv_and_is_served_when_a_place_frees(stack, tmp_path):
+    """max_active 1, the default queue: while one streamed request generates, a second waits (queue length 1,
+    its blocks not allocated: only the first's were ever held) and is served once the first stream ends."""
+    tight = Server("queue-decode", "epd_lab.servers.decode", "--max-active", "1", "--kv-blocks", str(KV_BLOCKS),
+                   log_dir=tmp_path).wait_ready()
+    try:
+        kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in ("q-a", "q-b")}
+        body = stack.decode_body("q-a", kv["q-a"], 4000, stream=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with stack.http.stream("POST", tight.url + "/v1/decode", json=body) as first:
+                assert first.status_code == 200
+                lines = first.iter_lines()
+                next(lines)
+                second = pool.submit(httpx.post, tight.url + "/v1/decode",
+                                     json=stack.decode_body("q-b", kv["q-b"], 2), timeout=30)
+                deadline = time.monotonic() + 10
+                while "epd_decode_queue_length 1" not in (metrics := httpx.get(tight.url + "/metrics").text):
+                    assert time.monotonic() < deadline and not second.done(), "the second request never queued"
+                    time.sleep(0.02)
+                assert "epd_decode_running 1" in metrics and not second.done()
+            r = second.result(30)  # the first stream closed: its place goes to the waiting one
+        assert r.status_code == 200 and len(r.json()["tokens"]) == 2
+        metrics = httpx.get(tight.url + "/metrics").text
+        assert "epd_decode_queued_total 1" in metrics and 'epd_decode_refused_total{reason="expired"} 0' in metrics
     finally:
         tight.close()
 

@@ -32,7 +32,7 @@ MODEL_ID = "epd-lab-tiny-qwen2-vl"
 LEAK_GAUGES = ("embeddings_held", "kv_blocks_used", "kv_blocks_quarantined", "inflight", "admitted",
                "kv_requests_held", "active_requests", "backend_inflight", "engine_regions",
                "engine_writes_in_flight", "engine_managed_buffers")
-INFO_GAUGES = ("cache_bytes",)
+INFO_GAUGES = ("cache_bytes", "queue_length")
 Progress = Callable[[str], None]
 
 
@@ -133,17 +133,22 @@ def client_session(concurrency: int) -> aiohttp.ClientSession:
 
 async def chat(session: aiohttp.ClientSession, proxy_url: str, body: dict[str, Any], timeout: float, *,
                index: int = 0, prompt: int = -1, abort_after: int | None = None, t0: float | None = None,
-               tag: str = "") -> Outcome:
+               tag: str = "", headers: dict[str, str] | None = None, raw: bytes | None = None) -> Outcome:
     """POST `body` to the proxy's ``/v1/chat/completions`` and read its answer (SSE when streamed).
     `abort_after`: cancel the stream after that many content chunks (a client abort). `timeout`: the
-    client's own bound for the whole request."""
+    client's own bound for the whole request. `headers`: extra request headers (a deadline); `raw`: `body`
+    encoded once already (a burst of a thousand would otherwise spend seconds of the client's own loop encoding
+    the same images, and count them in every latency)."""
     out = Outcome(index, prompt, tag=tag)
     start = time.monotonic()
     out.t_start = start - (t0 if t0 is not None else start)
     chunks: list[str] = []
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(proxy_url + "/v1/chat/completions", json=body) as resp:
+            post = (session.post(proxy_url + "/v1/chat/completions", json=body, headers=headers) if raw is None else
+                    session.post(proxy_url + "/v1/chat/completions", data=raw,
+                                 headers={"content-type": "application/json", **(headers or {})}))
+            async with post as resp:
                 out.status = resp.status
                 if resp.status != 200:
                     raw = await resp.read()
@@ -245,6 +250,38 @@ def pool_levels(text: str) -> dict[str, float]:
         short = name.split("_", 2)[2] if name.count("_") >= 2 else name
         if short in LEAK_GAUGES or short in INFO_GAUGES:
             out[short] = value
+    return out
+
+
+def refusal_counts(text: str) -> dict[str, float]:
+    """A server's refusals from its /metrics: ``refused_total`` by reason (every role's admission, the proxy's
+    by code) and the encoder's ``refused_held_bytes_total`` as ``held_bytes``; zeros left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "_refused_" not in line:
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        if name_labels.endswith("_refused_held_bytes_total"):
+            reason = "held_bytes"
+        elif "_refused_total{" in name_labels:
+            reason = name_labels.split('reason="', 1)[1].split('"', 1)[0]
+        else:
+            continue
+        if float(value):
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
+
+
+def refusals(cluster: Cluster) -> dict[str, dict[str, float]]:
+    """Every live server's refusals by reason (`refusal_counts`), by process name: reported beside a leg's
+    targets (a refusal is an answer, not a failure, but how many there were belongs in the report)."""
+    out = {}
+    with httpx.Client(timeout=5.0, headers=auth_headers()) as http:
+        for name, url in role_urls(cluster).items():
+            try:
+                out[name] = refusal_counts(http.get(url + "/metrics").text)
+            except httpx.HTTPError:
+                continue
     return out
 
 

@@ -33,7 +33,8 @@ from typing import Any, Iterator
 
 from epd_lab.campaign.netns import Hosts, available
 from epd_lab.campaign.common import (Outcome, Progress, Prompts, Sampler, chat, client_session,
-                                     counts, judge, machine, percentiles, process_names, target, wait_idle)
+                                     counts, judge, machine, percentiles, process_names, refusals, target,
+                                     wait_idle)
 from epd_lab.faults import POINTS, arm, disarm, is_stopped, wait_stopped
 from epd_lab.launch import Cluster, Topology
 
@@ -244,14 +245,17 @@ def run_cell(cell: Cell, *, seed: int, prompts: Prompts, multi: Prompts, infligh
                 alive = [n for n, proc in zip(names, cluster.procs) if proc.poll() is None]
                 idle_s, left = wait_idle(sampler, {n: idle.get(n, {}) for n in alive},
                                          bound_s=max(10.0, 3 * timeout), names=alive)
+                refused_by = refusals(cluster)  # the survivors' 503s by reason, beside the verdict
         finally:
             for pid in pids.values():  # nothing stays stopped for the teardown
                 if is_stopped(pid):
                     _signal(pid, signal.SIGCONT)
             loop.close()
     judge(outcomes, prompts.reference + multi.reference)
-    return _verdict(cell, outcomes, events, idle_s if events["reached_s"] is not None else None,
-                    left if events["reached_s"] is not None else {}, sampler.rows, timeout)
+    result = _verdict(cell, outcomes, events, idle_s if events["reached_s"] is not None else None,
+                      left if events["reached_s"] is not None else {}, sampler.rows, timeout)
+    result["refusals"] = refused_by
+    return result
 
 
 def _victim(cell: Cell, trigger: str, names: list[str], sampler: Sampler) -> str:
@@ -358,7 +362,9 @@ def faults(*, cells: tuple[str, ...] = (), inflight: int = 4, concurrency: int =
         result.update(seed=s, reproduce=command)
         results.append(result)
         failed = [t["target"] for t in result["targets"] if not t["passed"]]
-        progress(f"    {'PASS' if not failed else 'FAIL: ' + '; '.join(failed)}  {result['counts']}")
+        refused = {name: by for name, by in result.get("refusals", {}).items() if by}
+        progress(f"    {'PASS' if not failed else 'FAIL: ' + '; '.join(failed)}  {result['counts']}"
+                 + (f"  refusals {refused}" if refused else ""))
     targets = [{**t, "target": f"{r['cell']}: {t['target']}"} for r in results for t in r["targets"]]
     return {"leg": "faults", "seed": seed, "machine": machine(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from epd_lab.campaign.common import (Outcome, Progress, Prompts, Sampler, chat, client_session,
-                                     counts, judge, machine, percentiles, target, wait_idle)
+                                     counts, judge, machine, percentiles, refusals, target, wait_idle)
 from epd_lab.launch import Cluster, Topology
 
 TOPOLOGIES = {"1E1P1D": (1, 1, 1), "2E2P2D": (2, 2, 2)}
@@ -72,6 +72,7 @@ def run_topology(name: str, *, count: int, concurrency: int, seed: int, time_bud
             last = time.monotonic() - t0
             idle_s, left = wait_idle(sampler, idle, bound_s=max(5.0, 4 * timeout))
             progress(f"  {name}: pools idle {'after %.2f s' % idle_s if idle_s is not None else 'NEVER'}")
+        refused_by = refusals(cluster)
         judge(outcomes, prompts.solo)
     refused = [o for o in outcomes if o.kind == "refused"]
     failed = [o for o in outcomes if o.kind not in ("ok", "refused")]
@@ -94,7 +95,7 @@ def run_topology(name: str, *, count: int, concurrency: int, seed: int, time_bud
     ]
     return {"topology": name, "count": count, "concurrency": concurrency, "sent": len(outcomes),
             "counts": counts(outcomes), "latency_s": percentiles([o.latency_s for o in outcomes if o.kind == "ok"]),
-            "refused_latency_s": percentiles([o.latency_s for o in refused]),
+            "refused_latency_s": percentiles([o.latency_s for o in refused]), "refusals": refused_by,
             "last_answer_s": last, "idle_after_s": idle_s, "leaks_left": left, "idle_levels": idle,
             "solo": [o.record() for o in solo], "targets": targets,
             "requests": [o.record() for o in outcomes], "samples": sampler.rows}

@@ -14,8 +14,8 @@ import random
 import time
 from typing import Any
 
-from epd_lab.campaign.common import (MODEL_ID, Outcome, Progress, Prompts, Sampler, chat,
-                                     client_session, counts, judge, machine, percentiles, target, wait_idle)
+from epd_lab.campaign.common import (MODEL_ID, Outcome, Progress, Prompts, Sampler, chat, client_session, counts,
+                                     judge, machine, percentiles, refusals, target, wait_idle)
 from epd_lab.launch import Cluster, Topology
 
 RSS_GROWTH_LIMIT = 0.05
@@ -126,6 +126,7 @@ def soak(*, count: int = 10_000, concurrency: int = 16, seed: int = 0, time_budg
                                           abort_share, bad_share, started + time_budget_s, t0, seed, progress))
             t_last = time.monotonic() - t0
             idle_s, left = wait_idle(sampler, idle, bound_s=max(5.0, 4 * timeout))
+        refused_by = refusals(cluster)
         judge(outcomes, prompts.solo)
     growth = rss_growth(sampler.rows, t_last / 2, t_last)
     bad = [o for o in outcomes if o.tag.startswith("bad:")]
@@ -148,7 +149,7 @@ def soak(*, count: int = 10_000, concurrency: int = 16, seed: int = 0, time_budg
                "every complete answer equals its solo answer"),
     ]
     run = {"name": "soak 1E1P1D", "count": count, "sent": len(outcomes), "counts": counts(outcomes),
-           "bad_counts": counts(bad), "latency_s": percentiles([o.latency_s for o in outcomes if o.kind == "ok"]),
+           "bad_counts": counts(bad), "refusals": refused_by, "latency_s": percentiles([o.latency_s for o in outcomes if o.kind == "ok"]),
            "last_answer_s": t_last, "idle_after_s": idle_s, "leaks_left": left, "idle_levels": idle,
            "rss_growth_second_half": growth, "solo": [o.record() for o in solo], "targets": targets,
            "requests": [o.record() for o in outcomes], "samples": sampler.rows}

@@ -23,9 +23,14 @@ request's bits depend on the batch bucket its step is replayed in (`epd_lab.mode
 client that disconnects marks its request cancelled; the scheduler drops it (and frees its blocks) before its
 next step.
 
+Admission (`epd_lab.serving.Admission`): ``--max-active`` requests at once, each until its stream ends; the
+others wait, before their body is read and holding no KV, while their predicted wait fits their deadline
+(``X-EPD-Deadline-Ms``, else ``--timeout``), and are refused with 503, ``Retry-After`` and the predicted wait
+when it does not; ``--max-queued`` bounds the queue.
+
 Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
-KV pool exhausted 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after streaming began is
-a last NDJSON line `StreamError` (``{"type": "error", "detail": "..."}``).
+KV pool exhausted 503, overloaded 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after
+streaming began is a last NDJSON line `StreamError` (``{"type": "error", "detail": "..."}``).
 
 ``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
 batched steps, so ``tokens_generated`` over it is about the mean batch), ``GET /metrics`` (Prometheus).
@@ -67,7 +72,8 @@ from epd_lab.servers.messages import (
 )
 from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
-                             ServingError, Unavailable, engine_metrics, option, read_struct, role_app, serve_main)
+                             ServingError, Unavailable, deadline_budget, engine_metrics, option, read_struct,
+                             role_app, serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                        check_placement, use_device)
 from epd_lab.trace import Recorder, Span
@@ -103,8 +109,10 @@ class DecodeSettings:
     kv_quarantine: float | None = option(None, "seconds the blocks of a timed-out transfer rest before reuse "
                                                "(default: --timeout)")
     max_batch: int = option(16, "requests per decode forward (1: round-robin single steps)")
-    max_active: int = option(64, "requests admitted at once (receiving their KV or generating); more are refused "
-                                 "with 503 at once, never left to time out")
+    max_active: int = option(64, "requests at once (receiving their KV or generating); more wait, holding no KV, "
+                                 "while their predicted wait fits their deadline (X-EPD-Deadline-Ms, else "
+                                 "--timeout), and are refused with 503 at once when it does not")
+    max_queued: int = option(1024, "requests waiting for a place among max_active at most (a memory backstop)")
     kv_producers: tuple[str, ...] = option((), "the prefills' KV side channels (tcp://host:port) this decode may "
                                                "ask; a request naming another is refused (none: any, unguarded)")
 
@@ -113,6 +121,8 @@ class DecodeSettings:
         for name in ("kv_blocks", "block_size", "max_batch", "max_active"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.kv_quarantine is not None and self.kv_quarantine < 0:
@@ -152,8 +162,7 @@ class DecodeServer:
         self._quarantined = 0
         self._timers: set[threading.Timer] = set()
         self._lock = threading.Lock()
-        self.admission = Admission("decode", settings.max_active, f"max_active {settings.max_active}",
-                                   lambda: self._count("refused_at_capacity"))
+        self.admission = Admission("decode", settings.max_active, settings.max_queued, settings.timeout)
         self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
         self.scheduler = DecodeScheduler(self.runtime, settings.max_batch, self.blocks.allocate, self.recorder,
                                          self._count, lambda gen: self.blocks.free(gen.block_table))
@@ -290,7 +299,7 @@ class DecodeServer:
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
                 "block_size": self.cache.block_size, "active_requests": active, "runtime": self.settings.runtime,
                 "max_batch": self.settings.max_batch, "kv_producers_guarded": bool(self.settings.kv_producers),
-                "counters": counters}
+                "admission": self.admission.stats(), "counters": counters}
 
     def metric_families(self) -> list[Metric]:
         """The decode's ``/metrics`` families: its KV blocks, requests and tokens, the consumer's counters."""
@@ -301,9 +310,6 @@ class DecodeServer:
             ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving, generating or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
             ("active_requests", "gauge", h["active_requests"], "requests generating"),
-            ("admitted", "gauge", self.admission.admitted, "requests receiving their KV or generating"),
-            ("refused_at_capacity_total", "counter", c["refused_at_capacity"],
-             "requests refused with 503 at once: at capacity (max_active)"),
             ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
             ("requests_cancelled_total", "counter", c["requests_cancelled"], "requests whose client went away"),
             ("requests_failed_total", "counter", c["requests_failed"], "requests that failed while generating"),
@@ -312,7 +318,7 @@ class DecodeServer:
             ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
             ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
             ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
-        )] + engine_metrics(self.engine)
+        )] + self.admission.metric_families() + engine_metrics(self.engine)
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""
@@ -356,20 +362,18 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     @app.post("/v1/decode")
     async def decode(request: Request) -> Response:
         server: DecodeServer = app.state.server
-        server.admission.enter()  # refused before its body is read: at once
+        # queued, or refused, before its body is read; a waiting request holds no KV (prefill keeps it meanwhile)
+        ticket = await server.admission.enter(deadline_budget(request.headers, server.settings.timeout))
         streaming = False
         try:
-            response = await _decode(server, request)
+            response = await _decode(server, request, ticket.leave)
             streaming = isinstance(response, _GenerationStream)  # admitted until its stream ends
             return response
         finally:
             if not streaming:
-                server.admission.leave()
+                ticket.leave()
 
-    def _stream_ended() -> None:
-        app.state.server.admission.leave()
-
-    async def _decode(server: DecodeServer, request: Request) -> Response:
+    async def _decode(server: DecodeServer, request: Request, _stream_ended: Callable[[], None]) -> Response:
         req = await read_struct(request, DecodeRequest)
         loop = asyncio.get_running_loop()
         fetch = server.io.submit(server.fetch_kv, req)

@@ -21,10 +21,14 @@ Routes:
   TTL, and its /encode, should it still come (a freeze, a cut link), is refused (409).
 - ``POST /scheduler_receive_url`` (zmq_to_scheduler; `SchedulerReceiveUrl`), ``GET /health``, ``GET /metrics``.
 
-Admission: at most ``--max-parts`` parts at once, from /encode until sent (mooncake: held for /send, released or
-expired), and at most ``--max-held-bytes`` of embeddings held for /send. Past either an /encode is refused at once
-with 503 and ``Retry-After`` (before its body is read, for the part count), holding nothing: the receiver offers
-the part to another encoder.
+Admission (`epd_lab.serving.Admission` with no queue): at most ``--max-parts`` parts at once, from /encode until
+sent (mooncake: held for /send, released or expired), and at most ``--max-held-bytes`` of embeddings held for
+/send. Past either an /encode is refused at once with 503 and ``Retry-After`` (before its body is read, for the
+part count), holding nothing: the receiver offers the part to another encoder. An /encode does not queue here,
+unlike a prefill or decode request: a part's slot is held until its /send, which the prefill sends only once
+every part of the request is answered, so a part waiting for a slot held by its own request's sibling would wait
+for its deadline. The deadline-aware queue stands before it, at the prefill; the ViT worker's backlog is
+bounded by ``--max-parts``.
 
 ZMQ messages only go to hosts `check_host` accepts (an IP address or a DNS name) and ports 1..65535.
 
@@ -91,8 +95,8 @@ from epd_lab.ep.messages import (
 from epd_lab.ep.push import PushSockets
 from epd_lab.faults import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
-                             Metric, NotFound, ServingError, Unavailable, decode_body, engine_metrics, json_response,
-                             option, read_body, read_struct, role_app, serve_main)
+                             Metric, NotFound, ServingError, Ticket, Unavailable, decode_body, engine_metrics,
+                             json_response, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.models.runtime import open_runtime
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                        check_placement, synchronize, use_device)
@@ -182,6 +186,7 @@ class _Held:
     embedding_port: int | None
     future: concurrent.futures.Future  # -> (embedding tensor, vit span)
     created: float
+    ticket: Ticket  # its admission, left once it is sent, released or expired
 
 
 @dataclasses.dataclass(slots=True)
@@ -226,17 +231,16 @@ class MMEncoder:
         self.embeddings_released = 0
         self.held_bytes = 0  # Σ embedding_size of `held`
         self.released_ids: dict[str, float] = {}  # /release for a part not held: when (kept for the TTL)
-        self.refused = {"at_capacity": 0, "held_bytes": 0}
-        self.admission = Admission("encoder", settings.max_parts, f"max_parts {settings.max_parts}",
-                                   lambda: self._count_refused("at_capacity"))
+        self.refused = {"held_bytes": 0}  # the part count's refusals are the admission's own
+        self.admission = Admission("encoder", settings.max_parts, 0, settings.timeout)
 
     # ---- /encode ----
-    async def encode(self, body: Awaitable[bytes | bytearray]) -> EncodeResponse:
+    async def encode(self, body: Awaitable[bytes | bytearray], ticket: Ticket) -> EncodeResponse:
         """/encode's JSON body (`EncodeRequest`, awaited here): read the media and answer the sizes; run
         (mooncake: start) the ViT and send per backend. A bad request or item is a 400 (`BadRequest`).
 
-        The caller admitted the part (`admission.enter`); it leaves when this returns, or for mooncake once held
-        and then sent, released or expired."""
+        The caller admitted the part (`admission.enter`: `ticket`); it leaves when this returns, or for mooncake
+        once held and then sent, released or expired."""
         held = False
         try:
             body = await body
@@ -261,7 +265,7 @@ class MMEncoder:
             failpoint("encoder.before_encode_reply")
             if self.settings.backend == "mooncake":
                 self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
-                                              time.monotonic())
+                                              time.monotonic(), ticket)
                 self.held_bytes += resp.embedding_size
                 held = True
                 return resp
@@ -269,7 +273,7 @@ class MMEncoder:
             return resp
         finally:
             if not held:
-                self.admission.leave()
+                ticket.leave()
 
     def _check_held_bytes(self, nbytes: int) -> None:
         """503 when holding `nbytes` more for /send would pass ``max_held_bytes``."""
@@ -287,7 +291,7 @@ class MMEncoder:
         held = self.held.pop(req_id, None)
         if held is not None:
             self.held_bytes -= held.answer.embedding_size
-            self.admission.leave()
+            held.ticket.leave()
         return held
 
     def release(self, req: ReleaseRequest) -> dict:
@@ -563,7 +567,8 @@ class MMEncoder:
                 "device": str(self.device), "dtype": self.settings.dtype, "node": self.recorder.node,
                 "session_id": self.engine.session_id if self.engine is not None else None,
                 "embeddings_held": len(self.held), "held_bytes": self.held_bytes,
-                "admitted": self.admission.admitted, "encoder_idx": self.encoder_idx}
+                "admitted": self.admission.admitted, "admission": self.admission.stats(),
+                "encoder_idx": self.encoder_idx}
 
     def metric_families(self) -> list[Metric]:
         """The encoder's ``/metrics`` families: held embeddings, bytes sent, the embedding cache."""
@@ -573,10 +578,6 @@ class MMEncoder:
             ("embeddings_released_total", "counter", self.embeddings_released, "embeddings dropped by /release"),
             ("held_bytes", "gauge", self.held_bytes, "embedding bytes held for /send"),
             ("max_held_bytes", "gauge", self.settings.max_held_bytes, "embedding bytes held for /send at most"),
-            ("admitted", "gauge", self.admission.admitted, "parts admitted (encoding, or held for /send)"),
-            ("capacity", "gauge", self.admission.capacity, "parts admitted at most (max_parts)"),
-            ("refused_at_capacity_total", "counter", self.refused["at_capacity"],
-             "/encode refused with 503 at once: max_parts reached"),
             ("refused_held_bytes_total", "counter", self.refused["held_bytes"],
              "/encode refused with 503: max_held_bytes reached"),
             ("bytes_sent_total", "counter", self.bytes_sent, "embedding bytes written or sent over ZMQ"),
@@ -585,7 +586,7 @@ class MMEncoder:
             ("cache_evictions_total", "counter", self.cache.evictions, "cache entries evicted"),
             ("cache_entries", "gauge", len(self.cache), "images in the cache"),
             ("cache_bytes", "gauge", self.cache.num_bytes, "bytes in the cache"),
-        )] + engine_metrics(self.engine)
+        )] + self.admission.metric_families() + engine_metrics(self.engine)
 
     def close(self) -> None:
         """Stop the worker, close the sockets and the engine."""
@@ -622,7 +623,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
     @app.post("/encode")
     async def encode(request: Request) -> Response:
         server: MMEncoder = app.state.server
-        server.admission.enter()  # refused before its body is even read: it costs nothing more
+        ticket = await server.admission.enter()  # refused before its body is even read: it costs nothing more
 
         async def body() -> bytes:
             raw = await read_body(request)
@@ -630,7 +631,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
                 raise ClientClosed("the client closed /encode before it was read: nothing is held for it")
             return raw
 
-        return json_response(await server.encode(body()))
+        return json_response(await server.encode(body(), ticket))
 
     @app.post("/send")
     async def send(request: Request) -> Response:

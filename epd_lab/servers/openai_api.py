@@ -73,6 +73,7 @@ class Job:
     stream: bool
     include_usage: bool
     prompt_len: int = 0
+    deadline: float = float("inf")  # time.monotonic() by which its sender wants the whole answer
 
     @property
     def response_id(self) -> str:

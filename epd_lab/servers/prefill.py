@@ -16,11 +16,18 @@ client left before decode began). ``producer.abort`` frees its blocks now instea
 decode asking for it later gets ``TRANS_ERROR`` "aborted", and a prefill of it still running when the abort came
 keeps nothing (answered 409). Idempotent; an unknown request_id is answered 200 with ``freed_blocks`` 0.
 
-Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 64 MiB 413, an image an
-encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted 503, a
-request_id whose KV is still waiting for decode, or that was aborted, 409.
+Admission (`epd_lab.serving.Admission`): ``--workers`` requests at once; the others wait, before their body is
+read, while their predicted wait fits their deadline (``X-EPD-Deadline-Ms``, which the proxy sends, else
+``--timeout``), and are refused with 503, ``Retry-After`` and the predicted wait when it does not;
+``--max-queued`` bounds the queue.
 
-``GET /health`` (JSON: blocks free/used, the producer's counters), ``GET /metrics`` (Prometheus text).
+Errors, always ``{"detail": "..."}``: bad JSON or an unknown field 400, a body over 64 MiB 413, an image an
+encoder refuses 400 (the encoder's message), any other E→P failure 502, the KV pool exhausted until the
+request's deadline (decode behind: waited on, as backpressure) 503, overloaded 503 (above), a request_id whose KV
+is still waiting for decode, or that was aborted, 409.
+
+``GET /health`` (JSON: blocks free/used, the producer's counters, ``max_prompt_tokens``, ``admission``),
+``GET /metrics`` (Prometheus text).
 
 Run: ``python -m epd_lab.servers.prefill --port 0 --encoders URL,URL`` prints ``{"url": ..., "pid": ...}``.
 """
@@ -54,11 +61,15 @@ from epd_lab.servers.messages import (
     PrefillResponse,
     encode,
 )
-from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, decode_body,
-                             engine_metrics, error_for_status, option, read_body, read_struct, role_app, serve_main)
+from epd_lab.servers.text import prompt_tokens
+from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, deadline_budget,
+                             decode_body, engine_metrics, error_for_status, option, read_body, read_struct, role_app,
+                             serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                        check_placement, synchronize, use_device)
 from epd_lab.trace import Recorder
+
+KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.engine import ENGINES
 
@@ -85,8 +96,12 @@ class PrefillSettings:
                                   "ready")
     kv_free_timeout: float = option(30.0, "seconds a prefilled KV waits for decode before its blocks are freed")
     workers: int = option(4, "prefills in flight at once")
-    max_queued: int = option(32, "requests waiting for a worker; beyond workers + max_queued a request is refused "
-                                "with 503 at once, never left to time out in the queue")
+    max_queued: int = option(1024, "requests waiting for a worker at most (a memory backstop): a request waits while "
+                                   "its predicted wait fits its deadline (X-EPD-Deadline-Ms, else --timeout), and is "
+                                   "refused with 503 at once when it does not (serving.admission)")
+    service_prior: float = option(0.1, "seconds a prefill is assumed to take with every worker busy until one is "
+                                       "measured: the admission's (and the proxy's) rate on a fresh server, "
+                                       "which served requests only one at a time if at all (serving.admission)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
@@ -99,7 +114,7 @@ class PrefillSettings:
         for name in ("kv_blocks", "block_size", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("timeout", "kv_free_timeout"):
+        for name in ("timeout", "kv_free_timeout", "service_prior"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -110,22 +125,27 @@ class _KeptKV:
     into them; then handed to the producer (remote decode), or given back (no remote decode, or the request
     failed: a decode waiting on the side channel is then answered ``TRANS_ERROR`` at once)."""
 
-    def __init__(self, server: "PrefillServer", rid: str, remote: bool) -> None:
-        self.server, self.rid, self.remote = server, rid, remote
+    def __init__(self, server: "PrefillServer", rid: str, remote: bool, deadline: float) -> None:
+        self.server, self.rid, self.remote, self.deadline = server, rid, remote, deadline
         self.ids: list[int] | None = None
         self.readied = False
         self.conflict = False  # another request with this id holds KV on the producer: never abort that one
 
     def announce(self, input_ids: torch.Tensor) -> list[int]:
-        """Allocate the prompt's blocks (503 when the pool is exhausted), announce its plan to the producer when
-        decode is remote; returns the blocks (the forward's block table)."""
+        """Allocate the prompt's blocks, announce its plan to the producer when decode is remote; returns the
+        blocks (the forward's block table). A pool exhausted by KV that waits for decode is waited on until the
+        request's deadline (503 then): decode behind is backpressure, which slows the workers, and with them the
+        admission's measured rate, instead of failing requests already encoded."""
         server, prompt_len = self.server, input_ids.shape[1]
         n = blocks_needed(prompt_len, server.cache.block_size)
-        try:
-            self.ids = server.blocks.allocate(n)
-        except OutOfBlocks as exc:
-            server.counters["kv_pool_exhausted"] += 1
-            raise Unavailable(f"KV pool exhausted: {exc}") from None
+        while self.ids is None:
+            try:
+                self.ids = server.blocks.allocate(n)
+            except OutOfBlocks as exc:
+                if time.monotonic() >= self.deadline:
+                    server.counters["kv_pool_exhausted"] += 1
+                    raise Unavailable(f"KV pool exhausted: {exc}") from None
+                time.sleep(KV_WAIT_POLL_S)
         if not self.remote:
             return self.ids
         try:
@@ -202,12 +222,11 @@ class PrefillServer:
             raise
         self.epd = EPDPrefill(self.receiver, self.model) if self.receiver is not None else None
         self.pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefill")
-        self.admission = Admission("prefill", settings.workers + settings.max_queued,
-                                   f"workers {settings.workers} + queue {settings.max_queued}",
-                                   lambda: self.counters.update(["refused_at_capacity"]))
+        self.admission = Admission("prefill", settings.workers, settings.max_queued, settings.timeout,
+                                   settings.service_prior)
 
     # ---- /v1/prefill ----
-    def prefill(self, req: PrefillRequest) -> PrefillResponse:
+    def prefill(self, req: PrefillRequest, deadline: float | None = None) -> PrefillResponse:
         """Run one request (in a worker thread); raises `ServingError`."""
         rid = req.request_id
         with self._lock:
@@ -215,16 +234,18 @@ class PrefillServer:
                 raise Conflict(f"request_id {rid!r} is already being prefilled")
             self._inflight.add(rid)
         try:
-            return self._prefill(req, rid)
+            return self._prefill(req, rid, time.monotonic() if deadline is None else deadline)
         finally:
             with self._lock:
                 self._inflight.discard(rid)
 
-    def _prefill(self, req: PrefillRequest, rid: str) -> PrefillResponse:
+    def _prefill(self, req: PrefillRequest, rid: str, deadline: float) -> PrefillResponse:
         t0 = time.monotonic_ns()
-        kv = _KeptKV(self, rid, remote=req.kv_transfer_params.do_remote_decode)
+        kv = _KeptKV(self, rid, req.kv_transfer_params.do_remote_decode, deadline)
         try:
-            self._check_length(models.build_input_ids(req.prompt, []).shape[1])  # the text alone, before E→P
+            # the text alone, before E→P, measured without building its ids (50 MB of them hold a worker, GIL and
+            # all, for seconds: the event loop, and /health with it, would stop answering)
+            self._check_length(prompt_tokens(req.prompt))
             if req.images:
                 input_ids, embeds, grid = self._receive(req, rid)
             else:
@@ -286,7 +307,14 @@ class PrefillServer:
                 "encoders": list(self.settings.encoders), "num_blocks": self.blocks.num_blocks,
                 "free_blocks": self.blocks.num_free_blocks, "used_blocks": self.blocks.num_used_blocks,
                 "block_size": self.cache.block_size, "inflight": len(self._inflight), "producer": producer,
+                "max_prompt_tokens": self.max_prompt_tokens, "admission": self.admission.stats(),
                 "counters": dict(self.counters)}
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this server takes (`_check_length`'s bound); the proxy learns it from /health and
+        refuses longer ones itself, before they travel."""
+        return min(self.max_positions - 1, self.blocks.num_blocks * self.cache.block_size)
 
     def metric_families(self) -> list[Metric]:
         """The prefill's ``/metrics`` families: its KV blocks, prefills running, the producer's counters."""
@@ -295,10 +323,6 @@ class PrefillServer:
             ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
             ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
             ("inflight", "gauge", len(self._inflight), "prefills running"),
-            ("admitted", "gauge", self.admission.admitted, "requests running or waiting for a worker"),
-            ("capacity", "gauge", self.admission.capacity, "requests admitted at most (workers + max_queued)"),
-            ("refused_at_capacity_total", "counter", self.counters["refused_at_capacity"],
-             "requests refused with 503 at once: at capacity"),
             ("prompt_tokens_total", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
             ("kv_pool_exhausted_total", "counter", self.counters["kv_pool_exhausted"], "requests refused with 503"),
             ("kv_requests_held", "gauge", p["requests_held"], "requests whose KV waits for decode"),
@@ -307,7 +331,8 @@ class PrefillServer:
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
             ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
             ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
-        )] + engine_metrics(self.engine, self.receiver.engine if self.receiver is not None else None)
+        )] + self.admission.metric_families() + engine_metrics(
+            self.engine, self.receiver.engine if self.receiver is not None else None)
 
     def close(self) -> None:
         """Stop the workers, answer waiting asks, free and deregister the cache, close the engines."""
@@ -329,19 +354,21 @@ def create_app(settings: PrefillSettings) -> FastAPI:
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
         server: PrefillServer = app.state.server
-        server.admission.enter()  # refused before its body is even read: it costs nothing more
+        # queued, or refused, before its body is read: a waiting request holds no body, KV or embedding
+        t0, budget = time.monotonic(), deadline_budget(request.headers, server.settings.timeout)
+        ticket = await server.admission.enter(budget)
         try:
-            return await _prefill(server, request)
+            return await _prefill(server, request, t0 + budget)
         finally:
-            server.admission.leave()
+            ticket.leave()
 
-    async def _prefill(server: PrefillServer, request: Request) -> Response:
+    async def _prefill(server: PrefillServer, request: Request, deadline: float) -> Response:
         body = await read_body(request)
         if await request.is_disconnected():  # e.g. read on waking from a freeze the proxy passed over: no compute
             raise ClientClosed("the client closed the request before its prefill began")
 
         def run() -> bytes:  # one hop off the loop: the body (data: URIs, MiBs) decodes in the worker too
-            return encode(server.prefill(decode_body(body, PrefillRequest)))
+            return encode(server.prefill(decode_body(body, PrefillRequest), deadline))
 
         answer = await asyncio.get_running_loop().run_in_executor(server.pool, run)
         return Response(answer, media_type="application/json")

@@ -36,6 +36,13 @@ backend's 400/413/422, whose ``detail`` is passed on: an image that does not dec
 backend failure (its ``detail`` passed on). After a stream has begun, a failure is sent as a last
 ``data: {"error": ...}`` event, which the ``openai`` client raises as ``APIError``.
 
+Overload (issue 18, ``docs/architecture.md``): a client's ``X-EPD-Deadline-Ms`` (capped at ``--timeout``, which
+is the default) is the request's deadline. A request the prefills' reported rate and the proxy's own pending
+requests predict past it is refused with 503 before its body is read; the prefill is sent what is left of it,
+less the decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
+``max_prompt_tokens``) is answered 400 ``context_length_exceeded`` before it is forwarded; bodies over 64 KiB are
+parsed in a thread, so that /health keeps answering. ``epd_proxy_refused_total{reason}`` counts both.
+
 ``--timeout`` is an idle timeout, as the transfer engine's: connecting, and each read of an answer, a long
 stream of tokens is not cut short while tokens keep coming.
 
@@ -81,13 +88,18 @@ from epd_lab import security
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
 from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
 from epd_lab.servers.routing import POLICIES, Backend, Pool
-from epd_lab.servers.text import Detokenizer, detokenize
-from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES, BadGateway, BadRequest,
-                             ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, ServingError, Unavailable,
-                             decode_body, json_response, option, read_body, role_app, serve_main)
+from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
+from epd_lab.serving import (CLIENT_KEEPALIVE_S, DEADLINE_HEADER, PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES,
+                             BadGateway, BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge,
+                             ServingError, Unavailable, deadline_budget, decode_body, json_response, option, read_body,
+                             role_app, serve_main)
+from epd_lab.serving.admission import EWMA_WEIGHT
+from epd_lab.serving.body import SMALL_BODY_BYTES
 from epd_lab.trace import Recorder, Span
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
+DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
 QUANTILES = (0.5, 0.9, 0.99)
 T = TypeVar("T")
 
@@ -238,6 +250,10 @@ class Proxy:
         self.latency_count: collections.Counter[str] = collections.Counter()
         self.started = int(time.time())
         self._background: set[asyncio.Task] = set()  # aborts sent without waiting (held here against the GC)
+        self.refused: collections.Counter[str] = collections.Counter()  # answers refused: 503s by code, too long
+        self.decode_token_s = 0.0  # decode's seconds per token, as this proxy sees them (exponentially weighted)
+        self.pending = 0  # requests admitted here and not yet answered by a prefill
+        self.intake_s = 0.0  # seconds from a request's arrival to its parsed body (weighted mean)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -297,6 +313,12 @@ class Proxy:
             body = decoded if isinstance(decoded, dict) else {}
         if backend.role == "prefill" and isinstance(body.get("kv_url"), str):
             backend.kv_url = body["kv_url"]
+        if backend.role == "prefill" and isinstance(body.get("max_prompt_tokens"), int):
+            backend.max_prompt_tokens = body["max_prompt_tokens"]
+        admission = body.get("admission")
+        if backend.role == "prefill" and isinstance(admission, dict):
+            backend.workers, backend.service_s = admission.get("workers"), admission.get("service_s")
+            backend.rate = admission.get("rate_per_s")
         return body
 
     async def _choose(self, pool: Pool, tried: set[str], only: Backend | None = None) -> Backend | None:
@@ -312,12 +334,15 @@ class Proxy:
         return backend
 
     async def _call(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
-                    lost: list[Backend] | None = None) -> tuple[Backend, bytes]:
+                    lost: list[Backend] | None = None,
+                    headers: dict[str, str] | None = None) -> tuple[Backend, bytes]:
         """`_post`, then its answer read: (the backend, the 200 answer's body), the connection back in the pool
         and the backend's ``inflight`` counted down again."""
-        backend, response = await self._post(pool, path, body, only, lost)
+        backend, response = await self._post(pool, path, body, only, lost, headers)
         try:
-            return backend, await _progressing(backend, response.read())
+            raw = await _progressing(backend, response.read())
+            backend.liveness.heard()
+            return backend, raw
         except (*EXCHANGE_ERRORS, _Stalled, asyncio.CancelledError) as exc:
             if lost is not None:
                 lost.append(backend)
@@ -328,11 +353,13 @@ class Proxy:
             backend.finish(response, reuse=True)
 
     async def _post(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
-                    lost: list[Backend] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
+                    lost: list[Backend] | None = None,
+                    headers: dict[str, str] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
         """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
         refused, answer 503 (at capacity: it did not take the request) or the backend is found stalled before
         it answered. `lost` collects a backend the request reached whose answer was lost (timed out, cut, stalled,
-        this caller cancelled): it may still be working on it.
+        this caller cancelled): it may still be working on it. `headers` go with the JSON content type (a
+        deadline).
 
         Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
         counts it down and reads the body, then releases the response (or closes it, to stop the backend).
@@ -350,8 +377,9 @@ class Proxy:
             ok = False
             try:
                 try:
-                    response = await _progressing(backend, self.session.post(backend.url + path, data=payload,
-                                                                             headers=JSON_HEADERS),
+                    post = self.session.post(backend.url + path, data=payload,
+                                             headers={**JSON_HEADERS, **(headers or {})})
+                    response = await _progressing(backend, post,
                                                   max(0.0, deadline - time.monotonic()))
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                     backend.liveness.refused()  # the request never reached it: the next one may take it
@@ -365,6 +393,7 @@ class Proxy:
                     if isinstance(exc, asyncio.CancelledError):
                         raise
                     raise _transport_error(backend, exc) from None
+                backend.liveness.heard()  # it answered: busy maybe, not frozen
                 if response.status != 200:
                     try:
                         raw = await response.read()
@@ -396,7 +425,8 @@ class Proxy:
         try:
             backend, raw = await self._call(self.prefills, "/v1/prefill", {
                 "request_id": job.rid, "prompt": prompt, "images": images,
-                "kv_transfer_params": {"do_remote_decode": True}}, only=only, lost=lost)
+                "kv_transfer_params": {"do_remote_decode": True}}, only=only, lost=lost,
+                headers=self._prefill_deadline(job))
         except BaseException:  # cancellation too: a prefill whose answer was lost may still finish the request
             await asyncio.shield(self._abort_lost(lost, job.rid))  # and hold its KV: aborted, it frees it at once
             raise
@@ -446,6 +476,84 @@ class Proxy:
         while await self._abort(backend, rid) == "unreachable" and time.monotonic() < deadline:
             await asyncio.sleep(PROBE_INTERVAL)
 
+    def predicted_wait(self) -> tuple[float, float] | None:
+        """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
+        /health (workers, measured rate and service time) and what this proxy has on its way to them (`pending`:
+        being read, parsed or prefilled): a newcomer starts once the `pending` beyond their workers are through,
+        at their summed rate. None before any prefill told its admission."""
+        known = [b for b in self.prefills.backends if b.workers and b.rate and b.service_s and b.up(time.monotonic())]
+        if not known:
+            return None
+        workers = sum(b.workers for b in known)
+        rate = sum(b.rate for b in known)
+        return max(0, self.pending + 1 - workers) / rate, max(b.service_s for b in known)
+
+    def gate(self, scope: Any) -> ServingError | None:
+        """The admission of a completion request, run before routing (`epd_lab.serving.app.Gate`): its error
+        (503 overloaded, 400 for a malformed deadline), counted in ``refused_total``, or None to serve it. Only
+        the headers are read, so a refusal costs neither the body nor the framework."""
+        if scope["method"] != "POST" or scope["path"] not in COMPLETION_ROUTES:
+            return None
+        headers = {DEADLINE_HEADER.lower(): v.decode("latin-1") for k, v in scope["headers"]
+                   if k == DEADLINE_HEADER_BYTES}
+        try:
+            # the client's deadline, at most --timeout: no backend answer is awaited longer than that anyway
+            self._admit(min(deadline_budget(headers, self.settings.timeout), self.settings.timeout))
+        except Unavailable as exc:
+            self.refused[exc.code] += 1
+            return exc
+        except BadRequest as exc:
+            return exc
+        return None
+
+    def _admit(self, budget: float) -> None:
+        """Refuse (503, before the body is read) a request whose predicted wait and service at the prefills do
+        not fit its deadline (less the time the proxy takes to read and parse a body, `intake_s`): the prefill
+        would refuse it too, after the proxy read and sent its body; under a burst of a thousand that reading is
+        what made refusals slow."""
+        prediction = self.predicted_wait()
+        if prediction is None:
+            return
+        wait, service = prediction
+        # the prefill judges the same request `intake_s` later, against what is left of its deadline by then
+        if wait + service + self.intake_s > budget:
+            raise Unavailable(f"proxy overloaded: predicted wait {wait:.2f} s at the prefills ({self.pending} "
+                              f"requests on their way to them) plus its service ({service:.3f} s) and intake "
+                              f"({self.intake_s:.3f} s) does not fit the request's deadline of "
+                              f"{max(budget, 0.0):.2f} s", code="overloaded_deadline",
+                              retry_after=wait + service + self.intake_s - max(budget, 0.0))
+
+    def _prefill_deadline(self, job: Job) -> dict[str, str]:
+        """The ``X-EPD-Deadline-Ms`` for a job's prefill: what is left of its deadline, less what its decode is
+        expected to take (this proxy's measured time per token × its tokens, at most half of what is left, so a
+        long generation is never refused for its length alone: its tokens stream, each bounded by --timeout).
+        Decode is sent no deadline: once prefilled, a request is not refused for it (its first token may be out)."""
+        left = job.deadline - time.monotonic()
+        reserve = min(self.decode_token_s * max(0, job.max_tokens - 1), left / 2)
+        return {DEADLINE_HEADER: f"{max(0.0, left - reserve) * 1000:.0f}"}
+
+    def observe_decode(self, seconds: float, tokens: int) -> None:
+        """Fold one decode's time (its tokens after the first) into `decode_token_s`."""
+        if tokens >= 1:
+            self.decode_token_s += EWMA_WEIGHT * (seconds / tokens - self.decode_token_s)
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt every prefill takes (each tells it in /health; None before any did)."""
+        return min((b.max_prompt_tokens for b in self.prefills.backends if b.max_prompt_tokens), default=None)
+
+    def _parse(self, body: bytes | bytearray, kind: str, t0: int) -> tuple[Job, str, list[str]]:
+        """The client's body as a job, its prompt and media, refused (400) when its text alone is longer than the
+        model takes: checked here, before anything travels, and cheaply (`prompt_tokens`: a 50 MB ASCII prompt in
+        O(1)); the images' tokens are the prefill's to count."""
+        job, prompt, images = parse_request(decode_body(body), kind, t0)
+        limit = self.max_prompt_tokens
+        if limit is not None and (n := prompt_tokens(prompt)) > limit:
+            self.refused["context_length_exceeded"] += 1
+            raise BadRequest(f"the prompt is at least {n} tokens (its text alone); this model takes at most {limit}",
+                             code="context_length_exceeded")
+        return job, prompt, images
+
     def _decode_body(self, job: Job, kv_transfer_params: Any) -> dict[str, Any]:
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
                 "seed": job.seed, "stream": True, "kv_transfer_params": kv_transfer_params}
@@ -475,16 +583,38 @@ class Proxy:
 
     # ---- requests ----
     async def complete(self, request: Request, kind: str) -> Response:
-        """Serve one /v1/chat/completions (`kind` "chat") or /v1/completions ("text") request."""
+        """Serve one /v1/chat/completions (`kind` "chat") or /v1/completions ("text") request; a 503 is counted
+        in ``refused_total`` by its code."""
+        try:
+            return await self._complete(request, kind)
+        except Unavailable as exc:
+            self.refused[exc.code] += 1
+            raise
+
+    async def _complete(self, request: Request, kind: str) -> Response:
         t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
-        job, prompt, images = parse_request(decode_body(await read_body(request)), kind, t0)
-        self.record(Span(job.rid, -1, "proxy_parse", self.recorder.node, t0, time.monotonic_ns()))
-        piped = await self._pipelined(job, prompt, images) if job.stream and self.settings.pipelined else None
-        if piped is None:
-            decode = None
-            prefill_backend, prefill = await self._prefill(job, prompt, images)
-        else:
-            prefill_backend, prefill, decode = piped
+        # admitted already (`gate`, before routing), at most --timeout like it
+        budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
+        self.pending += 1
+        try:
+            body = await read_body(request)
+            if len(body) <= SMALL_BODY_BYTES:
+                job, prompt, images = self._parse(body, kind, t0)
+            else:  # tens of MB of JSON and prompt text: off the event loop, which keeps answering /health
+                job, prompt, images = await asyncio.to_thread(self._parse, body, kind, t0)
+            del body
+            job.deadline = t0 / 1e9 + budget
+            t_parsed = time.monotonic_ns()
+            self.record(Span(job.rid, -1, "proxy_parse", self.recorder.node, t0, t_parsed))
+            self.intake_s += EWMA_WEIGHT * ((t_parsed - t0) / 1e9 - self.intake_s)
+            piped = await self._pipelined(job, prompt, images) if job.stream and self.settings.pipelined else None
+            if piped is None:
+                decode = None
+                prefill_backend, prefill = await self._prefill(job, prompt, images)
+            else:
+                prefill_backend, prefill, decode = piped
+        finally:
+            self.pending -= 1
         try:
             if await request.is_disconnected():
                 raise ClientClosed("the client closed the request before decode began")
@@ -502,6 +632,7 @@ class Proxy:
         # decode streams to the proxy here too: the idle timeout bounds each token, not the whole generation,
         # and a proxy that gives up closes the stream, which stops decode
         tokens, finish_reason, done = [prefill.first_token], "length", False
+        t_decode = time.monotonic()
         try:
             async for msg in _decode_stream(backend, response, prefill.first_token, self.recorder):
                 if isinstance(msg, StreamToken):
@@ -511,6 +642,7 @@ class Proxy:
             done = True
         finally:
             backend.finish(response, reuse=done)
+        self.observe_decode(time.monotonic() - t_decode, len(tokens) - 1)
         self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
         return json_response(completion(job, self.settings.model, detokenize(tokens), finish_reason, len(tokens)))
 
@@ -547,6 +679,14 @@ class Proxy:
                       self.streams_aborted, "reason"),
             Metric.of("prefill_aborts_total", "counter", "/v1/abort calls to prefills, by result",
                       self.prefill_aborts, "result"),
+            Metric.of("refused_total", "counter", "requests refused: 503s by their code (backend_unavailable: every "
+                      "backend refused, its deadline not met), context_length_exceeded (400, before forwarding)",
+                      self.refused, "reason"),
+            Metric.of("pending", "gauge", "requests admitted here and not yet answered by a prefill", self.pending),
+            Metric.of("predicted_wait_seconds", "gauge", "the wait at the prefills a request arriving now is predicted",
+                      round((self.predicted_wait() or (0.0, 0.0))[0], 6)),
+            Metric.of("decode_token_seconds", "gauge", "decode's time per token as the proxy sees it (weighted "
+                      "mean): the part of a deadline kept back from prefill", round(self.decode_token_s, 6)),
         ]
         for name, kind, help_, value in (
             ("inflight", "gauge", "requests in flight per backend", lambda b: b.inflight),
@@ -655,6 +795,8 @@ class _TokenStream:
             if self.tokens >= 2:
                 tpot = (self.t_last - self.t_first) // (self.tokens - 1)
                 proxy.record(Span(job.rid, -1, "tpot", node, self.t_first, self.t_first + tpot))
+                if self.outcome == "ok":
+                    proxy.observe_decode((self.t_last - self.t_first) / 1e9, self.tokens - 1)
             proxy.record(Span(job.rid, -1, "e2e", node, job.t0, time.monotonic_ns()))
             if self.outcome != "ok":
                 proxy.streams_aborted[self.outcome] += 1
@@ -675,6 +817,7 @@ async def _decode_stream(backend: Backend, response: aiohttp.ClientResponse, fir
                 return
             if isinstance(msg, StreamError):
                 raise BadGateway(f"decode {backend.url} failed mid-stream: {msg.detail}")
+            backend.liveness.heard()  # a token: streaming, however slowly its /health answers
             if msg.index != due:
                 raise BadGateway(f"decode {backend.url} sent token {msg.index} where {due} was due")
             due += 1
@@ -714,7 +857,7 @@ async def _discard(decode: asyncio.Task) -> None:
 def create_app(settings: ProxySettings) -> FastAPI:
     """The proxy's app; its HTTP client to the backends lives for the app's lifespan. Errors, unknown routes
     included, are OpenAI error objects."""
-    app = role_app("proxy", lambda: Proxy(settings), ROUTES, error_body)
+    app = role_app("proxy", lambda: Proxy(settings), ROUTES, error_body, gate=Proxy.gate)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -2,7 +2,8 @@
 
 ``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts them; ties in round-robin
 order). A backend that refused a connection is skipped for ``retry_after`` seconds; one that stopped answering
-its ``/health`` probes is skipped until it answers again (`epd_lab.serving.Liveness`).
+its ``/health`` probes, and answered nothing else meanwhile, is skipped until it answers again
+(`epd_lab.serving.Liveness`: busy is not frozen).
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ class Backend:
     inflight: int = 0  # requests sent to it and not yet answered (for decode: until its stream closes)
     served: int = 0  # requests it accepted
     kv_url: str | None = None  # a prefill's KV side channel, from its /health: decode can be asked up front
+    max_prompt_tokens: int | None = None  # a prefill's longest prompt, from its /health: the proxy checks it first
+    workers: int | None = None  # a prefill's admission, from its /health: requests it runs at once ...
+    service_s: float | None = None  # ... its measured service time ...
+    rate: float | None = None  # ... and completions per second: the proxy predicts the wait from them
     probed: bool = False  # its /health has answered once
     stalls: int = 0  # times it was found stalled
     # set when it is found stalled: exchanges waiting on it give up; a fresh one once it answers again

@@ -50,6 +50,12 @@ class Detokenizer:
         return self._utf8.decode(b"", final=True)
 
 
+def prompt_tokens(text: str) -> int:
+    """The number of tokens `text` is (its UTF-8 bytes), without encoding it when it is ASCII: a 50 MB prompt is
+    measured in O(1) (CPython knows a str is ASCII), where building its ids would hold a process for seconds."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", errors="surrogatepass"))
+
+
 def detokenize(ids: Iterable[int]) -> str:
     """Text of token ids: bytes < 256 as UTF-8 (errors replaced), other ids as ``<|id|>``."""
     detok = Detokenizer()

@@ -1,7 +1,7 @@
 """The serving floor every epd_lab server stands on.
 
 - `stack`: how a server starts (port 0, TCP_NODELAY, uvloop + httptools, the announced URL).
-- `admission`: admitted below a capacity, else a 503 at once.
+- `admission`: queued while the predicted wait fits the request's deadline, else a 503 at once.
 - `liveness`: a backend's circuit as its caller sees it (refused, stalled, up), fed by /health probes.
 - `app`: one lifespan, one error answer, one request counter, ``/health``, ``/metrics``, the trace routes.
 - `errors`: typed errors that carry their HTTP status.
@@ -9,20 +9,22 @@
 - `metrics`: the request counter and the Prometheus text writer.
 - `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`).
 """
-from epd_lab.serving.admission import Admission
+from epd_lab.serving.admission import DEADLINE_HEADER, Admission, Ticket, deadline_budget
 from epd_lab.serving.app import Role, json_response, role_app
 from epd_lab.serving.body import MAX_BODY_BYTES, decode_body, read_body, read_struct
 from epd_lab.serving.errors import (BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                                     NotFound, PayloadTooLarge, ServingError, Unavailable, error_for_status)
-from epd_lab.serving.liveness import PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES, Liveness
+from epd_lab.serving.liveness import PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE, Liveness
 from epd_lab.serving.metrics import Metric, engine_metrics, metrics_text
 from epd_lab.serving.settings import from_argv, option, parser, to_argv
 from epd_lab.serving.stack import (CLIENT_KEEPALIVE_S, KEEPALIVE_S, LOOPS, PARSERS, bind_tcp, http_info, http_stack,
                                    run_server, serve_and_announce, serve_main, url_of)
 
-__all__ = ["CLIENT_KEEPALIVE_S", "KEEPALIVE_S", "LOOPS", "MAX_BODY_BYTES", "PARSERS", "PROBE_INTERVAL",
-           "PROBE_TIMEOUT", "STALL_MISSES", "Admission", "BadGateway", "BadRequest", "ClientClosed", "Conflict",
-           "Forbidden", "GatewayTimeout", "Liveness", "Metric", "NotFound", "PayloadTooLarge", "Role",
-           "ServingError", "Unavailable", "bind_tcp", "decode_body", "engine_metrics", "error_for_status",
-           "from_argv", "http_info", "http_stack", "json_response", "metrics_text", "option", "parser", "read_body",
-           "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main", "to_argv", "url_of"]
+__all__ = ["CLIENT_KEEPALIVE_S", "DEADLINE_HEADER", "KEEPALIVE_S", "LOOPS", "MAX_BODY_BYTES", "PARSERS",
+           "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE",
+           "Admission", "BadGateway", "BadRequest", "ClientClosed",
+           "Conflict", "Forbidden", "GatewayTimeout", "Liveness", "Metric", "NotFound", "PayloadTooLarge", "Role",
+           "ServingError", "Ticket", "Unavailable", "bind_tcp", "deadline_budget", "decode_body", "engine_metrics",
+           "error_for_status", "from_argv", "http_info", "http_stack", "json_response", "metrics_text", "option",
+           "parser", "read_body", "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main",
+           "to_argv", "url_of"]

@@ -25,7 +25,7 @@ from epd_lab.serving.errors import ServingError, error_for_status
 from epd_lab.serving.metrics import CountRequests, Metric, metrics_text
 from epd_lab.serving.stack import http_info
 
-__all__ = ["RequireBearer", "Role", "json_response", "role_app"]
+__all__ = ["Gate", "RequireBearer", "Role", "error_response", "json_response", "role_app"]
 
 STATUS_ROUTES = ("/health", "/metrics", "/v1/spans", "/v1/clock")
 
@@ -85,13 +85,44 @@ class RequireBearer:
         await response(scope, receive, send)
 
 
+class Gate:
+    """ASGI middleware: `check(server, scope)` on each HTTP request before routing; the `ServingError` it returns
+    is answered at once with the role's error body (and ``Retry-After``). A refusal here costs no routing, no
+    body and no exception unwinding through the framework: under a burst of a thousand, what keeps each one
+    cheap (`epd_lab.servers.proxy`'s admission)."""
+
+    def __init__(self, app: Any, check: Callable[[Any, Any], ServingError | None],
+                 error_body: Callable[[ServingError], Any]) -> None:
+        self.app, self.check, self.error_body = app, check, error_body
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # the role's object, once the lifespan made it (Starlette puts itself in the scope)
+        server = getattr(scope["app"].state, "server", None) if scope["type"] == "http" else None
+        exc = self.check(server, scope) if server is not None else None
+        if exc is None:
+            await self.app(scope, receive, send)
+            return
+        await error_response(exc, self.error_body)(scope, receive, send)
+
+
+def error_response(exc: ServingError, error_body: Callable[[ServingError], Any]) -> Any:
+    """`exc` answered: its status, the role's error body, and ``Retry-After`` (whole seconds, at least 1) when
+    it says when to retry."""
+    response = json_response(error_body(exc), exc.status)
+    if getattr(exc, "retry_after", None) is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return response
+
+
 def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
-             error_body: Callable[[ServingError], Any] = _detail_body, secret: bytes | str | None = None) -> Any:
+             error_body: Callable[[ServingError], Any] = _detail_body, secret: bytes | str | None = None,
+             gate: Callable[[Any, Any], ServingError | None] | None = None) -> Any:
     """A FastAPI app for `role` (``epd_{role}_...`` metrics). `factory` builds the role's object at start-up,
     in a thread; if it has ``async def run()``, that runs as a task for the server's life (sweepers).
     `routes` are the role's own paths (the request counter's labels); `error_body` shapes an error's JSON.
     `secret`: with one (None takes ``EPD_SECRET`` from the environment), every route but ``/health`` needs it as
-    a bearer token (`RequireBearer`)."""
+    a bearer token (`RequireBearer`). `gate(server, scope)`: a refusal before routing (`Gate`), inside the
+    secret's check and the request counter."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -116,6 +147,8 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
 
     app = FastAPI(title=f"epd_lab {role}", lifespan=lifespan)
     app.state.requests = requests
+    if gate is not None:  # innermost of the three: only a request with the secret is judged, and it is counted
+        app.add_middleware(Gate, check=gate, error_body=error_body)
     secret = security.resolve(secret)
     if secret is not None:  # inside the counter (added later is outer), so refusals are counted as 401s
         app.add_middleware(RequireBearer, secret=secret, error_body=error_body)
@@ -123,10 +156,7 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
 
     @app.exception_handler(ServingError)
     async def serving_error(request: Request, exc: ServingError) -> Any:
-        response = json_response(error_body(exc), exc.status)
-        if getattr(exc, "retry_after", None) is not None:
-            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-        return response
+        return error_response(exc, error_body)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Any:  # a bug: answered, and logged by uvicorn

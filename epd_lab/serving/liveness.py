@@ -10,17 +10,25 @@ probe that answers closes the circuit again.
 
 Two misses, not one: a probe that loses one second to a busy host is not a dead backend (a false stall moves
 work elsewhere; it loses none).
+
+Busy is not frozen: a backend that answers slowly still answers something. Its caller tells the circuit whenever
+the backend answers anything else (`heard`: a request's answer, a streamed token), and missed probes make it
+stalled only when nothing at all was heard from it for `STALL_SILENCE` s: a decode streaming tokens to many
+clients while its ``/health`` queues behind them is busy, not frozen. (The roles keep ``/health`` answering
+within `PROBE_TIMEOUT` while they work, however large the request: big bodies are parsed off the event loop
+and a prompt's length is checked before its ids are built.)
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 
-__all__ = ["PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "Liveness"]
+__all__ = ["PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE", "Liveness"]
 
 PROBE_INTERVAL = 0.5  # seconds between two probes of a backend (one in flight at a time)
 PROBE_TIMEOUT = 1.0  # seconds a probe waits for /health to answer
 STALL_MISSES = 2  # unanswered probes in a row that make a backend stalled
+STALL_SILENCE = STALL_MISSES * PROBE_TIMEOUT  # ... when nothing else was heard from it for this long either
 
 
 @dataclasses.dataclass(slots=True)
@@ -30,11 +38,17 @@ class Liveness:
     retry_after: float
     down_until: float = 0.0  # time.monotonic() before which it is left out (it refused a connection)
     misses: int = 0  # probes in a row that went unanswered
+    heard_at: float = dataclasses.field(default_factory=time.monotonic)  # it last answered anything
+    frozen: bool = False  # found stalled; until a probe answers
 
     @property
     def stalled(self) -> bool:
-        """It accepts connections but stopped answering: left out until a probe answers."""
-        return self.misses >= STALL_MISSES
+        """It accepts connections but stopped answering anything: left out until a probe answers."""
+        return self.frozen
+
+    def heard(self, now: float | None = None) -> None:
+        """It answered something other than a probe (a request's answer, a streamed token): alive, maybe busy."""
+        self.heard_at = time.monotonic() if now is None else now
 
     def up(self, now: float | None = None) -> bool:
         """Whether new requests may go to it."""
@@ -44,12 +58,16 @@ class Liveness:
         """It refused a connection: left out for `retry_after` seconds."""
         self.down_until = time.monotonic() + self.retry_after
 
-    def probed(self, answered: bool) -> bool:
+    def probed(self, answered: bool, now: float | None = None) -> bool:
         """Record one probe; True when this probe is the one that made the backend stalled (the caller then
-        abandons the exchanges in flight to it)."""
+        abandons the exchanges in flight to it): `STALL_MISSES` or more in a row, and nothing heard from it for
+        `STALL_SILENCE` s."""
+        now = time.monotonic() if now is None else now
         if answered:
-            self.misses = 0
-            self.down_until = 0.0
+            self.misses, self.down_until, self.heard_at, self.frozen = 0, 0.0, now, False
             return False
         self.misses += 1
-        return self.misses == STALL_MISSES
+        if not self.frozen and self.misses >= STALL_MISSES and now - self.heard_at >= STALL_SILENCE:
+            self.frozen = True
+            return True
+        return False

@@ -34,7 +34,8 @@ def engine_metrics(*engines: Any) -> list[Metric]:
     """A role's transfer engines, summed over `engines` (None ones skipped): ``engine_regions``
     (registrations; at idle only the long-lived ones, such as a KV cache, remain), ``engine_writes_in_flight``
     (incoming writes pinning a registration) and ``engine_managed_buffers``: what a leak check reads; and as
-    counters what went GPU to GPU (``engine_cuda_writes_out_total``) or was staged through pinned host memory
+    counters the pins dropped with a writer that died mid-write (``engine_pins_reaped_total``), what went GPU to
+    GPU (``engine_cuda_writes_out_total``) or was staged through pinned host memory
     (``engine_cuda_staged_bytes_total``), and the bytes written by path (``engine_bytes_out_total{path="tcp"}``)."""
     stats = [e.stats() for e in engines if e is not None]
     by_path: collections.Counter[str] = collections.Counter()
@@ -47,6 +48,7 @@ def engine_metrics(*engines: Any) -> list[Metric]:
         ("regions", "gauge", "memory regions registered with the role's transfer engines"),
         ("writes_in_flight", "gauge", "incoming one-sided writes placing bytes now (each pins its registration)"),
         ("managed_buffers", "gauge", "buffers the engines allocated (receive pools)"),
+        ("pins_reaped", "counter", "pins dropped because the same-host writer holding them died mid-write"),
         ("cuda_writes_out", "counter", "blocks written into peers' GPU memory over CUDA IPC"),
         ("cuda_staged_bytes", "counter", "bytes of GPU memory staged through pinned host memory to a peer"),
     ))]

@@ -7,7 +7,11 @@ shm path does this in C around its memcpy. The `cuda` transport copies with the 
 the same steps here, on the same shared table, with the same atomic operations (libatomic's out-of-line
 ``__atomic_fetch_add``, the lock-free instruction the C side inlines): pin, re-check, copy, release.
 
-The layout below mirrors ``table_t``/``slot_t`` in epd_core.c; `tests/test_cuda.py` checks it against
+These pins are counted in the slot itself, unlike the shm path's, which are counted per writer process so
+that the owner drops those of a writer that died mid-copy: a cuda writer killed mid-copy still leaves its pins
+until the owner's deregister gives up (twice the timeout).
+
+The layout below mirrors ``table_t``/``slot_t`` in epd_core.c up to the slots (the shm writers' records follow); `tests/test_cuda.py` checks it against
 the C side on every machine (a region registered by the native owner must be seen here, with its key).
 """
 from __future__ import annotations
@@ -23,10 +27,10 @@ import numpy as np
 
 from epd_lab.transfer.errors import PeerUnreachable, RemoteAccessError, TransportUnavailable
 
-TABLE_MAGIC = 0x31304C4254445045  # "EPDTBL01"
+TABLE_MAGIC = 0x32304C4254445045  # "EPDTBL02"
 MAX_ARENAS, TABLE_CAP = 256, 8192
 SLOT_ACTIVE = 1
-_HEADER = 128  # magic, nonce, pid, used, writes_in, bytes_in, writes_refused, arena_epoch, pad[9]
+_HEADER = 128  # magic, nonce, pid, used, writes_in, bytes_in, writes_refused, arena_epoch, pins_reaped, pad[8]
 _ARENA_REC = 32
 _SLOTS = _HEADER + MAX_ARENAS * _ARENA_REC
 _SLOT = 64

@@ -430,7 +430,8 @@ class TransferEngine:
         """Counters: ``regions``, ``registered_bytes``, ``writes_in``, ``bytes_in`` (written into this
         engine by peers), ``writes_refused`` (incoming writes refused by the registration check),
         ``writes_in_flight`` (incoming writes placing bytes right now),
-        ``managed_buffers``, ``managed_bytes``, ``deregister_timeouts``; of its port: ``conns_active``,
+        ``managed_buffers``, ``managed_bytes``, ``deregister_timeouts``, ``pins_reaped`` (pins of same-host
+        writers that died mid-write, dropped by this owner: their process is gone); of its port: ``conns_active``,
         ``conns_accepted``, ``conns_refused`` (past `max_connections`), ``conns_idle_closed`` (past
         `idle_timeout`), ``auth_failures`` (failed the secret handshake or skipped it), with the limits
         ``max_connections`` and ``idle_timeout_ms``; and ``writes_out``, ``bytes_out``, ``failures_out`` (this
