@@ -40,7 +40,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q "cython>=3.0" numpy setuptools wheel
-	$(BIN)/pip install -q --no-build-isolation -e '.[test]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,ray]'
 	$(BIN)/pip install -q --no-build-isolation -e '.[mooncake]' || echo "epd_lab: Mooncake engine not installed; its tests will skip"
 	# jsonschema's format checker pulls rfc3987-syntax, which adds ~1.7 s to every Jupyter process and to
 	# plotly's first show() (DESIGN.md §7); without it the checker skips that one format.

@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("what", choices=["transfer", "epd", "e2e", "trace", "vit", "http", "runtime",
                                         "overload", "serve"])
     sub.add_parser("encoder", help="an encode server (FastAPI): /encode, /send, /scheduler_receive_url", add_help=False)
-    sub.add_parser("launch", help="start a topology on loopback and keep it up until Ctrl-C", add_help=False)
+    sub.add_parser("launch", help="start a topology on loopback (or on a Ray cluster: --ray ADDRESS) and keep it up "
+                                  "until Ctrl-C", add_help=False)
     sub.add_parser("prefill-server", help="a prefill server: E→P, then KV for decode", add_help=False)
     sub.add_parser("decode-server", help="a decode server: pulls KV, generates, streams", add_help=False)
     sub.add_parser("proxy", help="the OpenAI-compatible proxy in front of prefills and decodes", add_help=False)

@@ -9,16 +9,16 @@ it prints one JSON line with its URL once it serves, and the cluster then waits 
 line is its settings dataclass written back (`epd_lab.serving.to_argv`): the `Topology` fills the shared
 options, ``Topology(settings={"decode": {"max_batch": 4}})`` any other one of a role.
 Every process's output goes to a log file kept by the cluster (`cluster.logs`).
+
+``Topology(placement="ray")`` (or ``ray_address=``, ``epd-lab launch --ray ADDRESS``) starts the same command
+lines on a Ray cluster's nodes instead, each owned by an actor (`epd_lab.launch_ray`, docs/ray.md); Ray is
+imported only then.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
-import re
-import select
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import httpx
 
-from epd_lab import security
+from epd_lab import procs, security
 from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     import pandas as pd
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+
+PLACEMENTS = ("local", "ray")
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement group strategies
+RAY_OPTIONS = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
 
 # each role: the module its process runs, the settings its command line is written from, and the `Topology`
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
@@ -99,6 +103,20 @@ class Topology:
     # emulated hosts (`epd_lab.campaign.netns`): process name ("decode0") -> (network namespace, "" for this
     # one; the address it binds); a process not named binds 127.0.0.1 here
     hosts: Mapping[str, tuple[str, str]] = field(default_factory=dict, metadata={"cli": False})
+    placement: str = option("local", "where the processes run: local (children of this one) or ray (each owned by "
+                                     "a Ray actor on a node of a Ray cluster; docs/ray.md)", choices=PLACEMENTS)
+    ray_address: str | None = option(None, "the Ray cluster to join (implies placement=ray; unset: ray.init()'s "
+                                           "own choice: RAY_ADDRESS, a running cluster, else a new local one)",
+                                     flag="--ray")
+    ray_strategy: str | None = option(None, "one placement group over all processes, a bundle each (their Ray "
+                                            "resources), with this strategy", choices=STRATEGIES)
+    ray_bind: str = option("loopback", "the address each process binds on its Ray node: loopback (127.0.0.1: nodes "
+                                       "emulated on one machine) or node (the node's IP: real hosts)",
+                           choices=("loopback", "node"))
+    # Ray actor options by process name ("prefill1") or role ("prefill"), the name winning: num_cpus (default
+    # 1), num_gpus (default 0), resources (custom ones, e.g. {"host_b": 1} pins to a node started with it),
+    # label_selector (node labels), memory
+    ray_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -117,6 +135,21 @@ class Topology:
             raise ValueError("a monolithic topology starts one process: no prefills, decodes or proxy")
         if self.proxy and not (self.prefills and self.decodes):
             raise ValueError("the proxy needs at least one prefill and one decode server")
+        if self.ray_address:
+            self.placement = "ray"
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.placement == "ray" and self.monolithic:
+            raise ValueError("the monolithic floor runs locally (placement='local'); Ray places split topologies")
+        if self.placement == "ray" and self.hosts:
+            raise ValueError("hosts (network namespaces) are for placement='local'; Ray places by its nodes")
+        if self.ray_strategy is not None and self.ray_strategy not in STRATEGIES:
+            raise ValueError(f"ray_strategy must be one of {', '.join(STRATEGIES)}, got {self.ray_strategy!r}")
+        for key, values in self.ray_options.items():
+            unknown = set(values) - set(RAY_OPTIONS)
+            if unknown:
+                raise ValueError(f"ray_options[{key!r}]: unknown {', '.join(sorted(unknown))}; "
+                                 f"known: {', '.join(RAY_OPTIONS)}")
         for role, values in self.settings.items():
             if role not in ROLES:
                 raise ValueError(f"settings for unknown role {role!r}; roles: {', '.join(ROLES)}")
@@ -136,19 +169,26 @@ class Topology:
 
 
 class Cluster:
-    """The running processes of a `Topology`; a context manager. `close()` kills them all."""
+    """The running processes of a `Topology`; a context manager. `close()` kills them all (and, on Ray, their
+    actors and placement group)."""
 
     def __init__(self, topology: Topology, log_dir: str | None = None) -> None:
         self.topology = topology
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="epd-lab-"))
-        self.procs: list[subprocess.Popen] = []
+        # local: subprocess.Popen; on Ray: `launch_ray.RayProcess`, the same shape (pid, poll, kill, wait)
+        self.procs: list[Any] = []
         self.logs: list[Path] = []
         self.encoder_urls: list[str] = []
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
         self.proxy_url: str | None = None
+        self._ray: Any = None  # launch_ray.RayRoles
         _LIVE.add(self)
         try:
+            if topology.placement == "ray":
+                from epd_lab.launch_ray import RayRoles  # Ray is imported only here
+
+                self._ray = RayRoles(topology, self.process_names())
             if topology.monolithic:
                 self.proxy_url = self._start("monolithic", "monolithic")
                 self._wait_healthy(self.proxy_url)
@@ -171,6 +211,13 @@ class Cluster:
             self.close()
             raise
 
+    def process_names(self) -> list[str]:
+        """The processes this topology starts, in `procs` order: ``encoder0``…, ``prefill0``…, ``decode0``…,
+        ``proxy``."""
+        t = self.topology
+        return [*(f"encoder{i}" for i in range(t.encoders)), *(f"prefill{i}" for i in range(t.prefills)),
+                *(f"decode{i}" for i in range(t.decodes)), *(["proxy"] if t.proxy else [])]
+
     def command(self, role: str, **wiring: Any) -> list[str]:
         """The command line a `role` process of this cluster starts with (port 0: the OS picks)."""
         module = ROLES[role][0]
@@ -181,30 +228,26 @@ class Cluster:
         return [*self.encoder_urls, *self.prefill_urls, *self.decode_urls, *([self.proxy_url] if self.proxy_url else [])]
 
     def _start(self, name: str, role: str, **wiring: Any) -> str:
+        log = self.log_dir / f"{name}.log"
+        self.logs.append(log)
+        timeout = 6 * self.topology.timeout
+        trace = {"EPD_TRACE": "1" if self.topology.trace else "0"}
+        if self._ray is not None:
+            device = getattr(self.topology.role_settings(role, **wiring), "device", "cpu")
+            proc = self._ray.spawn(name, role, self.command(role, **wiring), trace, device)
+            self.procs.append(proc)
+            return proc.await_url(timeout)
         netns, host = self.topology.hosts.get(name, ("", None))
         cmd = self.command(role, **wiring, **({"host": host} if host else {}))
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        log = self.log_dir / f"{name}.log"
-        self.logs.append(log)
-        with open(log, "wb") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-                                    preexec_fn=_die_with_parent,
-                                    env=self._environment())
+        proc = procs.spawn(cmd, log, {**self._environment(), **trace})
         self.procs.append(proc)
-        deadline = time.monotonic() + 6 * self.topology.timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode} while starting; log:\n{_tail(log)}")
-            if select.select([proc.stdout], [], [], 0.1)[0]:
-                line = proc.stdout.readline()
-                if line:
-                    return json.loads(line)["url"]
-        raise TimeoutError(f"{name} did not come up within {6 * self.topology.timeout} s; log:\n{_tail(log)}")
+        return procs.await_url(proc, name, log, timeout)
 
     def _environment(self) -> dict[str, str]:
-        """A role process's environment: this one's, with the topology's trace switch and secret."""
-        env = {**os.environ, "EPD_TRACE": "1" if self.topology.trace else "0"}
+        """A local role process's environment: this one's, with the topology's secret."""
+        env = dict(os.environ)
         if self.topology.secret is not None:
             env.pop(security.ENV_SECRET_FILE, None)
             env[security.ENV_SECRET] = self.topology.secret
@@ -238,24 +281,20 @@ class Cluster:
         return EmbeddingReceiver(config, recorder)
 
     def alive(self) -> list[bool]:
+        """Per process, in `procs` order: whether it still runs (on Ray: as its actor reports; a dead or
+        unreachable actor counts as a dead process)."""
         return [p.poll() is None for p in self.procs]
 
     def close(self) -> None:
-        """SIGTERM every process (its whole session), SIGKILL what is left after 5 s. Idempotent."""
+        """SIGTERM every process (its whole session), SIGKILL what is left after 5 s; on Ray also fetch each
+        log into `log_dir`, kill the actors and remove the placement group. Idempotent."""
+        if self._ray is not None:
+            ray_roles, self._ray = self._ray, None
+            ray_roles.close(self.procs, self.logs)
+            self.procs = []
         if not self.procs:  # closed already (at exit, `__del__` comes after the modules it would need are gone)
             return
-        for p in self.procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for p in self.procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
-                p.wait()
-            if p.stdout:
-                p.stdout.close()
+        procs.stop_all(self.procs)
         self.procs = []
 
     def __enter__(self) -> "Cluster":
@@ -266,35 +305,6 @@ class Cluster:
 
     def __del__(self) -> None:
         self.close()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the process that started it dies, even by SIGKILL, so a
-    killed notebook kernel or benchmark leaves no encoder behind (Linux's PR_SET_PDEATHSIG). The signal
-    follows the *thread* that started the child: start clusters from a thread that outlives them."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _tail(path: Path, n: int = 20) -> str:
-    """The log's last `n` lines, led by its first error line when that is further up (a failed start
-    ends with the server's own shutdown traceback, below the error that caused it)."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    first = next((ln for ln in lines if re.match(r"^\w*(Error|Exception)\b", ln)), None)
-    tail = lines[-n:]
-    return "\n".join(([first, "..."] if first and first not in tail else []) + tail)
 
 
 @atexit.register

@@ -28,7 +28,8 @@ import pytest
 import torch
 from PIL import Image
 
-from epd_lab.launch import Cluster, Topology, _die_with_parent, _tail
+from epd_lab.launch import Cluster, Topology
+from epd_lab.procs import die_with_parent, tail
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,7 +50,7 @@ class Server:
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", *args],
                                          stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-                                         preexec_fn=_die_with_parent)  # noqa: PLW1509 (as launch.py)
+                                         preexec_fn=die_with_parent)  # noqa: PLW1509 (as launch.py)
         self.url, self.pid = "", 0
 
     def wait_ready(self, timeout: float = 90) -> Server:
@@ -61,13 +62,13 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{_tail(self.log)}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{tail(self.log)}")
             if select.select([self.proc.stdout], [], [], 0.1)[0]:
                 line = self.proc.stdout.readline()
                 if line:
                     hello = json.loads(line)
                     return hello["url"], hello["pid"]
-        raise TimeoutError(f"{self.name} did not come up within {timeout} s; log:\n{_tail(self.log)}")
+        raise TimeoutError(f"{self.name} did not come up within {timeout} s; log:\n{tail(self.log)}")
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     want = set(project["project"]["dependencies"])
-    for extra in ("test", "mooncake"):
+    for extra in ("test", "mooncake", "ray"):
         want |= set(project["project"]["optional-dependencies"][extra])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
@@ -62,3 +62,9 @@ def test_bench_transfer_writes_the_json_schema(tmp_path):
         assert r["gbps"] > 0 and r["repeats"] >= 5
         assert (r["rtt_us"] is None) == (r["path"] == "memcpy" or r["size"] != 4096)
     assert data["machine"]["cores"] >= 1
+
+
+def test_the_local_launcher_does_not_import_ray():
+    """Ray is optional: `epd_lab.launch` (hence `make demo`) imports it only for placement="ray"."""
+    code = "import sys, epd_lab.launch, epd_lab.cli, epd_lab.demo; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -26,6 +26,7 @@ from epd_lab.transfer import (
     registry,
     transports,
 )
+from epd_lab.transfer.peer import PeerProcess
 from procs import freeze
 
 MiB = 1 << 20
@@ -171,6 +172,29 @@ def test_auto_uses_tcp_when_shm_attach_fails(peer, monkeypatch):
     with TransferEngine(protocol="shm") as e:
         with pytest.raises(TransportUnavailable, match="protocol='tcp'"):
             e.path_to(peer.session_id)
+
+
+@pytest.mark.parametrize("theirs, path", [("node-a", "shm"), ("node-b", "tcp"), ("", "shm")],
+                         ids=["same-host", "other-host", "unnamed"])
+def test_auto_follows_the_host_ids_the_engines_name(monkeypatch, theirs, path):
+    """Two engines that name different hosts in EPD_HOST_ID (Ray nodes on one machine) write over tcp though one
+    kernel runs both; the same name, or a peer that names none, leaves the choice to the kernel (shm here)."""
+    from epd_lab.transfer import TransportUnavailable
+
+    with PeerProcess(protocol="auto", timeout=2.0, env={**os.environ, "EPD_HOST_ID": theirs}) as peer:
+        monkeypatch.setenv("EPD_HOST_ID", "node-a")
+        dst = peer.alloc(4096)
+        src = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096]
+        with TransferEngine(protocol="auto", timeout=2.0) as e:
+            e.register_buffer(src)
+            e.transfer_sync_write(peer.session_id, src.ctypes.data, dst, 4096)
+            assert e.path_to(peer.session_id) == path
+            assert e.stats()[f"bytes_out_{path}"] == 4096
+        assert peer.checksum(dst, 4096) == zlib.crc32(src)
+        if path == "tcp":
+            with TransferEngine(protocol="shm", timeout=2.0) as e:
+                with pytest.raises(TransportUnavailable, match="on host 'node-b'.*EPD_HOST_ID"):
+                    e.path_to(peer.session_id)
 
 
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "external"])

@@ -35,7 +35,8 @@ from PIL import Image
 from epd_lab.kv import BlockManager, KVConsumer, KVProducer, PagedKVCache, TransError
 from epd_lab.kv.connector import RequestAborted
 from epd_lab.kv.messages import decode_reply, encode
-from epd_lab.launch import Cluster, Topology, _die_with_parent
+from epd_lab.launch import Cluster, Topology
+from epd_lab.procs import die_with_parent
 from epd_lab.models import configure_torch, load_model
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
@@ -245,7 +246,7 @@ def _start_proxy(prefills: list[str], decodes: list[str]) -> tuple[subprocess.Po
     """``python -m epd_lab.servers.proxy`` as a process; (process, URL)."""
     cmd = [sys.executable, "-m", "epd_lab.servers.proxy", "--port", "0", "--prefill", ",".join(prefills),
            "--decode", ",".join(decodes), "--timeout", str(TIMEOUT)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)  # noqa: PLW1509
     deadline = time.monotonic() + 30
     while not select.select([proc.stdout], [], [], 0.1)[0]:
         assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"

@@ -3,14 +3,23 @@
 started with ``ip netns exec <ns>`` and bound to its host's address reaches the others only over its veth:
 `cut` takes that link down (a pulled cable, mid-transfer if timed so), `restore` brings it back, and `rate_mbit`
 shapes each link with ``tc qdisc ... tbf`` (this kernel has no ``netem``: no delay or loss emulation).
+`ray_nodes` runs a Ray cluster on such hosts, a node per namespace (`epd_lab.launch_ray`, docs/ray.md).
 
 Needs root (CAP_NET_ADMIN); `available()` says whether ``ip netns add`` works here.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
+import signal
 import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
+from typing import Iterator
 
 
 def _ip(*args: str) -> None:
@@ -76,6 +85,17 @@ class Hosts:
     def restore(self, name: str) -> None:
         _ip("link", "set", self.veth(name), "up")
 
+    def kill_processes(self) -> None:
+        """SIGKILL every process in these hosts' namespaces (all of them this workbench's: the namespaces are
+        made here) and wait until the kernel has let them go."""
+        for name in self.names:
+            pids = subprocess.run(["ip", "netns", "pids", self.netns(name)], capture_output=True, text=True,
+                                  timeout=10).stdout.split()
+            for pid in map(int, pids):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # a namespace goes once its last process is reaped
+
     def close(self) -> None:
         for ns in self._made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
@@ -87,3 +107,26 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def ray_nodes(hosts: Hosts, num_cpus: float = 1, object_store_bytes: int = 80 << 20, port: int = 6379) -> Iterator[str]:
+    """A Ray cluster on emulated hosts: ``ray start`` inside each host's namespace with its own address, the
+    first host the head (no dashboard), each node with a custom resource ``host_<name>`` (8 units) to pin
+    work to it. Yields the head's address; at exit kills every process in the namespaces (Ray's daemons and
+    workers). A Ray driver must run on a node: run it with ``ip netns exec`` in one of the namespaces."""
+    ray = str(Path(sys.executable).with_name("ray"))
+    head = f"{hosts.address(hosts.names[0])}:{port}"
+    try:
+        for i, name in enumerate(hosts.names):
+            join = ["--head", "--port", str(port), "--include-dashboard=false"] if i == 0 else ["--address", head]
+            started = subprocess.run(
+                ["ip", "netns", "exec", hosts.netns(name), ray, "start", "--num-cpus", str(num_cpus),
+                 "--object-store-memory", str(object_store_bytes), "--disable-usage-stats",
+                 "--node-ip-address", hosts.address(name), "--resources", json.dumps({f"host_{name}": 8}), *join],
+                capture_output=True, text=True, timeout=120)
+            if started.returncode:
+                raise RuntimeError(f"ray start on host {name} failed:\n{started.stderr[-2000:]}")
+        yield head
+    finally:
+        hosts.kill_processes()

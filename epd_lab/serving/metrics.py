@@ -34,18 +34,24 @@ def engine_metrics(*engines: Any) -> list[Metric]:
     """A role's transfer engines, summed over `engines` (None ones skipped): ``engine_regions``
     (registrations; at idle only the long-lived ones, such as a KV cache, remain), ``engine_writes_in_flight``
     (incoming writes pinning a registration) and ``engine_managed_buffers``: what a leak check reads; and as
-    counters the pins dropped with a writer that died mid-write (``engine_pins_reaped_total``), what went GPU to GPU (``engine_cuda_writes_out_total``) or was staged through pinned host memory
-    (``engine_cuda_staged_bytes_total``)."""
+    counters the pins dropped with a writer that died mid-write (``engine_pins_reaped_total``), what went GPU to
+    GPU (``engine_cuda_writes_out_total``) or was staged through pinned host memory
+    (``engine_cuda_staged_bytes_total``), and the bytes written by path (``engine_bytes_out_total{path="tcp"}``)."""
     stats = [e.stats() for e in engines if e is not None]
-    return [Metric.of(f"engine_{key}" + ("_total" if kind == "counter" else ""), kind, help_,
-                      sum(s.get(key, 0) for s in stats)) for key, kind, help_ in (
+    by_path: collections.Counter[str] = collections.Counter()
+    for s in stats:
+        by_path.update({k.removeprefix("bytes_out_"): v for k, v in s.items() if k.startswith("bytes_out_")})
+    paths = Metric.of("engine_bytes_out_total", "counter", "bytes the role's engines wrote to peers, by the path "
+                      "they took (tcp, shm, verbs)", dict(by_path), "path")
+    return [paths, *(Metric.of(f"engine_{key}" + ("_total" if kind == "counter" else ""), kind, help_,
+                               sum(s.get(key, 0) for s in stats)) for key, kind, help_ in (
         ("regions", "gauge", "memory regions registered with the role's transfer engines"),
         ("writes_in_flight", "gauge", "incoming one-sided writes placing bytes now (each pins its registration)"),
         ("managed_buffers", "gauge", "buffers the engines allocated (receive pools)"),
         ("pins_reaped", "counter", "pins dropped because the same-host writer holding them died mid-write"),
         ("cuda_writes_out", "counter", "blocks written into peers' GPU memory over CUDA IPC"),
         ("cuda_staged_bytes", "counter", "bytes of GPU memory staged through pinned host memory to a peer"),
-    )]
+    ))]
 
 
 class CountRequests:

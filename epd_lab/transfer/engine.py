@@ -18,11 +18,17 @@ registered memory after checking them against its registration table. Paths to a
 - ``cuda``: GPU memory (`epd_lab.transfer.cuda`): device-to-device copies into a same-host peer's GPU
   memory through CUDA IPC, checked against the same published table as shm. ``auto`` takes it for GPU
   memory on the same host; GPU sources to host memory or to another host are staged through pinned memory.
+
+"Same host" is what the kernel says (the peer's registration table opens through ``/proc``), unless both
+engines name their host in ``EPD_HOST_ID`` (`ENV_HOST_ID`; the Ray launcher sets it to the Ray node id): then
+two different names mean two hosts, and ``auto`` takes tcp even where one kernel runs both, as emulated
+hosts on one machine do. ``shm`` and ``cuda`` are refused there with that reason.
 """
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +43,8 @@ from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUna
 from epd_lab.transfer.registration import Registration
 
 PROTOCOLS = ("auto", "tcp", "shm", "verbs", "cuda")
+ENV_HOST_ID = "EPD_HOST_ID"
+HOST_CONTROL = b"HOST/id"  # a control request: the peer answers its host id (empty: not named)
 MAX_CONNECTIONS = 256  # served at once by an engine's port (one thread each)
 IDLE_TIMEOUT = 30.0  # seconds a connection may idle between requests
 
@@ -147,6 +155,7 @@ class TransferEngine:
         self.hostname = hostname
         self.protocol = protocol
         self.timeout = timeout
+        self.host_id = os.environ.get(ENV_HOST_ID, "")
         self.max_connections, self.idle_timeout = max_connections, idle_timeout
         self._secret = security.resolve(secret) or b""
         if protocol == "cuda":
@@ -264,7 +273,7 @@ class TransferEngine:
         except (TransferError, ValueError):
             self._out.count(failed=True)
             raise
-        self._out.count(len(lengths), n)
+        self._out.count(len(lengths), n, path=peer.path)
 
     def _host_write(self, peer: _Peer, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
                     rkeys: Sequence[int] | None) -> int:
@@ -379,6 +388,14 @@ class TransferEngine:
             return
         if self.protocol not in ("shm", "auto", "cuda"):
             return
+        if self.host_id:  # asked only when named: the local launcher's engines pay no extra round trip
+            theirs = conn.control(HOST_CONTROL).decode(errors="replace")
+            if theirs and theirs != self.host_id:
+                if self.protocol != "auto":
+                    raise TransportUnavailable(
+                        f"protocol={self.protocol!r} needs the peer {peer.session_id} on this host, but it is on "
+                        f"host {theirs!r} and this engine on {self.host_id!r} ({ENV_HOST_ID}); use 'tcp' or 'auto'")
+                return
         pid, table_fd, nonce = conn.hello()
         try:
             peer.shm = _native.ShmPeer(pid, table_fd, nonce, self._owner.timeout_ms)
@@ -400,6 +417,8 @@ class TransferEngine:
             self._cuda.detach(session_id)
 
     def _on_control(self, request: bytes) -> bytes:
+        if request == HOST_CONTROL:
+            return self.host_id.encode()
         if request.startswith(cuda.CONTROL_PREFIX):  # an engine without GPU memory exports nothing
             return self._cuda.handle_control(request) if self._cuda is not None else b"[]"
         if self._verbs is None:
