@@ -20,7 +20,8 @@
 # that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
 # Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), SIZES (448,896), IMAGES (1,4,8),
 # CONCURRENCY (1,4,16), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
-# TESTS (pytest arguments, e.g. node ids, instead of every file with cuda tests).
+# TESTS (pytest arguments, e.g. node ids, instead of every file with cuda tests), EPD_LAB_COMMIT (the commit sent:
+# the device copy's .git may be older; the setup line and bench runtime record it).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,7 +48,8 @@ fi
 # the servers are child processes started with `python3 -m`: they find epd_lab and the wheels through PYTHONPATH
 export PYTHONPATH=$ROOT:/tmp/site PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/xdg
 python3 setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { tail -20 /tmp/build.log | stamp; exit 1; }
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# the device copy of the tree may carry an older .git: EPD_LAB_COMMIT names the commit that was sent
+commit=${EPD_LAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 say "setup done: commit $commit, $(git status --short 2>/dev/null | wc -l) files changed"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | stamp
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
