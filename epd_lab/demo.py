@@ -164,6 +164,7 @@ def run_e2e(max_tokens: int = 16) -> dict[str, Any]:
 
     from epd_lab.launch import Cluster, Topology
     from epd_lab.models import configure_torch, load_model
+    from epd_lab.servers.openai_api import MODEL_ID
     from epd_lab.servers.reference import monolithic_chat
     from epd_lab.trace import Span
 
@@ -185,7 +186,7 @@ def run_e2e(max_tokens: int = 16) -> dict[str, Any]:
             messages = [{"role": "user", "content": content}]
             t0 = time.perf_counter()
             ttft, pieces, response_id = None, [], None
-            for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=messages,
+            for chunk in client.chat.completions.create(model=MODEL_ID, messages=messages,
                                                         max_tokens=max_tokens, temperature=0, stream=True):
                 response_id = chunk.id
                 if chunk.choices and chunk.choices[0].delta.content:

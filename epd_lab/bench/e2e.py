@@ -63,6 +63,7 @@ from epd_lab.models import (
     resolve_dtype,
 )
 from epd_lab.models.runtime import RUNTIMES, open_runtime
+from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
 from epd_lab.serving.placement import DEVICE_HELP, MODEL_HELP, use_device
@@ -204,7 +205,7 @@ def _chat(client, messages: list[dict], max_tokens: int) -> _Chat:
     """One request through the official `openai` client (the checked answer: the API is the one users call)."""
     t0 = time.perf_counter()
     times, rid, text = [], "", []
-    for chunk in client.chat.completions.create(model="epd-lab-tiny-qwen2-vl", messages=messages,
+    for chunk in client.chat.completions.create(model=MODEL_ID, messages=messages,
                                                 max_tokens=max_tokens, temperature=0, stream=True):
         rid = chunk.id
         if chunk.choices and chunk.choices[0].delta.content:
@@ -222,7 +223,7 @@ def _timed(t0: float, times: list[float], end: float, rid: str, text: list[str],
 
 def render(messages: list[dict], max_tokens: int) -> bytes:
     """A streamed chat request's body, encoded before it is timed (as the images' PNG and base64 are)."""
-    return msgspec.json.encode({"model": "epd-lab-tiny-qwen2-vl", "messages": messages, "max_tokens": max_tokens,
+    return msgspec.json.encode({"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": 0, "stream": True})
 
 

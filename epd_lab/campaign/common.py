@@ -26,8 +26,8 @@ from PIL import Image
 
 from epd_lab import security
 from epd_lab.launch import Cluster
+from epd_lab.servers.openai_api import MODEL_ID
 
-MODEL_ID = "epd-lab-tiny-qwen2-vl"
 # /metrics gauges (name suffixes after "epd_<role>_") that must be back at their idle value after the last answer
 LEAK_GAUGES = ("embeddings_held", "kv_blocks_used", "kv_blocks_quarantined", "inflight", "admitted",
                "kv_requests_held", "active_requests", "backend_inflight", "engine_regions",
