@@ -83,8 +83,7 @@ def preprocess(images: Sequence[Image.Image],
         raise ValueError("preprocess needs at least one image")
     proc = image_processor()
     device = torch.device("cpu" if device is None else device)
-    mean = torch.tensor(proc.image_mean, dtype=torch.float32, device=device).view(3, 1, 1)
-    std = torch.tensor(proc.image_std, dtype=torch.float32, device=device).view(3, 1, 1)
+    mean, std = _mean_std(device)
     patches, grids = [], []
     for image in images:
         image = image.convert("RGB")
@@ -100,6 +99,15 @@ def preprocess(images: Sequence[Image.Image],
         patches.append(_patchify(pixels))
         grids.append([1, size[1] // PATCH_SIZE, size[0] // PATCH_SIZE])
     return torch.cat(patches), torch.tensor(grids, dtype=torch.long)
+
+
+@lru_cache(maxsize=8)
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processor's mean and std [3, 1, 1] in float32 on `device`, made once: a tensor built from a list on a
+    GPU is a pageable copy, which would make every call wait for the GPU's queued work."""
+    proc = image_processor()
+    return tuple(torch.tensor(values, dtype=torch.float32, device=device).view(3, 1, 1)
+                 for values in (proc.image_mean, proc.image_std))
 
 
 def _patchify(pixels: torch.Tensor) -> torch.Tensor:
