@@ -211,3 +211,48 @@ def test_a_waiter_the_prediction_no_longer_fits_is_refused_when_that_is_known_no
         assert admission.admitted == 0
 
     run(go())
+
+
+def test_weighted_requests_take_their_units_in_fifo_order_and_wait_for_what_comes_back():
+    """Decode's KV admission: a capacity of 10 blocks. A request of 6 runs; one of 6 more waits (4 free); one of 2,
+    which would fit, waits behind it (no overtaking: a large request is never starved). The predicted waits count
+    the units that must come back at the rate (10 blocks per 1 s of service: 10 per second). More units than the
+    capacity is a 400: it could never run."""
+    async def go() -> None:
+        admission = Admission("kv", workers=10, max_queued=8, timeout=100.0, prior_s=1.0, unit="blocks")
+        with pytest.raises(BadRequest, match="11 units of a capacity of 10"):
+            await admission.enter(units=11)
+        first = await admission.enter(units=6)
+        assert admission.running == 6 and admission.predicted_wait(units=4) == 0.0
+        assert admission.predicted_wait(units=6) == pytest.approx(0.2)  # 2 of the 6 must come back
+        second = asyncio.create_task(admission.enter(units=6))
+        await asyncio.sleep(0)
+        third = asyncio.create_task(admission.enter(units=2))
+        await asyncio.sleep(0)
+        assert admission.queued == 2 and admission.admitted == 14 and not third.done()
+        assert admission.predicted_wait(units=2) == pytest.approx(0.6)  # 6 + 2 ahead and its 2, less 4 free
+        first.leave()  # 10 free: the second takes 6, the third's 2 fit beside them
+        granted = [await second, await third]
+        assert admission.running == 8 and admission.queued == 0 and admission.queued_total == 2
+        for ticket in granted:
+            ticket.leave()
+        assert admission.admitted == 0
+        text = metrics_text("decode", {}, admission.metric_families())
+        assert "decode_queued_total 2" in text
+
+    run(go())
+
+
+def test_a_weighted_waiter_is_refused_when_the_units_ahead_of_it_cannot_come_back_in_time():
+    async def go() -> None:
+        admission = Admission("decode KV", workers=10, max_queued=8, timeout=100.0, prior_s=1.0, unit="blocks",
+                              prefix="kv_admission_")
+        held = await admission.enter(units=9)
+        # its 8 blocks, less the 1 free, must come back (0.7 s), then 1 s of service: past its 1.5 s
+        with pytest.raises(Unavailable, match=r"decode KV overloaded: predicted wait 0\.70 s .* on 10 blocks"):
+            await admission.enter(1.5, units=8)
+        held.leave()
+        text = metrics_text("decode", {}, admission.metric_families())
+        assert 'decode_kv_admission_refused_total{reason="deadline"} 1' in text
+
+    run(go())

@@ -139,7 +139,7 @@ def test_server_scheduler_batches_up_to_max_batch(model, prefills):
             # what fetch_kv leaves: the prompt's KV in blocks of the server's cache (the scheduler adds more)
             table = server.blocks.allocate(blocks_needed(p.prompt_len, server.cache.block_size))
             server.cache.write_from(p.kv_tensors(), table, p.prompt_len)
-            gens.append(server.admit(_request(f"r{k}", p, **kw), table, [], outs[k].put))
+            gens.append(server.admit(_request(f"r{k}", p, **kw), table, [], outs[k].put, lambda: None))
         deadline = time.monotonic() + 60
         for out in outs:
             items = []
@@ -177,7 +177,9 @@ def _sampled_replay(model, p: PrefillResult, seed: int, temperature: float) -> l
 
 
 def test_a_request_that_finds_the_pool_empty_while_generating_fails_alone(model, prefills):
-    """A decode's blocks grow as it generates. A pool of 9 blocks; a 105-token prompt (7 blocks) generating 40
+    """A decode's blocks grow as it generates. Admitted past the KV reservation (which keeps this from a decode
+    request through HTTP; the monolithic server has none), the scheduler fails the one that finds the pool empty
+    and goes on. A pool of 9 blocks; a 105-token prompt (7 blocks) generating 40
     tokens takes the free block when it stores token 112; a 2-token prompt (1 block) generating 30 needs a second
     block for token 16 and finds none: it fails with the reason, its block goes back, the other takes it for token
     128 and finishes."""
@@ -191,7 +193,7 @@ def test_a_request_that_finds_the_pool_empty_while_generating_fails_alone(model,
             server.cache.write_from(p.kv_tensors(), table, p.prompt_len)
             kv = KVTransferParams("tcp://127.0.0.1:1", f"r{k}", p.prompt_len, p.rope_delta,
                                   int(p.logits.argmax(-1)), len(table))
-            server.admit(DecodeRequest(f"r{k}", n, kv), table, [], outs[k].put)
+            server.admit(DecodeRequest(f"r{k}", n, kv), table, [], outs[k].put, lambda: None)
         items = [[], []]
         for k, out in enumerate(outs):
             while not isinstance(item := out.get(timeout=60), Exception) and item is not DONE:

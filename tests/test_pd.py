@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(180)
 
 N_TOKENS = 16
 KV_BLOCKS = 64
+DECODE_KV_BLOCKS = 256  # room for the 4000-token requests that keep a decode busy (each reserves 253 blocks)
 DECODE_TIMEOUT = 2.0  # decode's wait for the producer's answer
 AUX_TIMEOUT = 1.0  # the aux prefill's side-channel wait for a request not yet ready
 AUX_FREE_TIMEOUT = 1.5  # the aux prefill frees KV that decode never asked for after this
@@ -141,7 +142,7 @@ def stack():
     servers: list[Server] = []
     cluster = None
     try:
-        servers.append(Server("decode", "epd_lab.servers.decode", "--kv-blocks", str(KV_BLOCKS),
+        servers.append(Server("decode", "epd_lab.servers.decode", "--kv-blocks", str(DECODE_KV_BLOCKS),
                               "--timeout", str(DECODE_TIMEOUT), "--kv-quarantine", "0.5", log_dir=log_dir))
         servers.append(Server("aux", "epd_lab.servers.prefill", "--kv-blocks", "32", "--timeout", str(AUX_TIMEOUT),
                               "--kv-free-timeout", str(AUX_FREE_TIMEOUT), log_dir=log_dir))
@@ -379,7 +380,7 @@ def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
     503 and Retry-After at once (its KV stays with prefill, untouched); once the first stream ends, the second is
     admitted and served. (Before issue 18 max_active alone refused; now --max-queued 0 asks for that.)"""
     tight = Server("tight-decode", "epd_lab.servers.decode", "--max-active", "1", "--max-queued", "0",
-                   "--kv-blocks", str(KV_BLOCKS), log_dir=tmp_path).wait_ready()
+                   "--kv-blocks", str(DECODE_KV_BLOCKS), log_dir=tmp_path).wait_ready()
     try:
         kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in ("cap-a", "cap-b")}
         body = stack.decode_body("cap-a", kv["cap-a"], 4000, stream=True)  # seconds of generating
@@ -405,8 +406,8 @@ def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
 def test_a_decode_request_waits_holding_no_kv_and_is_served_when_a_place_frees(stack, tmp_path):
     """max_active 1, the default queue: while one streamed request generates, a second waits (queue length 1,
     its blocks not allocated: only the first's were ever held) and is served once the first stream ends."""
-    tight = Server("queue-decode", "epd_lab.servers.decode", "--max-active", "1", "--kv-blocks", str(KV_BLOCKS),
-                   log_dir=tmp_path).wait_ready()
+    tight = Server("queue-decode", "epd_lab.servers.decode", "--max-active", "1",
+                   "--kv-blocks", str(DECODE_KV_BLOCKS), log_dir=tmp_path).wait_ready()
     try:
         kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in ("q-a", "q-b")}
         body = stack.decode_body("q-a", kv["q-a"], 4000, stream=True)
@@ -427,6 +428,104 @@ def test_a_decode_request_waits_holding_no_kv_and_is_served_when_a_place_frees(s
         metrics = httpx.get(tight.url + "/metrics").text
         assert "epd_decode_queued_total 1" in metrics and 'epd_decode_refused_total{reason="expired"} 0' in metrics
     finally:
+        tight.close()
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of the unlabelled or fully labelled sample `name` in a /metrics text."""
+    return next(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.rpartition(" ")[0] == name)
+
+
+def _max_tokens_for(blocks: int, prompt_len: int) -> int:
+    """The max_tokens whose reservation (prompt_len + max_tokens - 1 tokens) takes exactly `blocks` of 16."""
+    return blocks * 16 - prompt_len + 1
+
+
+def test_decode_admits_a_request_only_when_its_whole_kv_fits_the_pool(stack, tmp_path):
+    """--kv-blocks 16, the default --max-active 64: a burst of 10 streamed requests that each reserve 6 blocks (60,
+    far past the pool; two fit at once) is served in full or refused with a 503 before its stream begins; none
+    fails for lack of KV, the excess waits (holding no blocks) rather than failing, and afterwards every block and
+    reservation is back. A request whose reservation exceeds the whole pool is a 400 at once."""
+    tight = Server("kv-decode", "epd_lab.servers.decode", "--kv-blocks", "16", "--kv-quarantine", "0.5",
+                   log_dir=tmp_path).wait_ready()
+    rids = [f"kvb-{i}" for i in range(10)]
+    try:
+        kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in [*rids, "kvb-big"]}
+        big = stack.decode_body("kvb-big", kv["kvb-big"], _max_tokens_for(17, kv["kvb-big"]["prompt_len"]))
+        r = stack.http.post(tight.url + "/v1/decode", json=big)
+        assert r.status_code == 400 and "17 units of a capacity of 16" in r.json()["detail"], r.text
+
+        def one(rid: str) -> tuple[int, list[dict], str | None]:
+            n = _max_tokens_for(6, kv[rid]["prompt_len"])
+            with httpx.stream("POST", tight.url + "/v1/decode", timeout=60,
+                              json=stack.decode_body(rid, kv[rid], n, stream=True)) as resp:
+                lines = [json.loads(line) for line in resp.iter_lines() if line]
+                return resp.status_code, lines, resp.headers.get("retry-after")
+
+        with concurrent.futures.ThreadPoolExecutor(len(rids)) as pool:
+            results = dict(zip(rids, pool.map(one, rids)))
+        served = [rid for rid, (status, _, _) in results.items() if status == 200]
+        for rid, (status, lines, retry_after) in results.items():
+            if status == 200:  # all its tokens, then done: never an error line
+                n = _max_tokens_for(6, kv[rid]["prompt_len"])
+                assert [ln["type"] for ln in lines] == ["token"] * n + ["done"], (rid, lines[-1])
+            else:
+                assert status == 503 and retry_after is not None, (rid, status, lines)
+        metrics = httpx.get(tight.url + "/metrics").text
+        assert len(served) >= 2 and _metric(metrics, "epd_decode_kv_admission_queued_total") >= 1
+        assert _metric(metrics, "epd_decode_requests_failed_total") == 0
+        assert tight.health()["counters"].get("kv_pool_exhausted", 0) == 0
+        deadline = time.monotonic() + 10
+        while (h := tight.health())["free_blocks"] != 16 or h["reserved_blocks"] != 0:
+            assert time.monotonic() < deadline, f"blocks or reservations kept: {h}"
+            time.sleep(0.05)
+        metrics = httpx.get(tight.url + "/metrics").text
+        assert _metric(metrics, "epd_decode_kv_blocks_reserved") == 0
+        assert _metric(metrics, "epd_decode_kv_admission_admitted") == 0
+    finally:
+        for rid in [*rids, "kvb-big"]:  # the refused ones' KV, left with the prefill
+            stack.http.post(stack.main.url + "/v1/abort", json={"request_id": rid})
+        tight.close()
+
+
+def test_a_decode_kv_waiter_is_served_when_blocks_return_or_refused_by_its_deadline(stack, tmp_path):
+    """One streamed request reserves 255 of 256 blocks for thousands of tokens. A request that needs 3 waits,
+    holding no blocks (only the first's are used), and is served once the first's stream closes; one whose
+    deadline (X-EPD-Deadline-Ms) passes meanwhile is refused with 503 and Retry-After, not failed later."""
+    tight = Server("kv-wait-decode", "epd_lab.servers.decode", "--kv-blocks", "256", log_dir=tmp_path).wait_ready()
+    rids = ("kvw-hold", "kvw-wait", "kvw-short")
+    try:
+        kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in rids}
+        body = stack.decode_body("kvw-hold", kv["kvw-hold"], _max_tokens_for(255, kv["kvw-hold"]["prompt_len"]),
+                                 stream=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with stack.http.stream("POST", tight.url + "/v1/decode", json=body) as first:
+                assert first.status_code == 200
+                lines = first.iter_lines()  # kept: a dropped iterator, collected, would close the stream
+                next(lines)
+                received = tight.health()["counters"]["kv_bytes"]
+                second = pool.submit(httpx.post, tight.url + "/v1/decode", timeout=60, json=stack.decode_body(
+                    "kvw-wait", kv["kvw-wait"], _max_tokens_for(3, kv["kvw-wait"]["prompt_len"])))
+                deadline = time.monotonic() + 10
+                while _metric(metrics := httpx.get(tight.url + "/metrics").text,
+                              "epd_decode_kv_admission_queue_length") != 1:
+                    assert time.monotonic() < deadline and not second.done(), "the second request never queued"
+                    time.sleep(0.02)
+                assert _metric(metrics, "epd_decode_kv_blocks_reserved") == 255
+                assert tight.health()["counters"]["kv_bytes"] == received  # the waiter's KV stays with prefill
+                t0 = time.monotonic()
+                r = stack.http.post(tight.url + "/v1/decode", headers={"X-EPD-Deadline-Ms": "1500"},
+                                    json=stack.decode_body("kvw-short", kv["kvw-short"], 2))
+                assert r.status_code == 503 and "retry-after" in r.headers, r.text
+                assert time.monotonic() - t0 < 1.5 + SLACK and "decode KV" in r.json()["detail"]
+                assert not second.done()
+            r = second.result(30)  # the first stream closed: its blocks and reservation come back
+        assert r.status_code == 200 and len(r.json()["tokens"]) == _max_tokens_for(3, kv["kvw-wait"]["prompt_len"])
+        metrics = httpx.get(tight.url + "/metrics").text
+        assert _metric(metrics, 'epd_decode_kv_admission_refused_total{reason="deadline"}') + _metric(
+            metrics, 'epd_decode_kv_admission_refused_total{reason="expired"}') == 1
+    finally:
+        stack.http.post(stack.main.url + "/v1/abort", json={"request_id": "kvw-short"})
         tight.close()
 
 

@@ -256,7 +256,7 @@ def pool_levels(text: str) -> dict[str, float]:
 
 def refusal_counts(text: str) -> dict[str, float]:
     """A server's refusals from its /metrics: ``refused_total`` by reason (every role's admission, the proxy's
-    by code) and the encoder's ``refused_held_bytes_total`` as ``held_bytes``; zeros left out."""
+    by code; decode's KV admission's as ``kv_<reason>``) and the encoder's ``refused_held_bytes_total`` as ``held_bytes``; zeros left out."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or "_refused_" not in line:
@@ -266,6 +266,8 @@ def refusal_counts(text: str) -> dict[str, float]:
             reason = "held_bytes"
         elif "_refused_total{" in name_labels:
             reason = name_labels.split('reason="', 1)[1].split('"', 1)[0]
+            if "_kv_admission_refused_total{" in name_labels:  # decode's second admission: its KV pool
+                reason = "kv_" + reason
         else:
             continue
         if float(value):

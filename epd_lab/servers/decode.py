@@ -5,8 +5,8 @@
 1. Allocate the prompt's blocks, ask the producer named by ``kv_transfer_params.remote_url`` to write its KV into
    them over the ZMQ side channel (`KVConsumer.receive_kv`). The KV stays in those blocks, and the generated
    tokens' KV joins it in blocks taken as needed, until the request ends: the model runtime (``--runtime``)
-   attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV (a request that finds the pool
-   empty mid-generation fails with an error line; the others go on). ``TRANS_ERROR`` → by its reason (no such
+   attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV. Every block a request takes comes
+   out of its reservation (admission, below), so none finds the pool empty. ``TRANS_ERROR`` → by its reason (no such
    request on the producer 404, aborted 409, producer busy 503, else 502), no answer within ``--timeout``
    (producer dead or stuck) → 504,
    with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
@@ -23,16 +23,25 @@ request's bits depend on the batch bucket its step is replayed in (`epd_lab.mode
 client that disconnects marks its request cancelled; the scheduler drops it (and frees its blocks) before its
 next step.
 
-Admission (`epd_lab.serving.Admission`): ``--max-active`` requests at once, each until its stream ends; the
-others wait, before their body is read and holding no KV, while their predicted wait fits their deadline
-(``X-EPD-Deadline-Ms``, else ``--timeout``), and are refused with 503, ``Retry-After`` and the predicted wait
-when it does not; ``--max-queued`` bounds the queue.
+Admission (`epd_lab.serving.Admission`), twice, each waiting while its predicted wait fits the request's deadline
+(``X-EPD-Deadline-Ms``, else ``--timeout``, counted from arrival) and refusing with 503, ``Retry-After`` and the
+predicted wait when it does not; ``--max-queued`` bounds each queue:
 
-Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params 400, body too large 413,
-KV pool exhausted 503, overloaded 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after
+- ``--max-active`` requests at once, each until its stream ends; the others wait before their body is read.
+- KV (``kv_admission``): once the body (and a pipelined request's prompt length) is known, the request reserves
+  every block it may ever hold, ``blocks_needed(prompt_len + max_tokens - 1)`` (its prompt's KV, and that of
+  each token it feeds back: the last one is never fed), and is let on to its KV transfer only when that fits
+  beside the other reservations in ``--kv-blocks``; a request that needs more than the whole pool is a 400. It
+  waits holding no KV (prefill keeps it) and its reservation returns when its last block does (a timed-out
+  transfer's after its quarantine). Worst-case, not vLLM's grow-and-preempt: decode has no preemption (its KV
+  cannot be recomputed here), so an admitted request must never meet an empty pool; the price is that a request
+  asking for many more tokens than it uses holds blocks it leaves empty.
+
+Errors, always ``{"detail": "..."}``: bad JSON / unknown field / inconsistent params / more KV than the pool 400,
+body too large 413, overloaded 503, TRANS_ERROR 404/409/503/502 by its reason, timeout 504. An error after
 streaming began is a last NDJSON line `StreamError` (``{"type": "error", "detail": "..."}``).
 
-``GET /health`` (blocks free/used/quarantined, active requests, max batch, counters: ``decode_forwards`` counts
+``GET /health`` (blocks free/used/quarantined/reserved, active requests, max batch, counters: ``decode_forwards`` counts
 batched steps, so ``tokens_generated`` over it is about the mean batch), ``GET /metrics`` (Prometheus).
 
 Run: ``python -m epd_lab.servers.decode --port 0`` prints ``{"url": ..., "pid": ...}``.
@@ -58,7 +67,7 @@ from fastapi.responses import Response, StreamingResponse
 from epd_lab import models
 from epd_lab.ep.messages import DTYPES
 from epd_lab.faults import failpoint
-from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, OutOfBlocks, PagedKVCache, blocks_needed
+from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.models.runtime import open_runtime
 from epd_lab.servers.messages import (
@@ -164,14 +173,16 @@ class DecodeServer:
         self._lock = threading.Lock()
         self.admission = Admission("decode", settings.max_active, settings.max_queued, settings.timeout)
         self.io = ThreadPoolExecutor(32, thread_name_prefix="decode-kv")  # KV transfers wait here, not the loop
+        # decode's second admission, after the body: a request's reservation (`reservation`) out of the pool
+        self.kv_admission = Admission("decode KV", settings.kv_blocks, settings.max_queued, settings.timeout,
+                                      prefix="kv_admission_", unit="blocks")
         self.scheduler = DecodeScheduler(self.runtime, settings.max_batch, self.blocks.allocate, self.recorder,
-                                         self._count, lambda gen: self.blocks.free(gen.block_table))
+                                         self._count, lambda gen: self.release(gen.block_table, gen.released))
 
     # ---- KV ----
-    def fetch_kv(self, req: DecodeRequest) -> tuple[list[int], list[Span], KVTransferParams]:
-        """Receive the request's KV (in a worker thread) into blocks allocated for it; raises `ServingError`.
-        Returns the blocks (the caller owns them now: `admit` them, or `release` them), the spans and the
-        parameters complete (a pipelined request's learnt from the producer)."""
+    def plan_kv(self, req: DecodeRequest) -> tuple[int, int, list[Span]]:
+        """The prompt's length and blocks (in a worker thread: a pipelined request asks its producer, which
+        answers once prefill knows them) and the spans so far; raises `ServingError`."""
         p = req.kv_transfer_params
         if self.settings.kv_producers and p.remote_url not in self.settings.kv_producers:
             # checked before any socket opens: decode never sends its cache's addresses and keys elsewhere
@@ -188,11 +199,22 @@ class DecodeServer:
         if num_blocks != n:
             raise BadRequest(f"kv_transfer_params: {prompt_len} tokens take {n} blocks of "
                                  f"{self.cache.block_size}, not {num_blocks} (prefill's block size differs?)")
-        try:
-            ids = self.blocks.allocate(n)
-        except OutOfBlocks as exc:
-            self._count("kv_pool_exhausted")
-            raise Unavailable(f"KV pool exhausted: {exc}") from None
+        return prompt_len, num_blocks, spans
+
+    def reservation(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a request may ever hold: its prompt's and those its tokens after the first store (the last
+        token is emitted, never fed), reserved whole at admission so that it never finds the pool empty."""
+        return blocks_needed(prompt_len + max_tokens - 1, self.cache.block_size)
+
+    def fetch_kv(self, req: DecodeRequest, prompt_len: int, num_blocks: int, spans: list[Span],
+                 give_back: Callable[[], None]) -> tuple[list[int], list[Span], KVTransferParams]:
+        """Receive the request's KV (in a worker thread) into `num_blocks` blocks allocated for it, out of its
+        reservation (`give_back` returns that, once the blocks are back); raises `ServingError`. Returns the
+        blocks (the caller owns them now: `admit` them, or `release` them), the spans and the parameters
+        complete (a pipelined request's learnt from the producer)."""
+        p = req.kv_transfer_params
+        # the reservations fit in the pool, and the quarantined blocks keep theirs: no OutOfBlocks here
+        ids = self.blocks.allocate(num_blocks)
         t0 = time.monotonic_ns()
         quarantine = kept = False
         try:
@@ -206,7 +228,7 @@ class DecodeServer:
                     raise BadGateway(f"TRANS_DONE for {p.remote_request_id!r} came without the first token")
                 p = msgspec.structs.replace(p, prompt_len=prompt_len, num_blocks=num_blocks,
                                             first_token=done.aux[0].first_token, rope_delta=done.aux[0].rope_delta)
-            nbytes = self.cache.nbytes(n)
+            nbytes = self.cache.nbytes(num_blocks)
             spans.append(Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes))
             self.recorder.extend(spans)
             self._count(kv_bytes=nbytes)
@@ -214,9 +236,9 @@ class DecodeServer:
             return ids, spans, p
         finally:
             if quarantine and self.quarantine_s > 0:
-                self._quarantine(ids)
+                self._quarantine(ids, give_back)
             elif not kept:
-                self.blocks.free(ids)
+                self.release(ids, give_back)
 
     def _kv_call(self, p: KVTransferParams, call: Callable[[], T]) -> T:
         """One side-channel exchange; its failures as `ServingError`s: TRANS_ERROR by its reason (the producer
@@ -233,12 +255,12 @@ class DecodeServer:
         except zmq.ZMQError as exc:
             raise BadRequest(f"kv_transfer_params.remote_url {p.remote_url!r}: {exc}") from None
 
-    def _quarantine(self, ids: list[int]) -> None:
+    def _quarantine(self, ids: list[int], give_back: Callable[[], None]) -> None:
         def release() -> None:
             with self._lock:
                 self._quarantined -= len(ids)
                 self._timers.discard(timer)
-            self.blocks.free(ids)
+            self.release(ids, give_back)
 
         timer = threading.Timer(self.quarantine_s, release)
         timer.daemon = True
@@ -248,10 +270,11 @@ class DecodeServer:
         timer.start()
 
     # ---- generation ----
-    def admit(self, req: DecodeRequest, block_table: list[int], spans: list[Span],
-              emit: Callable[[Any], None]) -> Generation:
+    def admit(self, req: DecodeRequest, block_table: list[int], spans: list[Span], emit: Callable[[Any], None],
+              give_back: Callable[[], None]) -> Generation:
         """Emit token 0 and queue the rest with the scheduler, which frees `block_table` (the prompt's blocks,
-        its KV in them, from `fetch_kv`) and the blocks it adds when the request ends."""
+        its KV in them, from `fetch_kv`) and the blocks it adds when the request ends, then calls `give_back`
+        (the request's KV reservation)."""
         p = req.kv_transfer_params
         generator = None
         if req.temperature > 0:
@@ -262,24 +285,25 @@ class DecodeServer:
                 generator.manual_seed(req.seed)
         gen = Generation(req.request_id, block_table, p.prompt_len, p.prompt_len + p.rope_delta, req.max_tokens,
                          req.temperature, generator, emit, [p.first_token], spans,
-                         [] if req.return_logits else None)
+                         [] if req.return_logits else None, released=give_back)
         self._count("requests_admitted", tokens_generated=1)
         emit(p.first_token)
         if req.max_tokens == 1:
             self._count("requests_finished")
             emit(DONE)
-            self.release(block_table)
+            self.release(block_table, give_back)
             return gen
         try:
             self.scheduler.add(gen)
         except RuntimeError as exc:  # closing
-            self.release(block_table)
+            self.release(block_table, give_back)
             emit(exc)
         return gen
 
-    def release(self, block_table: list[int]) -> None:
-        """Give back the blocks of a request that will not generate (anymore)."""
+    def release(self, block_table: list[int], give_back: Callable[[], None]) -> None:
+        """Give back the blocks of a request that will not generate (anymore), then its reservation."""
         self.blocks.free(block_table)
+        give_back()
 
     # ---- health, metrics, lifetime ----
     def _count(self, *names: str, **amounts: int) -> None:
@@ -299,7 +323,8 @@ class DecodeServer:
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
                 "block_size": self.cache.block_size, "active_requests": active, "runtime": self.settings.runtime,
                 "max_batch": self.settings.max_batch, "kv_producers_guarded": bool(self.settings.kv_producers),
-                "admission": self.admission.stats(), "counters": counters}
+                "reserved_blocks": self.kv_admission.running, "admission": self.admission.stats(),
+                "kv_admission": self.kv_admission.stats(), "counters": counters}
 
     def metric_families(self) -> list[Metric]:
         """The decode's ``/metrics`` families: its KV blocks, requests and tokens, the consumer's counters."""
@@ -309,6 +334,8 @@ class DecodeServer:
             ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
             ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving, generating or quarantined)"),
             ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
+            ("kv_blocks_reserved", "gauge", h["reserved_blocks"], "blocks the admitted requests may hold "
+             "(prompt + max_tokens - 1 tokens each; a quarantined request's until its blocks are back)"),
             ("active_requests", "gauge", h["active_requests"], "requests generating"),
             ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
             ("requests_cancelled_total", "counter", c["requests_cancelled"], "requests whose client went away"),
@@ -318,7 +345,7 @@ class DecodeServer:
             ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
             ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
             ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
-        )] + self.admission.metric_families() + engine_metrics(self.engine)
+        )] + self.admission.metric_families() + self.kv_admission.metric_families() + engine_metrics(self.engine)
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""
@@ -363,24 +390,49 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     async def decode(request: Request) -> Response:
         server: DecodeServer = app.state.server
         # queued, or refused, before its body is read; a waiting request holds no KV (prefill keeps it meanwhile)
-        ticket = await server.admission.enter(deadline_budget(request.headers, server.settings.timeout))
+        budget = deadline_budget(request.headers, server.settings.timeout)
+        due = time.monotonic() + budget
+        ticket = await server.admission.enter(budget)
         streaming = False
         try:
-            response = await _decode(server, request, ticket.leave)
+            response = await _decode(server, request, ticket.leave, due)
             streaming = isinstance(response, _GenerationStream)  # admitted until its stream ends
             return response
         finally:
             if not streaming:
                 ticket.leave()
 
-    async def _decode(server: DecodeServer, request: Request, _stream_ended: Callable[[], None]) -> Response:
+    async def _decode(server: DecodeServer, request: Request, _stream_ended: Callable[[], None],
+                      due: float) -> Response:
         req = await read_struct(request, DecodeRequest)
         loop = asyncio.get_running_loop()
-        fetch = server.io.submit(server.fetch_kv, req)
+        prompt_len, num_blocks, spans = await loop.run_in_executor(server.io, server.plan_kv, req)
+        # the second admission: its whole reservation fits in the pool, or it waits (holding no KV: prefill keeps
+        # it) while that is predicted within its deadline, else 503 now
+        kv_ticket = await server.kv_admission.enter(due - time.monotonic(),
+                                                    server.reservation(prompt_len, req.max_tokens))
+
+        def give_back() -> None:  # from whichever thread frees the request's last blocks
+            try:
+                loop.call_soon_threadsafe(kv_ticket.leave)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is waiting
+                pass
+
+        try:
+            fetch = server.io.submit(server.fetch_kv, req, prompt_len, num_blocks, spans, give_back)
+        except RuntimeError:  # the pool is shut down (closing)
+            kv_ticket.leave()
+            raise
         try:
             block_table, kv_spans, params = await asyncio.wrap_future(fetch)
         except asyncio.CancelledError:  # the client left: blocks the transfer still fills are given back after
-            fetch.add_done_callback(lambda f: f.cancelled() or f.exception() or server.release(f.result()[0]))
+            def settle(f: Any) -> None:  # a failed fetch gave its blocks and reservation back already
+                if f.cancelled():
+                    give_back()
+                elif f.exception() is None:
+                    server.release(f.result()[0], give_back)
+
+            fetch.add_done_callback(settle)
             raise
         req = msgspec.structs.replace(req, kv_transfer_params=params)  # a pipelined one's, completed
         queue: asyncio.Queue = asyncio.Queue()
@@ -391,7 +443,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 pass
 
-        gen = server.admit(req, block_table, kv_spans, emit)
+        gen = server.admit(req, block_table, kv_spans, emit, give_back)
         if req.stream:
             return _GenerationStream(gen, _stream(gen, queue), _stream_ended, media_type="application/x-ndjson")
         try:

@@ -9,7 +9,8 @@ host from ``softmax(logits / temperature)`` with the request's seeded ``torch.Ge
 
 Blocks: a request arrives with its prompt's blocks (the KV transfer wrote them) and gets one more block whenever
 its next token would not fit, as vLLM's scheduler does; when the pool has none left, that request fails with an
-error (and frees what it held) while the others go on. A request that ends (all its tokens, a failure, its client
+error (and frees what it held) while the others go on (the decode server reserves each request's blocks at
+admission, so it never meets that; the monolithic server does not). A request that ends (all its tokens, a failure, its client
 gone, the server closing) is handed to `on_end`, which gives its blocks back: the blocks of a request are held
 from the KV transfer to its last step, and no longer.
 """
@@ -51,6 +52,7 @@ class Generation:
     spans: list[Span]
     logits: list[torch.Tensor] | None = None  # kept only when the request asked for them
     cancelled: bool = False
+    released: Callable[[], None] = lambda: None  # called once its blocks are back (decode's KV reservation)
 
 
 class DecodeScheduler:

@@ -35,6 +35,10 @@ of. Optimistic is the lesser error: waiters are rechecked, a request whose deadl
 refused then (``expired``), never run late, and the proxy keeps back what the request's decode is expected to
 take.
 
+Weighted requests (decode's KV admission, `Admission.enter`'s `units`): `workers` is then a capacity (the KV
+pool's blocks), a request takes `units` of it (its reservation), `rate` counts units coming back per second, and
+a request waits until the units of those queued ahead of it and its own, less those free now, have come back.
+
 Refusal reasons (``refused_total{reason}``): ``deadline`` (the prediction does not fit), ``queue_full``
 (`max_queued` waiting already: the memory backstop, a large bound), ``expired`` (the deadline passed while the
 request waited: answered then, never run late). The deadline is the request's ``X-EPD-Deadline-Ms`` header (the
@@ -88,38 +92,46 @@ class _Waiter:
     """A queued request: granted (result) or refused (exception) through `future`."""
 
     future: asyncio.Future
+    units: int  # of the capacity it takes once granted
     deadline: float  # time.monotonic() by which its answer is due
     queued_at: float
 
 
 class Ticket:
-    """One admitted request's slot: `leave` (idempotent) hands it to the next waiter and records the service
+    """One admitted request's units: `leave` (idempotent) hands them to the next waiters and records the service
     time."""
 
-    __slots__ = ("_admission", "_started", "_left", "_loaded")
+    __slots__ = ("_admission", "_started", "_left", "_loaded", "units")
 
-    def __init__(self, admission: "Admission") -> None:
-        self._admission, self._started, self._left = admission, time.monotonic(), False
-        self._loaded = admission.running >= admission.workers  # it started with every worker busy
+    def __init__(self, admission: "Admission", units: int) -> None:
+        self._admission, self._started, self._left, self.units = admission, time.monotonic(), False, units
+        # it started with too few units left for another like it: every worker busy, when a request takes one
+        self._loaded = admission.workers - admission.running < units
 
     def leave(self) -> None:
-        """The request is done (answered, failed, or its stream ended)."""
+        """The request is done (answered, failed, or its stream ended; decode: its KV blocks are back)."""
         if not self._left:
             self._left = True
-            self._admission._finished(time.monotonic() - self._started, self._loaded)
+            self._admission._finished(time.monotonic() - self._started, self._loaded, self.units)
 
 
 class Admission:
     """`workers` requests at once, a deadline-aware FIFO queue of at most `max_queued` behind them. `timeout`
     is the deadline of a request that names none; `prior_s` the service time, with every worker busy, assumed
-    until one is measured (the module's docstring)."""
+    until one is measured (the module's docstring). `prefix` names its ``/metrics`` families (a role with two:
+    decode's ``kv_admission_``); `unit` names the capacity in its refusals.
 
-    def __init__(self, role: str, workers: int, max_queued: int, timeout: float, prior_s: float = 0.1) -> None:
+    Weighted: a request may take several `units` of the `workers` capacity (decode's KV admission: `workers` the
+    pool's blocks, `units` a request's reservation); ``running`` then counts units. The queue stays FIFO: the head
+    waits until its units are free, and those behind it wait behind it (no starvation of large requests)."""
+
+    def __init__(self, role: str, workers: int, max_queued: int, timeout: float, prior_s: float = 0.1,
+                 prefix: str = "", unit: str = "workers") -> None:
         if workers < 1 or max_queued < 0 or not timeout > 0 or not prior_s >= 0:
             raise ValueError(f"admission needs workers >= 1, max_queued >= 0, timeout > 0, prior_s >= 0; got "
                              f"{workers}, {max_queued}, {timeout}, {prior_s}")
         self.role, self.workers, self.max_queued, self.timeout = role, workers, max_queued, timeout
-        self.prior_s = prior_s
+        self.prior_s, self.prefix, self.unit = prior_s, prefix, unit
         self.service_s = prior_s  # every request's (median)
         self.loaded_service_s = prior_s  # with every worker busy (median): the rate's base
         self._recent: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
@@ -144,50 +156,55 @@ class Admission:
 
     @property
     def admitted(self) -> int:
-        """Requests running or waiting (0 at idle: what a leak check reads)."""
-        return self.running + len(self._queue)
+        """Units running or waiting (requests, where each takes one; 0 at idle: what a leak check reads)."""
+        return self.running + sum(w.units for w in self._queue)
 
-    def predicted_wait(self, position: int | None = None) -> float:
-        """Seconds a request queued behind `position` others (default: all those waiting now) would wait."""
+    def predicted_wait(self, position: int | None = None, units: int = 1) -> float:
+        """Seconds a request of `units` queued behind `position` others (default: all those waiting now) would
+        wait: until the units of those ahead and its own, less those free now, come back at `rate`."""
         position = len(self._queue) if position is None else position
-        if self.running < self.workers and position == 0:
+        if position == 0 and self.running + units <= self.workers:
             return 0.0
-        return (position + 1) / self.rate
+        ahead = sum(self._queue[i].units for i in range(min(position, len(self._queue))))
+        return max(ahead + units - (self.workers - self.running), 1) / self.rate
 
     def _refuse(self, reason: str, detail: str, retry_after: float) -> Unavailable:
         self.refused[reason] += 1
         return Unavailable(f"{self.role} {detail}", code=f"overloaded_{reason}", retry_after=retry_after)
 
-    async def enter(self, budget_s: float | None = None) -> Ticket:
-        """Admit one request that may wait `budget_s` seconds (default: `timeout`) for its whole answer: at once
-        while a worker is free, else after its turn in the queue. Raises `Unavailable` (503, ``Retry-After``)
-        when its predicted wait and service do not fit its budget, when `max_queued` wait already, or when its
-        budget runs out while it waits."""
+    async def enter(self, budget_s: float | None = None, units: int = 1) -> Ticket:
+        """Admit one request of `units` that may wait `budget_s` seconds (default: `timeout`) for its whole
+        answer: at once while its units are free and nobody waits, else after its turn in the queue. Raises
+        `Unavailable` (503, ``Retry-After``) when its predicted wait and service do not fit its budget, when
+        `max_queued` wait already, or when its budget runs out while it waits; `BadRequest` when it asks for
+        more units than there are (it could never run)."""
         budget = self.timeout if budget_s is None else budget_s
-        wait = self.predicted_wait()
+        if not 1 <= units <= self.workers:
+            raise BadRequest(f"{self.role}: the request needs {units} units of a capacity of {self.workers}")
+        wait = self.predicted_wait(units=units)
         if wait + self.service_s > budget:  # even with a worker free: it could not be answered in time
             raise self._refuse("deadline", f"overloaded: predicted wait {wait:.2f} s ({len(self._queue)} queued, "
-                                           f"{self.running} running on {self.workers} workers, "
+                                           f"{self.running} running on {self.workers} {self.unit}, "
                                            f"{self.rate:.1f} done per s, {self.service_s:.3f} s each) plus its "
                                            f"service does not fit "
                                            f"the request's deadline of {max(budget, 0.0):.2f} s",
                                wait + self.service_s - max(budget, 0.0))
-        if self.running < self.workers and not self._queue:
-            self.running += 1
-            return Ticket(self)
+        if self.running + units <= self.workers and not self._queue:
+            self.running += units
+            return Ticket(self, units)
         if len(self._queue) >= self.max_queued:
-            raise self._refuse("queue_full", f"at capacity: {self.running} running on {self.workers} workers, "
+            raise self._refuse("queue_full", f"at capacity: {self.running} running on {self.workers} {self.unit}, "
                                              f"{len(self._queue)} waiting (max_queued {self.max_queued}); "
                                              f"predicted wait {wait:.2f} s", max(1.0, wait))
         t0 = time.monotonic()
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), t0 + budget, t0)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), units, t0 + budget, t0)
         future = waiter.future
         self._queue.append(waiter)
         try:
             await asyncio.wait_for(future, budget)  # or `_recheck` refuses it (raised here)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if future.done() and not future.cancelled():  # granted just as it timed out or was cancelled
-                self._finished(None)
+                self._finished(None, units=units)
             else:
                 future.cancel()
                 try:
@@ -200,11 +217,11 @@ class Admission:
                                           f"queue (predicted wait was {wait:.2f} s)", self.predicted_wait()) from None
         self.queued_total += 1
         self.waited_s += time.monotonic() - t0
-        return Ticket(self)
+        return Ticket(self, units)
 
-    def _finished(self, service_s: float | None, loaded: bool = False) -> None:
-        """A slot is free: record its service time (None: a grant never used; `loaded`: it started with every
-        worker busy), then hand it to the next waiter."""
+    def _finished(self, service_s: float | None, loaded: bool = False, units: int = 1) -> None:
+        """`units` are free: record their service time (None: a grant never used; `loaded`: it started with
+        every worker busy), then hand them to the next waiters."""
         if service_s is not None:
             self._recent.append(service_s)
             self.service_s = statistics.median(self._recent)
@@ -214,15 +231,16 @@ class Admission:
                 prior = [self.prior_s] * max(0, PRIOR_SAMPLES - len(self._recent_loaded))
                 self.loaded_service_s = statistics.median([*self._recent_loaded, *prior])
                 self.measured_loaded += 1
-        try:
-            while self._queue:
-                waiter = self._queue.popleft()
-                if not waiter.future.done():
-                    waiter.future.set_result(None)  # the slot passes on: `running` stays
-                    return
-            self.running -= 1
-        finally:
-            self._recheck()
+        self.running -= units
+        while self._queue:  # FIFO: the head is granted once its units are free, the others wait behind it
+            waiter = self._queue[0]
+            if not waiter.future.done():
+                if self.running + waiter.units > self.workers:
+                    break
+                self.running += waiter.units
+                waiter.future.set_result(None)
+            self._queue.popleft()
+        self._recheck()
 
     def _recheck(self) -> None:
         """Refuse now, from the back of the queue, the waiters whose deadline the prediction no longer fits (the
@@ -234,7 +252,7 @@ class Admission:
                 self._queue.pop()
                 continue
             ahead = len(self._queue) - 1
-            wait = (ahead + 1) / self.rate
+            wait = self.predicted_wait(ahead, waiter.units)
             left = waiter.deadline - now
             if wait + self.service_s <= left:
                 return
@@ -256,7 +274,7 @@ class Admission:
     def metric_families(self) -> list[Metric]:
         """``admitted``, ``running``, ``queue_length``, ``workers``, ``max_queued``, ``service_seconds``,
         ``predicted_wait_seconds``, ``queued_total``, ``queue_wait_seconds_total`` and ``refused_total{reason}``."""
-        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
+        return [Metric.of(self.prefix + name, kind, help_, value) for name, kind, value, help_ in (
             ("admitted", "gauge", self.admitted, "requests running or waiting for a worker"),
             ("running", "gauge", self.running, "requests running (at most workers)"),
             ("queue_length", "gauge", len(self._queue), "requests waiting for a worker"),
@@ -272,6 +290,6 @@ class Admission:
              "the wait a request arriving now is predicted"),
             ("queued_total", "counter", self.queued_total, "requests that waited in the queue"),
             ("queue_wait_seconds_total", "counter", round(self.waited_s, 6), "seconds they waited, summed"),
-        )] + [Metric.of("refused_total", "counter", "requests refused with 503 at once, by reason: deadline (the "
+        )] + [Metric.of(self.prefix + "refused_total", "counter", "requests refused with 503 at once, by reason: deadline (the "
                         "predicted wait does not fit), queue_full (max_queued), expired (the deadline passed in "
                         "the queue)", dict(self.refused), "reason")]
