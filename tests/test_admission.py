@@ -220,7 +220,7 @@ def test_weighted_requests_take_their_units_in_fifo_order_and_wait_for_what_come
     capacity is a 400: it could never run."""
     async def go() -> None:
         admission = Admission("kv", workers=10, max_queued=8, timeout=100.0, prior_s=1.0, unit="blocks")
-        with pytest.raises(BadRequest, match="11 units of a capacity of 10"):
+        with pytest.raises(BadRequest, match="needs 11 blocks of a capacity of 10"):
             await admission.enter(units=11)
         first = await admission.enter(units=6)
         assert admission.running == 6 and admission.predicted_wait(units=4) == 0.0

@@ -301,15 +301,17 @@ def test_bad_requests_are_4xx_or_503_with_detail(stack):
           "first_token": 1, "num_blocks": 3}
     r = stack.http.post(d, json=stack.decode_body("x", {**kv, "num_blocks": 2}))
     assert r.status_code == 400 and "take 3 blocks" in r.json()["detail"]
-    r = stack.http.post(d, json=stack.decode_body("x", {**kv, "prompt_len": 16 * 65, "num_blocks": 65}))
-    assert r.status_code == 503 and "KV pool exhausted" in r.json()["detail"]
+    # a decode whose prompt and tokens could never fit its pool: 400 at once, no KV asked for
+    r = stack.http.post(d, json=stack.decode_body("x", {**kv, "prompt_len": 16 * 256, "num_blocks": 256}))
+    assert r.status_code == 400 and "needs 257 blocks of a capacity of 256" in r.json()["detail"], r.text
     r = stack.http.post(d, json=stack.decode_body("x", kv, max_tokens=0))
     assert r.status_code == 400 and "max_tokens" in r.json()["detail"]
     r = stack.http.post(d, json={"request_id": "x", "max_tokens": 1})
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["detail"]
     metrics = stack.http.get(stack.main.url + "/metrics").text
     assert 'epd_prefill_requests_total{route="/v1/prefill",status="400"}' in metrics
-    assert "epd_decode_kv_blocks_free 64" in stack.http.get(stack.decode.url + "/metrics").text
+    metrics = stack.http.get(stack.decode.url + "/metrics").text
+    assert f"epd_decode_kv_blocks_free {DECODE_KV_BLOCKS}" in metrics and "epd_decode_kv_blocks_reserved 0" in metrics
 
 
 def test_a_prefill_past_its_queue_bound_refuses_at_once_with_retry_after(tmp_path):
@@ -453,7 +455,7 @@ def test_decode_admits_a_request_only_when_its_whole_kv_fits_the_pool(stack, tmp
         kv = {rid: stack.prefill(stack.main, rid, "a" * 40).json()["kv_transfer_params"] for rid in [*rids, "kvb-big"]}
         big = stack.decode_body("kvb-big", kv["kvb-big"], _max_tokens_for(17, kv["kvb-big"]["prompt_len"]))
         r = stack.http.post(tight.url + "/v1/decode", json=big)
-        assert r.status_code == 400 and "17 units of a capacity of 16" in r.json()["detail"], r.text
+        assert r.status_code == 400 and "needs 17 blocks of a capacity of 16" in r.json()["detail"], r.text
 
         def one(rid: str) -> tuple[int, list[dict], str | None]:
             n = _max_tokens_for(6, kv[rid]["prompt_len"])

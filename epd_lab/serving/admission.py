@@ -180,7 +180,7 @@ class Admission:
         more units than there are (it could never run)."""
         budget = self.timeout if budget_s is None else budget_s
         if not 1 <= units <= self.workers:
-            raise BadRequest(f"{self.role}: the request needs {units} units of a capacity of {self.workers}")
+            raise BadRequest(f"{self.role}: the request needs {units} {self.unit} of a capacity of {self.workers}")
         wait = self.predicted_wait(units=units)
         if wait + self.service_s > budget:  # even with a worker free: it could not be answered in time
             raise self._refuse("deadline", f"overloaded: predicted wait {wait:.2f} s ({len(self._queue)} queued, "
