@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_lab.campaign.common import LEAK_GAUGES, pool_levels
+from epd_lab.campaign.common import LEAK_GAUGES, pool_levels, refusal_counts
 from epd_lab.campaign.soak import rss_growth
 
 ROLES = {"encoder0", "prefill0", "decode0", "proxy"}
@@ -83,6 +83,17 @@ def test_pool_levels_reads_only_pool_gauges():
             "# TYPE epd_decode_requests_finished_total counter\nepd_decode_requests_finished_total 9\n")
     assert pool_levels(text) == {"kv_blocks_used": 3.0, "backend_inflight": 3.0}
     assert "kv_blocks_used" in LEAK_GAUGES
+    reserved = "# TYPE epd_decode_kv_blocks_reserved gauge\nepd_decode_kv_blocks_reserved 12\n"
+    assert pool_levels(reserved) == {"kv_blocks_reserved": 12.0} and "kv_blocks_reserved" in LEAK_GAUGES
+
+
+def test_refusal_counts_by_reason_keep_decode_kv_refusals_apart():
+    text = ('# TYPE epd_decode_refused_total counter\nepd_decode_refused_total{reason="deadline"} 2\n'
+            'epd_decode_refused_total{reason="expired"} 0\n'
+            '# TYPE epd_decode_kv_admission_refused_total counter\n'
+            'epd_decode_kv_admission_refused_total{reason="deadline"} 3\n'
+            'epd_decode_kv_admission_refused_total{reason="expired"} 1\n')
+    assert refusal_counts(text) == {"deadline": 2.0, "kv_deadline": 3.0, "kv_expired": 1.0}
 
 
 @pytest.mark.parametrize("values, expected", [([100, 100, 104, 105], 0.05), ([100, 120], 0.2), ([100], None)])

@@ -30,6 +30,7 @@ from epd_lab.servers.openai_api import MODEL_ID
 
 # /metrics gauges (name suffixes after "epd_<role>_") that must be back at their idle value after the last answer
 LEAK_GAUGES = ("embeddings_held", "kv_blocks_used", "kv_blocks_quarantined", "inflight", "admitted",
+               "kv_blocks_reserved", "kv_admission_admitted",  # decode's KV reservations
                "kv_requests_held", "active_requests", "backend_inflight", "engine_regions",
                "engine_writes_in_flight", "engine_managed_buffers")
 INFO_GAUGES = ("cache_bytes", "queue_length")
