@@ -11,8 +11,8 @@ For each model and runtime, on 448² images and a short text:
 Each is timed `--repeats` times (medians and ranges); on a GPU, the profiler then counts the kernels of
 `--profile-repeats` more calls and sums their time: ``gpu_busy_ms`` and ``kernels`` per call, and
 ``wall_over_busy`` = median wall / busy. The runtimes alternate call by call, so both see the same host noise.
-On a GPU the fast runtime also runs with one graph per bucket (``fast_one_graph``: prefill and decode), beside
-its graphs in parts; the summary's ``staged_over_one_graph_wall`` holds the ratios of their walls.
+On a GPU the fast runtime's decode also runs with one graph per bucket (``fast_one_graph``), beside its graphs in
+parts; the summary's ``staged_over_one_graph_wall`` holds the ratios of their walls.
 
 Bits (``bits``): the fast runtime's vision tower on 4 images in one call against the images one by one, and its
 split (images encoded in two parts, KV copied into other blocks as a transfer would) against its monolithic use,
@@ -218,11 +218,12 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                 return int(rt.prefill(ids1, rt.encode(*preprocess(imgs[:1], device)), grid1,
                                       tables[0]).logits.argmax())
 
-            calls[name] = {"prefill": lambda rt=rt, emb1=emb1: rt.prefill(ids1, emb1, grid1, tables[0]),
-                           "decode_c1": lambda step=step: step(1), "decode_c16": lambda step=step: step(16)}
-            if name != ONE_GRAPH:  # the same vision tower either way
+            calls[name] = {"decode_c1": lambda step=step: step(1), "decode_c16": lambda step=step: step(16)}
+            if name != ONE_GRAPH:  # the same vision tower and prefill graph either way
                 calls[name].update({"vit_1x448": lambda rt=rt: rt.encode(pv1, grid1),
-                                    "vit_4x448": lambda rt=rt: rt.encode(pv4, grid4), "ttft": ttft})
+                                    "vit_4x448": lambda rt=rt: rt.encode(pv4, grid4),
+                                    "prefill": lambda rt=rt, emb1=emb1: rt.prefill(ids1, emb1, grid1, tables[0]),
+                                    "ttft": ttft})
         tower = model.model.visual
         # from the same host tensors as the runtimes' encode: the pixels' copy to the GPU is in both
         calls["hf_batched_tower"] = {"vit_4x448": lambda: Qwen2VisionTransformerPretrainedModel.forward(
@@ -289,7 +290,7 @@ def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict
 
     def one_graph(model: str) -> dict:  # the staged graphs' walls over one graph's, measured side by side
         return {what: (fast(model, what) / whole if (whole := fast(model, what, runtime=ONE_GRAPH)) and
-                       fast(model, what) else None) for what in ("prefill", "decode_c1", "decode_c16")}
+                       fast(model, what) else None) for what in ("decode_c1", "decode_c16")}
 
     main = "qwen2-vl-2b" if any(r["model"] == "qwen2-vl-2b" for r in results) else results[0]["model"]
     overhead, spans = split_overhead(e2e) if e2e else (None, None)

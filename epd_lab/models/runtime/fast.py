@@ -43,8 +43,8 @@ class FastRuntime(RuntimeBase):
             image by image).
         cuda_graphs: replay the buckets from CUDA graphs on a GPU (False: run the same padded buckets eagerly,
             which gives the same bits; for comparison).
-        staged_graphs: capture each bucket in parts launched back to back (`runtime.graph`); False: one graph
-            per bucket (the same bits; for comparison).
+        staged_graphs: capture each decode bucket in parts launched back to back (`runtime.graph`); False: one
+            graph per bucket (the same bits; for comparison).
     """
 
     name = "fast"
@@ -66,8 +66,7 @@ class FastRuntime(RuntimeBase):
             return
         self.lm = Qwen2LM(model, cache)
         if on_gpu:
-            self.prefill_graphs = PrefillGraphs(self.lm, max_prefill_tokens, model.config.image_token_id, cuda_graphs,
-                                                staged_graphs)
+            self.prefill_graphs = PrefillGraphs(self.lm, max_prefill_tokens, model.config.image_token_id, cuda_graphs)
             self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs,
                                        staged_graphs)
 

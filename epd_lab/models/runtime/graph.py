@@ -2,8 +2,9 @@
 and mini-sglang's scheme): `DecodeGraphs` per batch size (1, 2, 4, 8, 16, ...), `PrefillGraphs` per prompt length
 (64, 128, ..., powers of two).
 
-Each bucket's forward is captured in parts, runs of layers growing 1, 2, 4, 8, ... (`qwen2.layer_bounds`), one
-graph each, launched back to back: the GPU starts on the first part while the host still launches the rest.
+A decode bucket's forward is captured in parts, runs of layers growing 1, 2, 4, 8, ... (`qwen2.layer_bounds`),
+one graph each, launched back to back: the GPU starts on the first part while the host still launches the rest
+(7B on the H200: 0.96x the wall of one graph per bucket; 2B 1.00x). A prefill is one graph (see `PrefillGraphs`).
 A call replays the smallest bucket that holds it; the rows past it are padding that writes nothing to the
 cache (slot -1) and that no real row attends to (decode: length 0; prefill: causal, after the prompt). A decode
 step's inputs travel in ONE host-to-device copy (a pinned int64 buffer: tokens, positions, slots, sequence
@@ -190,10 +191,11 @@ class PrefillGraphs:
     hence no host sync, before the replay.
     """
 
-    def __init__(self, lm: Qwen2LM, max_tokens: int, image_token_id: int, capture: bool = True,
-                 staged: bool = True) -> None:
+    def __init__(self, lm: Qwen2LM, max_tokens: int, image_token_id: int, capture: bool = True) -> None:
         self.lm, self.image_token_id = lm, image_token_id
-        self.bounds = layer_bounds(len(lm.layers)) if staged else [len(lm.layers)]
+        # one graph: in parts, a 2B prefill's wall was 1.04x one graph's on the H200 (7B 1.01x; side by side,
+        # `data/bench/runtime-h200-s3-run1-full.json`): its GPU time hides the launches, the parts' fixed costs add
+        self.bounds = [len(lm.layers)]
         buckets = token_buckets(max_tokens)
         self.max_tokens = width = buckets[-1]
         # ids, 3 rows of positions, slots (each `width`), then the index of the last prompt token
