@@ -94,8 +94,7 @@ class Stages:
 
     def run(self, value: torch.Tensor) -> torch.Tensor:
         """The whole forward on `value`."""
-        return self.end(self.lm.layers_forward(self.begin(value), self.slots, self.attend, 0,
-                                               len(self.lm.layers)))
+        return self.parts([len(self.lm.layers)])[0](value)
 
 
 class Qwen2LM:
@@ -184,8 +183,8 @@ class Qwen2LM:
 
     # ---- forward ----
     # A forward is a chain of stages (`Stages`): the inputs' first part, then runs of layers, then the head. Whole,
-    # it is `prefill`/`decode`; cut at `layer_bounds`, each stage is one CUDA graph (`runtime.graph`), so that the GPU
-    # runs a stage while the host launches the next. The same kernels on the same tensors: the same bits.
+    # it is `prefill`/`decode`; a decode cut at `layer_bounds` is one CUDA graph a part (`runtime.graph`), so that
+    # the GPU runs a part while the host launches the next. The same kernels on the same tensors: the same bits.
     def prefill_stages(self, positions: torch.Tensor, slots: torch.Tensor,
                        last: torch.Tensor | None = None) -> "Stages":
         """`prefill`'s stages, their first taking the prompt's input embeddings [T, hidden]."""
