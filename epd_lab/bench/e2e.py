@@ -47,7 +47,6 @@ import torch
 from PIL import Image
 
 from epd_lab.bench import write_json
-from epd_lab.campaign.common import random_png
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.launch import Cluster, Topology
 from epd_lab.kv import PagedKVCache, blocks_needed
@@ -63,6 +62,7 @@ from epd_lab.models import (
     resolve_dtype,
 )
 from epd_lab.models.runtime import RUNTIMES, open_runtime
+from epd_lab.noise import random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
