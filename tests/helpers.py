@@ -1,9 +1,31 @@
-"""Process helpers shared by the tests."""
+"""Helpers shared by the tests: a free loopback port, a polling wait, a frozen process.
+
+Random-noise test images come from `epd_lab.noise`; the `one_thread` fixture lives in ``conftest.py``.
+"""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound once by the OS, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition not reached") -> Any:
+    """Poll `condition` until it returns something true, and return that; fail with `what` after `timeout` s
+    (for state a server settles just after the client saw its answer)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what} (waited {timeout} s)"
+        time.sleep(0.05)
+    return value
 
 
 def freeze(pid: int) -> None:

@@ -27,7 +27,7 @@ from epd_lab.transfer import (
     transports,
 )
 from epd_lab.transfer.peer import PeerProcess
-from procs import freeze
+from helpers import freeze
 
 MiB = 1 << 20
 
