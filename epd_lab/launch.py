@@ -40,7 +40,7 @@ from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
 from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES
 from epd_lab.trace import Recorder, Span, collect
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 if TYPE_CHECKING:
     import pandas as pd

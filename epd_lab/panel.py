@@ -31,7 +31,7 @@ from epd_lab.ep.prefill import EPDPrefill, EPDResult, reference_prefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
 from epd_lab.trace import STAGES, request_breakdown, spans_frame
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 from epd_lab.viz.timeline import waterfall
 
 IMAGE_SIZES = (224, 448, 896)
