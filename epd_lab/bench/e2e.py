@@ -500,7 +500,7 @@ def _machine(device: torch.device) -> dict:
         from epd_lab.bench.transfer_cuda import machine_info as gpu_machine_info
 
         return gpu_machine_info()
-    from epd_lab.bench.transfer import machine_info
+    from epd_lab.machine import machine_info
 
     return machine_info()
 

@@ -26,11 +26,11 @@ import numpy as np
 from PIL import Image
 
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
 from epd_lab.models import configure_torch, load_model
 from epd_lab.trace import STAGES, Recorder, request_breakdown
 

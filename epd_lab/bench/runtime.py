@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         from epd_lab.bench.transfer_cuda import machine_info
     else:
-        from epd_lab.bench.transfer import machine_info
+        from epd_lab.machine import machine_info
     machine = machine_info()
     try:
         # the device's copy of the tree may carry an older .git: the caller can name the commit it ran

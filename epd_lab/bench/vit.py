@@ -24,7 +24,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
+from epd_lab.machine import machine_info
 from epd_lab.models import (
     VisionEncoder,
     build_input_ids,

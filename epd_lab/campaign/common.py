@@ -23,6 +23,7 @@ import numpy as np
 
 from epd_lab import security
 from epd_lab.launch import Cluster
+from epd_lab.machine import machine_info
 from epd_lab.noise import image_uri
 from epd_lab.servers.openai_api import MODEL_ID
 
@@ -387,7 +388,5 @@ def target(name: str, passed: bool, measured: Any, goal: str) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    """Where the leg ran (`bench.transfer.machine_info`)."""
-    from epd_lab.bench.transfer import machine_info
-
+    """Where the leg ran (`epd_lab.machine.machine_info`)."""
     return machine_info()
