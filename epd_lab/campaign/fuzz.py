@@ -55,6 +55,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import HypothesisWarning
 
 from epd_lab import security
+from epd_lab._native import (OP_AUTH, OP_CONTROL, OP_HELLO, OP_WRITE, ST_BADREQ, ST_CONTROL_ERR, ST_OK, ST_REFUSED,
+                             WIRE_MAGIC, WIRE_VERSION)
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
 from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
 
@@ -68,11 +70,9 @@ BODY_TYPES: dict[str, type] = {"/encode": EncodeRequest, "/send": SendRequest,
                                "/scheduler_receive_url": SchedulerReceiveUrl, "/v1/prefill": PrefillRequest,
                                "/v1/abort": AbortRequest, "/v1/decode": DecodeRequest}
 # native/epd_core.h: epd_wire_req {u32 magic, u16 version, u16 op, u64 seq, addr, length, key}; epd_wire_rep
+# {u32 magic, i32 status, u64 seq, length}; their sizes and the constants come from the header (epd_lab._native)
 WIRE_REQ = struct.Struct("<IHHQQQQ")
 WIRE_REP = struct.Struct("<IiQQ")
-WIRE_MAGIC, WIRE_VERSION = 0x57445045, 2
-OP_WRITE, OP_HELLO, OP_CONTROL = 1, 2, 3
-ST_OK, ST_REFUSED, ST_BADREQ, ST_CONTROL_ERR = 0, 1, 2, 3
 CHEAP_MAX_TOKENS = 4  # valid OpenAI bodies generate at most this many tokens (the leg probes input, not decode)
 SLACK_S = 5.0  # a request's bound: the cluster's timeout plus this
 
@@ -475,7 +475,7 @@ def wire_frames(draw: Any, targets: tuple[int, ...] = (), keys: tuple[int, ...] 
 
     magic = WIRE_MAGIC if mostly(9) else draw(st.sampled_from([0, WIRE_MAGIC ^ 1]) | st.integers(0, 2**32 - 1))
     version = WIRE_VERSION if mostly(9) else draw(st.sampled_from([0, 1, 3, 0xFFFF]))
-    op = OP_WRITE if mostly(8) else draw(st.sampled_from([OP_HELLO, OP_CONTROL, 0, 4, 0xFFFF]))
+    op = OP_WRITE if mostly(8) else draw(st.sampled_from([OP_HELLO, OP_CONTROL, 0, OP_AUTH, 0xFFFF]))
     if targets and mostly(7):
         addr = max(0, min(2**64 - 1, draw(st.sampled_from(targets)) + draw(st.integers(-8192, 8192))))
     else:
