@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: a free loopback port, a polling wait, a frozen process.
+"""Helpers shared by the tests: a free loopback port, a polling wait, a frozen process, a circle in a graph.
 
 Random-noise test images come from `epd_lab.noise`; the `one_thread` fixture lives in ``conftest.py``.
 """
@@ -35,3 +35,21 @@ def freeze(pid: int) -> None:
     while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
         assert time.monotonic() < deadline, f"pid {pid} did not stop"
         time.sleep(0.001)
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle in `graph` as a path that ends where it starts, or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for nxt in sorted(graph.get(node, ())):
+            if (found := visit(nxt, path + [node])) is not None:
+                return found
+        done.add(node)
+        return None
+
+    return next((c for n in sorted(graph) if (c := visit(n, [])) is not None), None)

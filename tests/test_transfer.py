@@ -27,7 +27,7 @@ from epd_lab.transfer import (
     transports,
 )
 from epd_lab.transfer.peer import PeerProcess
-from helpers import freeze
+from helpers import find_circle, freeze
 
 MiB = 1 << 20
 
@@ -260,31 +260,13 @@ def _import_graph() -> dict[str, set[str]]:
             for path in sorted(PKG_DIR.glob("*.py"))}
 
 
-def _circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One circle in `graph` as a path that ends where it starts, or None."""
-    done: set[str] = set()
-
-    def visit(node: str, path: list[str]) -> list[str] | None:
-        if node in path:
-            return path[path.index(node):] + [node]
-        if node in done:
-            return None
-        for nxt in sorted(graph.get(node, ())):
-            if (found := visit(nxt, path + [node])) is not None:
-                return found
-        done.add(node)
-        return None
-
-    return next((c for n in sorted(graph) if (c := visit(n, [])) is not None), None)
-
-
 def test_the_transfer_package_imports_no_circle():
     graph = _import_graph()
     # the scan sees module-level imports and lazy ones inside functions (engine's verbs)
     assert {"registration", "verbs"} <= graph["engine"]
     assert "registration" in graph["mooncake"] and "mooncake" not in graph["engine"]
-    assert _circle(graph) is None, " -> ".join(_circle(graph))
-    assert _circle({**graph, "registration": {"engine"}}) is not None  # and it would find one
+    assert find_circle(graph) is None, " -> ".join(find_circle(graph))
+    assert find_circle({**graph, "registration": {"engine"}}) is not None  # and it would find one
 
 
 def test_no_transport_imports_the_registry_at_module_level():
