@@ -28,7 +28,6 @@ import subprocess
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -39,6 +38,7 @@ from epd_lab.models import build_input_ids, configure_torch, open_model, preproc
 from epd_lab.models.processor import image_processor
 from epd_lab.models.runtime import RUNTIMES, open_runtime
 from epd_lab.models.runtime.vision import VisionTower
+from epd_lab.noise import noise_images
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
 VISION_BUDGETS = (1024, 2048, 4096)  # patch rows per vision call, measured beside the default
@@ -124,8 +124,7 @@ class Timer:
 
 
 def _images(n: int, size: int, seed: int = 0) -> list[Image.Image]:
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+    return noise_images([(size, size)] * n, seed)
 
 
 def _copy_blocks(cache: PagedKVCache, src: list[int], dst: list[int]) -> None:

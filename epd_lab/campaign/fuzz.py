@@ -58,6 +58,7 @@ from epd_lab import security
 from epd_lab._native import (OP_AUTH, OP_CONTROL, OP_HELLO, OP_WRITE, ST_BADREQ, ST_CONTROL_ERR, ST_OK, ST_REFUSED,
                              WIRE_MAGIC, WIRE_VERSION)
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
+from epd_lab.noise import image_uri
 from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
 
 __all__ = ["BODY_TYPES", "WIRE_REQ", "augmented_spec", "fuzz", "fuzz_guarded_engine", "fuzz_http", "fuzz_socket",
@@ -699,11 +700,7 @@ def fuzz_guarded_engine(*, n: int, seed: int, deadline: float, region: int = 64 
 
 # ---------------------------------------------------------------- leg ----
 def _tiny_png() -> str:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(out, "PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return image_uri(0, 32)
 
 
 def _legit_chat(proxy_url: str, timeout: float) -> tuple[bool, str]:
