@@ -200,7 +200,6 @@ class _Bench:
         return write, None
 
 
-# the flags copies depend on, and whether the CPU is virtual
 def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s: float = 0.5,
         scatter: bool = True, timeout: float = 10.0, log: Callable[[str], None] = print) -> dict:
     """Measure; returns ``{"machine", "rows", "skipped", "ratios"}`` (rows as in the JSON file)."""
