@@ -12,7 +12,7 @@ one kernel), ``cuda_api`` and ``cuda_loop`` (the same batch by one ``cudaMemcpyB
 ``cudaMemcpyAsync`` per block), ``cuda_arrays`` (the batch handed over as numpy arrays rather than
 lists), ``pinned_staging`` (D2H into pinned host memory, then H2D), ``zmq_pickle`` (a pickled dict
 holding the tensor, sent to a second process that rebuilds it on its GPU and acks: D2H, pickle, send,
-unpickle, H2D). Two GPUs (peer copy, NCCL send/recv) are not measured here: see README's GPU section.
+unpickle, H2D). Two GPUs (peer copy, NCCL send/recv) are not measured here: see docs/gpu-summary.md.
 
 Then the KV cache of a 4096-token prompt for each model shape (`epd_lab.models.shapes`), laid out as
 `PagedKVCache` lays it out (per layer K and V ``[blocks, 16, kv_heads, head_dim]`` bf16, each registered
