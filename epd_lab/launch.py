@@ -87,7 +87,8 @@ class Topology:
     decodes: int = option(0, "decode servers")
     proxy: bool = option(False, "start the OpenAI-compatible proxy in front of the prefills and decodes")
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
-                                    "prefill answered, which gave the lower TTFT on 2 vCPUs (docs/serving.md, bench e2e)")
+                                    "prefill answered, which gave the lower TTFT on 2 vCPUs "
+                                    "(docs/serving.md, bench e2e)")
     monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor "
                                      "E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, decode or "
                                      "proxy")
