@@ -40,7 +40,7 @@ from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
 from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES
 from epd_lab.trace import Recorder, Span, collect
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -87,7 +87,8 @@ class Topology:
     decodes: int = option(0, "decode servers")
     proxy: bool = option(False, "start the OpenAI-compatible proxy in front of the prefills and decodes")
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
-                                    "prefill answered, which gave the lower TTFT on 2 vCPUs (README, bench e2e)")
+                                    "prefill answered, which gave the lower TTFT on 2 vCPUs "
+                                    "(docs/serving.md, bench e2e)")
     monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor "
                                      "E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, decode or "
                                      "proxy")

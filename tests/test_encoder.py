@@ -8,11 +8,9 @@ builds those same bodies.
 """
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import contextlib
 import http.server
-import io
 import json
 import select
 import os
@@ -27,7 +25,6 @@ from dataclasses import dataclass
 
 import httpx
 import msgspec
-import numpy as np
 import pytest
 import torch
 import zmq
@@ -35,6 +32,7 @@ from PIL import Image
 
 from epd_lab import models
 from epd_lab.ep import media
+from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.encoder import EmbeddingCache, EncoderSettings
 from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
 from epd_lab.ep.receiver import PartPlan, encode_request, send_request
@@ -46,15 +44,8 @@ TTL = 2.0  # the mooncake server's --embedding-ttl
 
 
 def png_bytes(size: tuple[int, int], seed: int) -> bytes:
-    """A noise image (a flat one would give near-identical embedding rows and hide misplaced bytes)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_uri(raw: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(raw).decode()
+    """A noise image of `size` = (width, height) as PNG bytes."""
+    return random_png(seed, size[::-1])
 
 
 # ---- servers ----

@@ -16,10 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import epd_lab
 from epd_lab.bench import runtime as bench_runtime
@@ -31,6 +29,7 @@ from epd_lab.models.runtime.graph import buckets_up_to, token_buckets
 from epd_lab.models.runtime.qwen2 import Qwen2LM, layer_bounds
 from epd_lab.models.runtime.ops import TorchOps
 from epd_lab.models.runtime.vision import VisionTower, budget_calls
+from epd_lab.noise import noise_images
 from test_model_device import HAS_CUDA, gpu
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
@@ -42,8 +41,7 @@ CASES = [("tell me a story", []), ("describe", [(224, 224)]), ("compare these", 
 
 
 def _inputs(prompt: str, sizes: list[tuple[int, int]]):
-    rng = np.random.default_rng(len(prompt))
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    images = noise_images(sizes, len(prompt))
     pixel_values, grid = preprocess(images) if images else (None, None)
     return build_input_ids(prompt, grid.tolist() if images else []), pixel_values, grid
 
@@ -421,8 +419,7 @@ def test_graph_replay_equals_eager_and_split_equals_monolithic_on_cuda(cuda_mode
 
 @gpu
 def test_vision_budget_is_invariant_to_grouping_on_cuda(cuda_model):
-    rng = np.random.default_rng(1)
-    images = [Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)) for _ in range(4)]
+    images = noise_images([(448, 448)] * 4, 1)
     rt = open_runtime("fast", cuda_model)  # encode only
     together = rt.encode(*preprocess(images))
     alone = torch.cat([rt.encode(*preprocess([img])) for img in images])

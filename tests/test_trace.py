@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
+from epd_lab.noise import noise_images
 from epd_lab.trace import (COLUMNS, Recorder, Span, estimate_clock_offset, frame_spans, load_frame, request_of,
                            save_frame, spans_frame, to_chrome_trace)
 
@@ -29,11 +28,9 @@ def model():
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     d = tmp_path_factory.mktemp("img")
-    rng = np.random.default_rng(5)
-    paths = []
-    for i, side in enumerate((224, 112)):
-        paths.append(str(d / f"{i}.png"))
-        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(paths[-1])
+    paths = [str(d / f"{i}.png") for i in range(2)]
+    for path, image in zip(paths, noise_images([(224, 224), (112, 112)], 5)):
+        image.save(path)
     return paths
 
 

@@ -30,7 +30,6 @@ import subprocess
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -41,6 +40,7 @@ from epd_lab.models import build_input_ids, configure_torch, open_model, preproc
 from epd_lab.models.processor import image_processor
 from epd_lab.models.runtime import RUNTIMES, open_runtime
 from epd_lab.models.runtime.vision import VisionTower
+from epd_lab.noise import noise_images
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
 VISION_BUDGETS = (1024, 2048, 4096)  # patch rows per vision call, measured beside the default
@@ -127,8 +127,7 @@ class Timer:
 
 
 def _images(n: int, size: int, seed: int = 0) -> list[Image.Image]:
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+    return noise_images([(size, size)] * n, seed)
 
 
 def _copy_blocks(cache: PagedKVCache, src: list[int], dst: list[int]) -> None:
@@ -346,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         from epd_lab.bench.transfer_cuda import machine_info
     else:
-        from epd_lab.bench.transfer import machine_info
+        from epd_lab.machine import machine_info
     machine = machine_info()
     try:
         # the device's copy of the tree may carry an older .git: the caller can name the commit it ran

@@ -109,7 +109,7 @@ from epd_lab.transfer import (
     open_engine,
     parse_session_id,
 )
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 TRANSPORTS = ENGINES
 SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes

@@ -71,7 +71,7 @@ from epd_lab.trace import Recorder, Span
 
 KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
 from epd_lab.transfer import open_engine
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
