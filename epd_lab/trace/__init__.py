@@ -9,6 +9,6 @@ from epd_lab.trace.spans import (DATA_STAGES, PD_STAGES, STAGES, Recorder, Span,
                                  of_request, request_breakdown, tracing_enabled)
 
 __all__ = ["COLUMNS", "DATA_STAGES", "GAP", "PATH_COLUMNS", "PD_STAGES", "STAGES", "ClockOffset", "Recorder", "Span",
-           "SpansPage", "bare_request_id", "clock_answer", "clock_id", "collect", "critical_path", "estimate_clock_offset",
-           "frame_spans", "load_frame", "of_request", "request_breakdown", "request_of", "save_frame", "spans_answer",
+           "SpansPage", "bare_request_id", "clock_answer", "clock_id", "collect", "critical_path",
+           "estimate_clock_offset", "frame_spans", "load_frame", "of_request", "request_breakdown", "request_of", "save_frame", "spans_answer",
            "spans_frame", "summarize_critical_paths", "to_chrome_trace", "tracing_enabled"]

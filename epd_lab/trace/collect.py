@@ -78,8 +78,8 @@ def collect(urls: Iterable[str], request_id: str | None = None, since_ns: int = 
             timeout: float = 10.0, secret: str | bytes | None = None) -> pd.DataFrame:
     """Every span the servers at `urls` hold and `extra` ones (e.g. an in-process receiver's), of one
     request only when `request_id` is given (`of_request`), in one frame, each node's timestamps brought
-    onto this host's clock. ``frame.attrs``: ``clock_offsets`` and ``clock_errors`` (ns per node), ``clocks`` (each node's
-    `ClockOffset`, as dicts), ``dropped`` (spans each recorder had to drop) and ``unreachable`` (URL →
+    onto this host's clock. ``frame.attrs``: ``clock_offsets`` and ``clock_errors`` (ns per node), ``clocks``
+    (each node's `ClockOffset`, as dicts), ``dropped`` (spans each recorder had to drop) and ``unreachable`` (URL →
     error, for servers that did not answer within `timeout`: the others are still collected). `secret`: the
     deployment's shared secret, sent as the bearer token (default: the environment's, `epd_lab.security`)."""
     spans = of_request(extra, request_id)

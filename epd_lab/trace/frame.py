@@ -81,7 +81,7 @@ def to_chrome_trace(frame: pd.DataFrame, path: str | Path | None = None) -> dict
 
     One process track per node, one thread per request part; complete (``"X"``) events in µs from the
     frame's first span, with the bytes and request in ``args``. A node whose spans were moved onto this
-    clock has its offset and error in its track's name (``encoder:1 · clock −3000.000 ms ± 0.150 ms``); all
+    clock has its offset and error in its track's name (``encoder:1 · clock -3000.000 ms ± 0.150 ms``); all
     offsets and errors are in ``otherData``. Written to `path` when given.
     """
     t0 = int(frame["t_start_ns"].min()) if len(frame) else 0

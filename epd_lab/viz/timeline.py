@@ -137,7 +137,8 @@ def critical_path_waterfall(frame: pd.DataFrame, request: str | None = None, unt
             orientation="h", y=[row] * len(gaps), base=gaps["start_ms"], x=gaps["dur_ms"], name=GAP,
             marker=_GAP_STYLE, customdata=gaps[["start_ms", "end_ms", "dur_ms", "between", "clock_err_ms"]].to_numpy(),
             hovertemplate="gap %{customdata[3]}<br>%{customdata[0]:.3f} → %{customdata[1]:.3f} ms<br>"
-                          "%{customdata[2]:.3f} ms ± %{customdata[4]:.3f} ms (clocks) covered by no span<extra></extra>",
+                          "%{customdata[2]:.3f} ms ± %{customdata[4]:.3f} ms (clocks) covered by no span"
+                          "<extra></extra>",
         ))
     _add_bars(fig, sub, legend, on_path=set(spans["span"]), above=[row])
     gap_ms = gaps["dur_ms"].sum()
