@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from epd_lab.bench import write_json
 from epd_lab.bench.transfer import machine_info
 from epd_lab.campaign import netns
 from epd_lab.launch import Cluster, Topology
@@ -77,10 +78,9 @@ def main() -> None:
         "target": "median within 15% of the model at each rate", "rows": rows,
         "all_within_15pct": all(r["within_15pct"] for r in rows),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        args.out.write_text(text + "\n")
+        write_json(str(args.out), result)
 
 
 if __name__ == "__main__":

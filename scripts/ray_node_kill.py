@@ -31,6 +31,7 @@ import ray
 from PIL import Image
 from ray.cluster_utils import Cluster as RayCluster
 
+from epd_lab.bench import write_json
 from epd_lab.bench.transfer import machine_info
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
@@ -201,10 +202,9 @@ def main() -> None:
                     "targets": {"new_right_pct": ">= 99", "in_flight_failed_max_s": f"<= {args.timeout}"}},
         "runs": runs,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        args.out.write_text(text + "\n")
+        write_json(str(args.out), result)
 
 
 if __name__ == "__main__":
