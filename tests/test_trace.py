@@ -1,6 +1,7 @@
 """Tracing across processes: real encoder processes record spans, `Cluster.spans` collects them with the
 in-process receiver's into one frame, and the frame exports to Chrome/Perfetto JSON, parquet and CSV.
-Also: the bounded recorder, the duplicate rule, clock offsets over loopback, and tracing switched off."""
+Also: the bounded recorder, the duplicate rule, clock offsets over loopback and from an encoder whose clock the
+kernel shifts (a time namespace), and tracing switched off."""
 from __future__ import annotations
 
 import json
