@@ -195,6 +195,7 @@ class EmbeddingNotify(msgspec.Struct, tag="notify"):
     grid_thw: list[list[int]]
     error: str | None = None
     spans: list[Span] = []
+    clock: str = ""  # the sender's `trace.clock_id()`: its last span is ended on arrival only on the same clock
 
 
 class EmbeddingData(EmbeddingNotify, tag="data"):

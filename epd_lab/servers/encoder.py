@@ -100,7 +100,7 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Co
 from epd_lab.models.runtime import open_runtime
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                        check_placement, synchronize, use_device)
-from epd_lab.trace import Recorder, Span
+from epd_lab.trace import Recorder, Span, clock_id
 from epd_lab.transfer import (
     RegistrationError,
     RemoteAccessError,
@@ -528,7 +528,8 @@ class MMEncoder:
         nbytes = len(msg.data) if isinstance(msg, EmbeddingData) else 0
         if self.recorder.enabled:  # a copy per receiver: each gets only its own send's span (data not copied)
             msg = msgspec.structs.replace(
-                msg, spans=[*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)])
+                msg, spans=[*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)],
+                clock=clock_id())
         try:
             self.pushers.push(url, encode_zmq(msg))
         except zmq.ZMQError as exc:
