@@ -5,6 +5,21 @@ from typing_extensions import Buffer
 
 COPIES: tuple[str, str]
 
+# the engine's wire, from native/epd_core.h
+WIRE_MAGIC: int
+WIRE_VERSION: int
+OP_WRITE: int
+OP_HELLO: int
+OP_CONTROL: int
+OP_AUTH: int
+ST_OK: int
+ST_REFUSED: int
+ST_BADREQ: int
+ST_CONTROL_ERR: int
+ST_NOAUTH: int
+WIRE_REQ_SIZE: int
+WIRE_REP_SIZE: int
+
 def copy_bytes(dst: Buffer, src: Buffer, copy: str) -> None:
     """Copy `src` into `dst` (same length, no overlap) with ``"memcpy"`` or ``"stream"``; the stores are
     complete on return."""

@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "bench":
         import importlib
 
-        return importlib.import_module(f"epd_lab.bench.{args.what}").main(rest)
+        # overload drives the campaign's client, so it lives with the campaign (bench sits below campaign)
+        package = "campaign" if args.what == "overload" else "bench"
+        return importlib.import_module(f"epd_lab.{package}.{args.what}").main(rest)
     if args.cmd == "launch":
         from epd_lab import launch
 

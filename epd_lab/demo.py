@@ -114,6 +114,7 @@ def run_epd(encoders: int = 2, backend: str = "mooncake") -> dict[str, Any]:
     from epd_lab.ep.prefill import EPDPrefill, reference_prefill
     from epd_lab.launch import Cluster, Topology
     from epd_lab.models import configure_torch, load_model
+    from epd_lab.noise import noise_images
     from epd_lab.trace import STAGES, request_breakdown
 
     configure_torch()
@@ -125,10 +126,9 @@ def run_epd(encoders: int = 2, backend: str = "mooncake") -> dict[str, Any]:
         print(f"encoders: {', '.join(cluster.encoder_urls)}; prefill engine {rx.engine.session_id}")
         epd = EPDPrefill(rx, model)
         for i, (text, sizes) in enumerate(REQUESTS):
-            paths = []
-            for j, (w, h) in enumerate(sizes):
-                paths.append(f"{tmp}/r{i}_{j}.png")
-                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+            paths = [f"{tmp}/r{i}_{j}.png" for j in range(len(sizes))]
+            for path, image in zip(paths, noise_images(sizes, rng)):
+                image.save(path)
             result = epd.prefill(text, paths, rid=f"demo{i}")
             ref = reference_prefill(model, text, [Image.open(p).convert("RGB") for p in paths])
             same = torch.equal(ref, result.prefill.logits)
@@ -153,17 +153,15 @@ def run_e2e(max_tokens: int = 16) -> dict[str, Any]:
     """Chat through the proxy with the `openai` client (streaming); compare with `model.generate`.
 
     Returns the printed table (``rows``) and every request's spans from the proxy (``spans``)."""
-    import base64
-    import io
     import time
 
     import httpx
     import msgspec
     import openai
-    from PIL import Image
 
     from epd_lab.launch import Cluster, Topology
     from epd_lab.models import configure_torch, load_model
+    from epd_lab.noise import data_uri, random_png
     from epd_lab.servers.openai_api import MODEL_ID
     from epd_lab.servers.reference import monolithic_chat
     from epd_lab.trace import Span
@@ -176,13 +174,8 @@ def run_e2e(max_tokens: int = 16) -> dict[str, Any]:
         print(f"proxy {cluster.proxy_url}; prefill {cluster.prefill_urls[0]}; decode {cluster.decode_urls[0]}")
         client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
         for text, sizes in REQUESTS[:3]:
-            images = []
-            for w, h in sizes:
-                buf = io.BytesIO()
-                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-                images.append(buf.getvalue())
-            content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
-                       for b in images] + [{"type": "text", "text": text}]
+            content = [{"type": "image_url", "image_url": {"url": data_uri(random_png(rng, (h, w)))}}
+                       for w, h in sizes] + [{"type": "text", "text": text}]
             messages = [{"role": "user", "content": content}]
             t0 = time.perf_counter()
             ttft, pieces, response_id = None, [], None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
 from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES
 from epd_lab.trace import Recorder, Span, collect
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -50,6 +51,36 @@ _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 PLACEMENTS = ("local", "ray")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement group strategies
 RAY_OPTIONS = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
+_RAY_KEY = re.compile(r"(encoder|prefill|decode)\d*|proxy")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+def check_ray_options(key: str, values: Mapping[str, Any]) -> None:
+    """`ValueError` naming what is wrong with ``ray_options[key]``, before Ray sees it: `key` a role or process
+    name, only `RAY_OPTIONS`, each of the type Ray takes."""
+    where = f"ray_options[{key!r}]"
+    if not _RAY_KEY.fullmatch(key):
+        raise ValueError(f"{where}: name a role (encoder, prefill, decode, proxy) or a process (encoder0, "
+                         f"prefill1, ...)")
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where}: expected a mapping of options, got {values!r}")
+    unknown = set(values) - set(RAY_OPTIONS)
+    if unknown:
+        raise ValueError(f"{where}: unknown {', '.join(sorted(unknown))}; known: {', '.join(RAY_OPTIONS)}")
+    for name in ("num_cpus", "num_gpus"):
+        if name in values and not _number(values[name]):
+            raise ValueError(f"{where}[{name!r}] must be a number >= 0, got {values[name]!r}")
+    if "memory" in values and not (_number(values["memory"]) and float(values["memory"]).is_integer()):
+        raise ValueError(f"{where}['memory'] must be a whole number of bytes >= 0, got {values['memory']!r}")
+    resources = values.get("resources", {})
+    if not (isinstance(resources, Mapping) and all(isinstance(k, str) and _number(v) for k, v in resources.items())):
+        raise ValueError(f"{where}['resources'] must map resource names to numbers >= 0, got {resources!r}")
+    labels = values.get("label_selector", {})
+    if not (isinstance(labels, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
+        raise ValueError(f"{where}['label_selector'] must map label names to strings, got {labels!r}")
 
 # each role: the module its process runs, the settings its command line is written from, and the `Topology`
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
@@ -87,7 +118,8 @@ class Topology:
     decodes: int = option(0, "decode servers")
     proxy: bool = option(False, "start the OpenAI-compatible proxy in front of the prefills and decodes")
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
-                                    "prefill answered, which gave the lower TTFT on 2 vCPUs (README, bench e2e)")
+                                    "prefill answered, which gave the lower TTFT on 2 vCPUs "
+                                    "(docs/serving.md, bench e2e)")
     monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor "
                                      "E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, decode or "
                                      "proxy")
@@ -115,8 +147,11 @@ class Topology:
                            choices=("loopback", "node"))
     # Ray actor options by process name ("prefill1") or role ("prefill"), the name winning: num_cpus (default
     # 1), num_gpus (default 0), resources (custom ones, e.g. {"host_b": 1} pins to a node started with it),
-    # label_selector (node labels), memory
-    ray_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"cli": False})
+    # label_selector (node labels), memory (bytes)
+    ray_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"help": (
+        "Ray actor options of a role or process, as KEY=JSON, repeated: e.g. --ray-options "
+        "'prefill={\"num_gpus\": 1, \"resources\": {\"epd_p\": 1}}' --ray-options 'proxy={\"num_cpus\": 0}' "
+        f"(options: {', '.join(RAY_OPTIONS)}; a process name such as prefill1 wins over its role)")})
 
     def __post_init__(self) -> None:
         if self.encoders < 1:
@@ -146,10 +181,7 @@ class Topology:
         if self.ray_strategy is not None and self.ray_strategy not in STRATEGIES:
             raise ValueError(f"ray_strategy must be one of {', '.join(STRATEGIES)}, got {self.ray_strategy!r}")
         for key, values in self.ray_options.items():
-            unknown = set(values) - set(RAY_OPTIONS)
-            if unknown:
-                raise ValueError(f"ray_options[{key!r}]: unknown {', '.join(sorted(unknown))}; "
-                                 f"known: {', '.join(RAY_OPTIONS)}")
+            check_ray_options(key, values)
         for role, values in self.settings.items():
             if role not in ROLES:
                 raise ValueError(f"settings for unknown role {role!r}; roles: {', '.join(ROLES)}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
-import io
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,15 +22,15 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from PIL import Image
 
 from epd_lab.ep.media import decode_image
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.ep.prefill import EPDPrefill, EPDResult, reference_prefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
+from epd_lab.noise import random_png
 from epd_lab.trace import STAGES, request_breakdown, spans_frame
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 from epd_lab.viz.timeline import waterfall
 
 IMAGE_SIZES = (224, 448, 896)
@@ -140,13 +139,7 @@ class ControlPanel:
                 raise ValueError("no file uploaded: pick some with the upload button, or choose 'random'")
             return [(f["type"] or "image/png", bytes(f["content"])) for f in self.upload.value]
         rng = np.random.default_rng(self.seed + len(self.sent))
-        files = []
-        for _ in range(self.images.value):
-            buf = io.BytesIO()
-            side = self.size.value
-            Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
-            files.append(("image/png", buf.getvalue()))
-        return files
+        return [("image/png", random_png(rng, self.size.value)) for _ in range(self.images.value)]
 
     def _show(self, sent: Sent) -> None:
         got, topo = sent.result.received, self.cluster.topology

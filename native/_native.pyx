@@ -49,6 +49,16 @@ cdef class Owner
 
 COPIES = ("memcpy", "stream")  # index = EPD_COPY_MEMCPY, EPD_COPY_STREAM
 
+# The engine's wire (epd_core.h), read by the compiler from the header itself, for Python that speaks it
+# (the campaign's fuzz leg): frames are epd_wire_req / epd_wire_rep, little-endian, packed.
+WIRE_MAGIC = EPD_WIRE_MAGIC
+WIRE_VERSION = EPD_WIRE_VERSION
+OP_WRITE, OP_HELLO, OP_CONTROL, OP_AUTH = EPD_OP_WRITE, EPD_OP_HELLO, EPD_OP_CONTROL, EPD_OP_AUTH
+ST_OK, ST_REFUSED, ST_BADREQ, ST_CONTROL_ERR, ST_NOAUTH = (EPD_ST_OK, EPD_ST_REFUSED, EPD_ST_BADREQ,
+                                                           EPD_ST_CONTROL_ERR, EPD_ST_NOAUTH)
+WIRE_REQ_SIZE = sizeof(epd_wire_req)
+WIRE_REP_SIZE = sizeof(epd_wire_rep)
+
 
 cdef int _copy_kind(str copy) except -1:
     if copy not in COPIES:

@@ -143,18 +143,43 @@ def get_device_list():
         v.ibv_free_device_list(devices)
 
 
+cdef class _Resource:
+    """What every verbs object shares: an idempotent close() and use as a context manager.
+
+    A subclass implements `_close` and its own ``__dealloc__`` calling it: Cython clears a subclass's object
+    fields (its parents, its children) before the base's ``__dealloc__`` runs, and closing needs them.
+    """
+
+    cdef object __weakref__
+
+    cdef int _close(self) except -1:
+        return 0
+
+    def close(self) -> None:
+        """Release the object, its children first (see the class's docstring). Idempotent."""
+        self._close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self._close()
+
+
 # Each parent keeps a weak set of its children: a child holds its parent alive, and the parent's
 # close() closes the children first (QPs and MRs before their PD and CQ, all before the device).
 # no_gc_clear: __dealloc__ needs the parent references to close in the right order, even when the
 # collector frees the object as part of a cycle.
 @cython.no_gc_clear
-cdef class Context:
-    """An opened RDMA device (ibv_open_device). `Context()` opens the first device."""
+cdef class Context(_Resource):
+    """An opened RDMA device (ibv_open_device). `Context()` opens the first device.
+
+    close() closes every PD, MR, CQ and QP made from this context, then the device.
+    """
 
     cdef v.ibv_context *ctx
     cdef readonly str name
     cdef object _children
-    cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
         self._children = weakref.WeakSet()
@@ -247,17 +272,7 @@ cdef class Context:
         self.ctx = NULL
         return 0
 
-    def close(self) -> None:
-        """Close every PD, MR, CQ and QP made from this context, then the device. Idempotent."""
-        self._close()
-
     def __dealloc__(self):
-        self._close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
         self._close()
 
     def __repr__(self):
@@ -265,13 +280,15 @@ cdef class Context:
 
 
 @cython.no_gc_clear
-cdef class PD:
-    """A protection domain (ibv_alloc_pd): MRs and QPs of one PD may be used together."""
+cdef class PD(_Resource):
+    """A protection domain (ibv_alloc_pd): MRs and QPs of one PD may be used together.
+
+    close() closes this PD's MRs and QPs, then deallocates it.
+    """
 
     cdef v.ibv_pd *pd
     cdef readonly Context context
     cdef object _children
-    cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
         self._children = weakref.WeakSet()
@@ -295,27 +312,17 @@ cdef class PD:
         self.pd = NULL
         return 0
 
-    def close(self) -> None:
-        """Close this PD's MRs and QPs, then deallocate it. Idempotent."""
-        self._close()
-
     def __dealloc__(self):
-        self._close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
         self._close()
 
 
 @cython.no_gc_clear
-cdef class MR:
-    """A registered memory region (ibv_reg_mr). The caller keeps the memory alive until close()."""
+cdef class MR(_Resource):
+    """A registered memory region (ibv_reg_mr). The caller keeps the memory alive until close(), which
+    deregisters it (ibv_dereg_mr)."""
 
     cdef v.ibv_mr *mr
     cdef readonly PD pd
-    cdef object __weakref__
 
     def __init__(self, PD pd not None, uintptr_t addr, size_t length, int access):
         if pd.pd == NULL:
@@ -361,17 +368,7 @@ cdef class MR:
         self.mr = NULL
         return 0
 
-    def close(self) -> None:
-        """Deregister the region (ibv_dereg_mr). Idempotent."""
-        self._close()
-
     def __dealloc__(self):
-        self._close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
         self._close()
 
     def __repr__(self):
@@ -398,13 +395,15 @@ cdef int _poll_until(v.ibv_cq *cq, int max_entries, v.ibv_wc *wc, double timeout
 
 
 @cython.no_gc_clear
-cdef class CQ:
-    """A completion queue (ibv_create_cq) without a completion channel: it is busy-polled."""
+cdef class CQ(_Resource):
+    """A completion queue (ibv_create_cq) without a completion channel: it is busy-polled.
+
+    close() destroys the QPs that use this CQ, then the CQ.
+    """
 
     cdef v.ibv_cq *cq
     cdef readonly Context context
     cdef object _children
-    cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
         self._children = weakref.WeakSet()
@@ -463,33 +462,23 @@ cdef class CQ:
         self.cq = NULL
         return 0
 
-    def close(self) -> None:
-        """Destroy the QPs that use this CQ, then the CQ. Idempotent."""
-        self._close()
-
     def __dealloc__(self):
-        self._close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
         self._close()
 
 
 @cython.no_gc_clear
-cdef class QP:
+cdef class QP(_Resource):
     """A reliable-connected queue pair (ibv_create_qp, IBV_QPT_RC) for RDMA WRITE.
 
     Bring it up with to_init -> to_rtr -> to_rts after exchanging (qp_num, psn, lid, gid) with the
-    peer out of band. Work requests are unsignaled unless asked: sq_sig_all is 0.
+    peer out of band. Work requests are unsignaled unless asked: sq_sig_all is 0. close() destroys the QP
+    (work still queued is dropped).
     """
 
     cdef v.ibv_qp *qp
     cdef readonly PD pd
     cdef readonly CQ cq
     cdef readonly unsigned int max_send_wr
-    cdef object __weakref__
 
     def __init__(self, PD pd not None, CQ cq not None, unsigned int max_send_wr=128):
         cdef v.ibv_qp_init_attr init_attr
@@ -638,17 +627,7 @@ cdef class QP:
         self.qp = NULL
         return 0
 
-    def close(self) -> None:
-        """Destroy the QP (work still queued is dropped). Idempotent."""
-        self._close()
-
     def __dealloc__(self):
-        self._close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
         self._close()
 
     def __repr__(self):

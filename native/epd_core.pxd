@@ -1,5 +1,5 @@
 # C declarations of native/epd_core.h, and nothing else.
-from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 
 cdef extern from "epd_core.h" nogil:
@@ -14,12 +14,34 @@ cdef extern from "epd_core.h" nogil:
         EPD_ESYS
         EPD_EBUSY
         EPD_EAUTH
+        EPD_WIRE_MAGIC
+        EPD_WIRE_VERSION
+        EPD_OP_WRITE
+        EPD_OP_HELLO
+        EPD_OP_CONTROL
+        EPD_OP_AUTH
+        EPD_ST_OK
+        EPD_ST_REFUSED
+        EPD_ST_BADREQ
+        EPD_ST_CONTROL_ERR
+        EPD_ST_NOAUTH
         EPD_SECRET_MAX
         EPD_COPY_MEMCPY
         EPD_COPY_STREAM
         EPD_STREAM_MIN
         EPD_STREAM_BATCH_MIN
         EPD_COPY_VERSION
+
+    ctypedef struct epd_wire_req:
+        uint32_t magic
+        uint16_t version
+        uint16_t op
+        uint64_t seq, addr, length, key
+
+    ctypedef struct epd_wire_rep:
+        uint32_t magic
+        int32_t status
+        uint64_t seq, length
 
     ctypedef struct epd_hello:
         int32_t pid

@@ -13,7 +13,7 @@
 #               $RATES (req/s), $RATES_PROMPTS requests each, $RATES_IMAGES x $RATES_RESOLUTION, into
 #               $OUT/goodput-h200-<model>-<images>x<side>/ (a later call adds its topologies to the same folder)
 #     runtime   epd-lab bench runtime --device cuda --models $RT_MODELS (default qwen2-vl-2b,qwen2-vl-7b): the model
-#               runtimes in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)
+#               runtimes $RT_RUNTIMES (default hf,fast) in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)
 #
 # Every stage appends to $OUT/gpu_e2e.log, each line stamped with the UTC time; a bench writes
 # $OUT/e2e-cuda-<model>[-$TAG].json. One call of the device tool runs at most 10 minutes: give each call the stages
@@ -96,6 +96,7 @@ for stage in "$@"; do
         runtime)
             say "bench runtime --models ${RT_MODELS:=qwen2-vl-2b,qwen2-vl-7b}"
             timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench runtime --device cuda --models "$RT_MODELS" \
+                --runtimes "${RT_RUNTIMES:-hf,fast}" \
                 --json "$OUT/runtime-h200-full.json" --summary "$OUT/runtime-h200.json" 2>&1 | stamp
             say "runtime: exit ${PIPESTATUS[0]}"
             ;;

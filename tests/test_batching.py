@@ -11,7 +11,6 @@ import copy
 import queue
 import time
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -28,6 +27,7 @@ from epd_lab.models import (
     preprocess,
 )
 from epd_lab.kv import blocks_needed
+from epd_lab.noise import noise_images
 from epd_lab.servers.decode import DecodeServer, DecodeSettings
 from epd_lab.servers.scheduler import DONE, sampling_probs
 from epd_lab.servers.messages import DecodeRequest, KVTransferParams
@@ -47,8 +47,7 @@ def model(request):
 
 
 def _inputs(prompt: str, sizes: list[tuple[int, int]]) -> tuple[torch.Tensor, list[Image.Image]]:
-    rng = np.random.default_rng(len(prompt))
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    images = noise_images(sizes, len(prompt))
     grids = preprocess(images)[1].tolist() if images else []
     return build_input_ids(prompt, grids), images
 

@@ -20,8 +20,8 @@ from epd_lab.bench.serve.metrics import (RequestOutput, calculate_metrics, is_go
                                          parse_goodput, percentile_key)
 from epd_lab.bench.serve.run import ServeConfig
 from epd_lab.bench.serve.topologies import launch, topology
-from epd_lab.campaign.common import random_png
 from epd_lab.launch import Topology
+from epd_lab.noise import random_png
 from epd_lab.viz import pareto_front
 
 

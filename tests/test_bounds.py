@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -27,18 +26,12 @@ from epd_lab.kv import BlockManager, KVConsumer, KVProducer, MooncakeAgentMetada
 from epd_lab.kv.messages import decode_reply, encode
 from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.peer import PeerProcess
+from helpers import wait_for
 
 
 def threads_of(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} within {timeout} s"
-        time.sleep(0.05)
 
 
 # ---- the engine's port ----

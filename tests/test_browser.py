@@ -13,7 +13,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from epd_lab.sweep import JUPYTER_DIRS
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "01_epd_protocol_step_by_step.ipynb"
@@ -37,12 +37,6 @@ USER_SETTINGS = {
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
                                 reason="needs Debian's Chromium at /usr/bin/chromium (apt-get install chromium)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children() -> dict[int, list[tuple[int, str]]]:
@@ -98,7 +92,7 @@ def lab(tmp_path):
     log = tmp_path / "jupyterlab.log"
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={_free_port()}",
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={free_port()}",
              f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
              *(["--allow-root"] if os.geteuid() == 0 else [])],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

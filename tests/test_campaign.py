@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from epd_lab.campaign.common import LEAK_GAUGES, pool_levels, refusal_counts
+from epd_lab.campaign.report import compact, load_result, rows_path, runs_of
 from epd_lab.campaign.soak import rss_growth
 
 ROLES = {"encoder0", "prefill0", "decode0", "proxy"}
@@ -102,3 +103,24 @@ def test_rss_growth_over_the_second_half(values, expected):
     samples.append({"t": 1, "process": "p", "metric": "rss_bytes", "value": 1})  # first half: ignored
     got = rss_growth(samples, 10, 10 + len(values))["p"]
     assert got == pytest.approx(expected) if expected is not None else got is None
+
+
+def test_compact_moves_the_rows_and_load_result_joins_them(tmp_path):
+    result = {"leg": "load", "targets": [], "runs": [{"topology": "1E1P1D", "counts": {"ok": 1},
+                                                      "requests": [{"kind": "ok"}], "samples": [{"t": 0.0}]}]}
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(result))
+    assert compact(path) == rows_path(path) and rows_path(path).exists()
+    assert "requests" not in json.loads(path.read_text())["runs"][0]  # the summary alone
+    assert load_result(path) == result
+    assert compact(path) is None  # nothing left to move
+
+
+def test_committed_campaign_runs_read_with_their_rows():
+    data = Path(__file__).resolve().parents[1] / "data" / "bench"
+    summaries = sorted(data.glob("campaign*/**/*.json"))
+    assert summaries
+    for path in summaries:
+        result = load_result(path)
+        for run in runs_of(result):
+            assert "requests" in run and "samples" in run, path

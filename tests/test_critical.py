@@ -203,3 +203,19 @@ def test_summary_over_requests():
         summarize_critical_paths(frame, ["zz"])
     with pytest.raises(ValueError, match="no request with a 'tpot' span"):
         summarize_critical_paths(frame, until="tpot")
+
+
+def test_clock_errors_count_where_a_row_spans_two_clocks():
+    # the encoder's spans came from another clock (error ±0.2 ms); proxy and prefill read the collector's
+    spans = [Span("r", -1, "ttft", "proxy", 0, 100 * MS), Span("r_local_part_0", 0, "vit", "enc", 10 * MS, 40 * MS),
+             Span("r_local_part_0", 0, "transfer", "enc", 40 * MS, 50 * MS),
+             Span("r", -1, "prefill", "prefill", 60 * MS, 120 * MS)]
+    frame = spans_frame(spans, {"enc": 0}, {"enc": MS // 5})
+    path = critical_path(frame, "r")
+    assert [(r[0], r[1]) for r in zip(path.stage, path.clock_err_ms)] == [
+        ("gap", 0.2),  # ttft's start (proxy) → vit's start (enc)
+        ("vit", 0.0), ("transfer", 0.0),  # both bounds on the encoder's clock
+        ("gap", 0.2),  # transfer's end (enc) → prefill's start
+        ("prefill", 0.0)]  # clipped to ttft's end: proxy and prefill read one clock
+    assert path.attrs["anchor"]["clock_err_ms"] == 0.0
+    assert critical_path(frame, "r", until=None).attrs["anchor"]["clock_err_ms"] == 0.0  # prefill → prefill

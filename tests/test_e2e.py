@@ -3,17 +3,15 @@ OpenAI-compatible proxy, driven by the official `openai` client. Answers equal t
 from __future__ import annotations
 
 import base64
-import io
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
+from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.reference import monolithic_chat
 
 MAX_TOKENS = 16
@@ -31,17 +29,11 @@ def model():
     return load_model()
 
 
-def _data_uri(w: int, h: int, seed: int) -> str:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 @pytest.mark.parametrize("n_images", [0, 1, 3])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_through_the_proxy_equals_the_monolithic_model(cluster, model, n_images, stream):
     sizes = [(224, 224), (100, 333), (500, 260)][:n_images]
-    content = [{"type": "image_url", "image_url": {"url": _data_uri(w, h, seed=n_images * 10 + i)}}
+    content = [{"type": "image_url", "image_url": {"url": data_uri(random_png(n_images * 10 + i, (h, w)))}}
                for i, (w, h) in enumerate(sizes)] + [{"type": "text", "text": "what do you see?"}]
     messages = [{"role": "user", "content": content}]
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)

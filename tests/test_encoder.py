@@ -8,11 +8,9 @@ builds those same bodies.
 """
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import contextlib
 import http.server
-import io
 import json
 import select
 import os
@@ -27,7 +25,6 @@ from dataclasses import dataclass
 
 import httpx
 import msgspec
-import numpy as np
 import pytest
 import torch
 import zmq
@@ -35,6 +32,7 @@ from PIL import Image
 
 from epd_lab import models
 from epd_lab.ep import media
+from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.encoder import EmbeddingCache, EncoderSettings
 from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
 from epd_lab.ep.receiver import PartPlan, encode_request, send_request
@@ -46,15 +44,8 @@ TTL = 2.0  # the mooncake server's --embedding-ttl
 
 
 def png_bytes(size: tuple[int, int], seed: int) -> bytes:
-    """A noise image (a flat one would give near-identical embedding rows and hide misplaced bytes)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_uri(raw: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(raw).decode()
+    """A noise image of `size` = (width, height) as PNG bytes."""
+    return random_png(seed, size[::-1])
 
 
 # ---- servers ----
@@ -218,12 +209,14 @@ def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pul
     assert type(msg) is EmbeddingNotify and msg.error is None
     assert (msg.req_id, msg.part_idx, msg.modality) == ("moon_local_part_0", 0, "IMAGE")
     assert (msg.shape, msg.dtype, msg.grid_thw) == ([88, 256], "float32", meta["grid_thw"])
-    assert [s.stage for s in msg.spans] == ["load", "decode", "vit", "transfer", "notify"]
+    assert [s.stage for s in msg.spans] == ["intake", "load", "decode", "vit", "transfer", "notify"]
     assert {s.node for s in msg.spans} == {f"encoder:{server.port}"}
-    load, decode, vit = msg.spans[:3]
+    intake, load, decode, vit = msg.spans[:4]
+    assert intake.nbytes > 0  # the /encode body's bytes
     assert load.nbytes == len(img_a) + len(img_b)  # the media's bytes; decode's are the pixels'
     assert decode.nbytes == (224 * 224 + 168 * 112) * 3 and vit.nbytes == meta["embedding_size"]
-    assert load.t_end_ns <= decode.t_start_ns <= decode.t_end_ns <= vit.t_start_ns <= msg.spans[3].t_start_ns
+    assert intake.t_end_ns <= load.t_start_ns <= load.t_end_ns <= decode.t_start_ns <= decode.t_end_ns \
+        <= vit.t_start_ns <= msg.spans[4].t_start_ns
     assert not buf[:offset].any()
     landed = buf[offset:].view(torch.float32).reshape(msg.shape)
     assert torch.equal(landed, local_embedding(vision, [img_a, img_b]))
@@ -458,7 +451,7 @@ def test_mooncake_cached_image_is_never_decoded(servers, receiver, pull):
     item = data_uri(png_bytes((224, 224), 43))
     hits = server.metric("epd_encoder_cache_hits_total")
     landed = []
-    for req_id, stages in (("cached_0", ["load", "decode", "vit"]), ("cached_1", ["load", "vit"])):
+    for req_id, stages in (("cached_0", ["intake", "load", "decode", "vit"]), ("cached_1", ["intake", "load", "vit"])):
         meta = server.client.post("/encode", json=encode_body(req_id, [item])).json()
         buf = torch.zeros(meta["embedding_size"], dtype=torch.uint8)
         base, _, _ = receiver.register_buffer(buf)
@@ -480,7 +473,8 @@ def test_zmq_to_tokenizer_pushes_the_bytes_and_caches(servers, vision, pull):
     hits = server.metric("epd_encoder_cache_hits_total")
     img = png_bytes((168, 112), 23)  # not in the cache yet
     expected = local_embedding(vision, [img])
-    for req_id, stages in (("tok_0", ["load", "decode", "vit", "transfer"]), ("tok_1", ["load", "vit", "transfer"])):
+    for req_id, stages in (("tok_0", ["intake", "load", "decode", "vit", "transfer"]),
+                           ("tok_1", ["intake", "load", "vit", "transfer"])):
         resp = server.client.post("/encode", json=encode_body(req_id, [data_uri(img)], embedding_port=port))
         assert resp.status_code == 200, resp.text
         msg = recv(sock)
@@ -607,7 +601,7 @@ def test_seed_zmq_to_scheduler_bodies_reach_every_receiver(servers, vision, pull
             msg = recv(s)
             assert type(msg) is EmbeddingData and (msg.req_id, msg.error) == (req_id, None)
             # its own send only (decode or not: IMG_A may be in the cache already)
-            assert [sp.stage for sp in msg.spans if sp.stage != "decode"] == ["load", "vit", "transfer"]
+            assert [sp.stage for sp in msg.spans if sp.stage != "decode"] == ["intake", "load", "vit", "transfer"]
             assert torch.equal(torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape),
                                expected)
 

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import httpx
 import msgspec
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -46,10 +45,13 @@ from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
+from epd_lab.noise import noise_images
 from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES
-from procs import freeze
+from helpers import freeze
 
-pytestmark = pytest.mark.timeout(240)  # the first test of a cluster waits for it to boot (tens of s on 2 cores)
+# the first test of a cluster waits for it to boot (tens of s on 2 cores); bit-identity across processes needs
+# equal thread counts: the encoders run configure_torch() too
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
 BACKENDS = ("mooncake", "zmq_to_tokenizer", "zmq_to_scheduler")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -198,15 +200,6 @@ def own_cluster(launcher):
 
 # ---------------------------------------------------------------------------------------------------------
 # model, images, references
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Bit-identity across processes needs equal thread counts: the encoders run configure_torch() too."""
-    before = torch.get_num_threads()
-    configure_torch()
-    yield
-    torch.set_num_threads(before)
-
-
 class Workload:
     """The model per dtype in this process, noise PNGs in a temp dir, and cached monolithic references."""
 
@@ -228,8 +221,7 @@ class Workload:
         for i, (w, h) in enumerate(sizes):
             path = self.dir / f"{tag}-{i}-{w}x{h}.png"
             if not path.exists():
-                rng = np.random.default_rng(zlib.crc32(f"{tag}/{i}/{w}x{h}".encode()))
-                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+                noise_images([(w, h)], zlib.crc32(f"{tag}/{i}/{w}x{h}".encode()))[0].save(path)
             paths.append(str(path))
         return paths
 
@@ -734,11 +726,9 @@ def test_mooncake_backend_over_the_real_mooncake_engine(tmp_path):
         pytest.skip(mooncake.unavailable_reason())
     configure_torch()
     model = load_model()
-    rng = np.random.default_rng(5)
-    paths = []
-    for i, (w, h) in enumerate([(224, 224), (100, 333)]):
-        paths.append(str(tmp_path / f"m{i}.png"))
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    paths = [str(tmp_path / f"m{i}.png") for i in range(2)]
+    for path, image in zip(paths, noise_images([(224, 224), (100, 333)], 5)):
+        image.save(path)
     with Cluster(Topology(encoders=1, backend="mooncake", transport="mooncake", timeout=10)) as cluster, \
             cluster.receiver() as rx:
         result = EPDPrefill(rx, model).prefill("over mooncake", paths)

@@ -15,7 +15,7 @@ import pytest
 
 from epd_lab.transfer import PeerUnreachable, TransferEngine, TransferTimeout, parse_session_id
 from epd_lab.transfer.peer import PeerError, PeerProcess
-from procs import freeze
+from helpers import freeze
 
 MiB = 1 << 20
 REQ = struct.Struct("<IHHQQQQ")  # magic, version, op, seq, addr, length, key (native/epd_core.h)

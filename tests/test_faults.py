@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import re
 import socket
 import subprocess
 import sys
@@ -194,3 +195,19 @@ def test_emulated_hosts_pass_bytes_until_the_link_is_cut():
             server.kill()
             server.wait()
     assert hosts.netns("a") not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(not NETNS[0], reason=f"no network namespaces: {NETNS[1]}")
+def test_a_hosts_uplink_is_shaped_and_unshaped_while_it_runs():
+    with netns.Hosts(["a"]) as hosts:
+        def qdisc() -> str:
+            return subprocess.run(["ip", "netns", "exec", hosts.netns("a"), "tc", "qdisc", "show", "dev", "eth0"],
+                                  capture_output=True, text=True, check=True).stdout
+
+        hosts.shape("a", 50)
+        assert "tbf" in qdisc() and "rate 50Mbit" in qdisc()
+        hosts.shape("a", 20, burst_bytes=1514)  # changed in place
+        assert "rate 20Mbit" in qdisc() and re.search(r"burst 15\d\db", qdisc())  # tc rounds to its ticks
+        hosts.shape("a", None)
+        assert "tbf" not in qdisc()
+        hosts.shape("a", None)  # nothing to lift: fine

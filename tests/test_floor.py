@@ -53,7 +53,8 @@ def test_settings_survive_their_command_line(settings) -> None:
     assert from_argv(type(settings), argv) == settings
     # only what differs from the defaults is written
     assert len([a for a in argv if a.startswith("--")]) == sum(
-        getattr(settings, f.name) != f.default for f in dataclasses.fields(settings) if f.metadata.get("cli", True))
+        getattr(settings, f.name) != (f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+        for f in dataclasses.fields(settings) if f.metadata.get("cli", True))
 
 
 def test_every_setting_has_its_option_with_help() -> None:
@@ -74,6 +75,26 @@ def test_values_the_settings_refuse_exit_with_the_usage(capsys) -> None:
     with pytest.raises(SystemExit):
         from_argv(ProxySettings, ["--decode", "http://127.0.0.1:1"])  # --prefill is required
     assert "--prefill" in capsys.readouterr().err
+
+
+def test_ray_options_on_the_command_line(capsys) -> None:
+    argv = ["--ray", "head:6379", "--ray-options", 'prefill={"num_gpus": 1, "resources": {"epd_p": 1}}',
+            "--ray-options", 'proxy={"num_cpus": 0}', "--ray-options", 'decode1={"label_selector": {"r": "d"}}']
+    topology = from_argv(Topology, argv)
+    assert topology.ray_options == {"prefill": {"num_gpus": 1, "resources": {"epd_p": 1}}, "proxy": {"num_cpus": 0},
+                                    "decode1": {"label_selector": {"r": "d"}}}
+    assert from_argv(Topology, to_argv(topology)) == topology
+    for value, words in (("prefill", "is not KEY=JSON"), ("prefill={x", "is not JSON"),
+                         ("prefill=[1]", "is not a JSON object"), ('encoders={"num_cpus": 1}', "name a role"),
+                         ('prefill={"num_cpu": 1}', "unknown num_cpu; known: num_cpus"),
+                         ('prefill={"num_gpus": -1}', "'num_gpus'] must be a number >= 0"),
+                         ('prefill={"num_cpus": true}', "'num_cpus'] must be a number >= 0"),
+                         ('prefill={"resources": {"a": "x"}}', "must map resource names to numbers"),
+                         ('prefill={"label_selector": {"a": 1}}', "must map label names to strings"),
+                         ('decode0={"memory": 1.5}', "whole number of bytes")):
+        with pytest.raises(SystemExit) as info:
+            from_argv(Topology, ["--ray-options", value])
+        assert info.value.code == 2 and words in capsys.readouterr().err, value
 
 
 def test_a_command_line_that_cannot_carry_a_value_is_refused() -> None:

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epd_lab.campaign.fuzz import _WEIRD, BODY_TYPES, fuzz, fuzz_guarded_engine
+from epd_lab import _native
+from epd_lab.campaign.fuzz import _WEIRD, BODY_TYPES, WIRE_REP, WIRE_REQ, fuzz, fuzz_guarded_engine
 from epd_lab.ep import messages as ep_messages
 from epd_lab.kv import messages as kv_messages
 from epd_lab.launch import Cluster, Topology
@@ -153,6 +154,12 @@ def test_openai_request_parser_answers_bad_request_only(body: Any, kind: str) ->
 
 
 # ---- the engine's wire header, through a real engine port ----
+def test_the_fuzz_frames_are_the_size_of_the_engine_structs() -> None:
+    """The fuzz leg packs epd_wire_req / epd_wire_rep with `struct`; the C compiler sized them from the header."""
+    assert (WIRE_REQ.size, WIRE_REP.size) == (_native.WIRE_REQ_SIZE, _native.WIRE_REP_SIZE)
+    assert _native.WIRE_MAGIC.to_bytes(4, "little") == b"EPDW"
+
+
 def test_engine_wire_header_never_writes_outside_registered_memory() -> None:
     report = fuzz_guarded_engine(n=600, seed=SEED, deadline=time.monotonic() + 30)
     assert report["failures"] == [], f"seed {SEED}: {report['failures'][:3]}"

@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from PIL import Image
 
 from epd_lab.kv import (
     BlockManager,
@@ -56,6 +55,7 @@ from epd_lab.models import (
     tiny_config,
 )
 from epd_lab.models.runtime import open_runtime
+from epd_lab.noise import noise_images
 from epd_lab.transfer import TransferEngine
 
 NUM_BLOCKS = 64
@@ -67,8 +67,7 @@ CASES = {"text": (TEXT, []), "image": ("describe it", [(224, 224)])}  # the imag
 def prefill_request(model: Any, text: str, image_sizes: list) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                       torch.Tensor | None, PrefillResult]:
     """(input_ids, pixel_values, image_grid_thw, prefill result) of a prompt with random images of these sizes."""
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in image_sizes]
+    images = noise_images(image_sizes, 0)
     input_ids = build_input_ids(text, [image_grid(im.size) for im in images])
     if not images:
         return input_ids, None, None, PrefillRunner(model).prefill(input_ids, None, None)

@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from epd_lab.ep.receiver import PartPlan, ReceivedEmbeddings
 from epd_lab.kv import BlockManager, PagedKVCache, block_copies, group_concurrent_contiguous
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import tiny_config
+from epd_lab.noise import noise_images
 from epd_lab.viz.layout import block_runs, block_runs_frame, block_tables, buffer_layout, part_ranges
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    rng = np.random.default_rng(0)
     paths = []
-    for i, side in enumerate((448, 224, 224)):  # part 0 (two images on one encoder) is the largest
+    sides = (448, 224, 224)  # part 0 (two images on one encoder) is the largest
+    for i, image in enumerate(noise_images([(side, side) for side in sides], 0)):
         path = tmp_path_factory.mktemp("img") / f"img{i}.png"
-        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(path)
+        image.save(path)
         paths.append(str(path))
     return paths
 

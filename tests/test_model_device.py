@@ -15,10 +15,8 @@ import textwrap
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import DynamicCache
 
 from epd_lab.models import (
@@ -41,6 +39,7 @@ from epd_lab.models import (
 )
 from epd_lab.models.shapes import SHAPES, Shape, count_parameters
 from epd_lab.models.vision import PerImageVisionTower
+from epd_lab.noise import noise_images
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every role runs under configure_torch(1)
 
@@ -61,8 +60,7 @@ def gpu(test):
 
 def _inputs(text: str, sizes: list[tuple[int, int]], seed: int = 0):
     """(input_ids, pixel_values, image_grid_thw) on the CPU, as the processor and the wire deliver them."""
-    rng = np.random.default_rng(seed)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    images = noise_images(sizes, seed)
     if not images:
         return build_input_ids(text, []), None, None
     pixel_values, grid = preprocess(images)

@@ -6,7 +6,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -34,6 +33,7 @@ from epd_lab.models import (
 )
 from epd_lab.models.processor import image_processor
 from epd_lab.models.runners import prompt_positions
+from epd_lab.noise import noise_images
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every role runs under configure_torch(1)
 
@@ -51,8 +51,7 @@ def model(request):
 
 
 def make_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image]:
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    return noise_images(sizes, seed)
 
 
 def prompt_for(images: list[Image.Image]) -> torch.Tensor:
@@ -260,8 +259,7 @@ def test_decode_from_a_copied_kv_cache_matches_generate(dtype, sizes):
     `next_position + i`: the 16 tokens equal `model.generate`'s."""
     configure_torch()
     model = load_model(dtype=dtype)
-    rng = np.random.default_rng(9)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    images = noise_images(sizes, 9)
     if images:
         pixel_values, grid = preprocess(images)
         embeds = VisionEncoder(model).encode(pixel_values, grid)

@@ -23,7 +23,7 @@ import pytest
 from epd_lab.transfer import mooncake
 from epd_lab.transfer.errors import PeerUnreachable, RegistrationError, TransferError, TransferTimeout
 from epd_lab.transfer.mooncake import MooncakeTransferEngine
-from procs import freeze
+from helpers import freeze
 
 if not mooncake.available():
     pytest.skip(f"Mooncake is unavailable: {mooncake.unavailable_reason()}", allow_module_level=True)

@@ -15,7 +15,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -31,6 +29,8 @@ from PIL import Image
 from epd_lab.launch import Cluster, Topology
 from epd_lab.procs import die_with_parent, tail
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
+from epd_lab.noise import data_uri, random_png
+from helpers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -194,16 +194,6 @@ def pools_back(request):
             assert h["active_requests"] == 0 and h["quarantined_blocks"] == 0
 
 
-def _png(path: Path, size: tuple[int, int], seed: int) -> Path:
-    rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
-    return path
-
-
-def _data_uri(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-
-
 def reference(model, prompt: str, images: list[Path]) -> list[int]:
     if not images:
         return monolithic_generate(model, build_input_ids(prompt, []), None, None, N_TOKENS)
@@ -214,7 +204,9 @@ def reference(model, prompt: str, images: list[Path]) -> list[int]:
 @pytest.fixture(scope="module")
 def images():
     d = Path(tempfile.mkdtemp(prefix="epd-lab-pd-img-"))
-    return [_png(d / "a.png", (224, 224), 1), _png(d / "b.png", (100, 333), 2)]
+    (d / "a.png").write_bytes(random_png(1, 224))
+    (d / "b.png").write_bytes(random_png(2, (333, 100)))  # 100 wide, 333 high
+    return [d / "a.png", d / "b.png"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -228,7 +220,7 @@ def test_text_prompt_non_streaming_and_streaming(stack, model):
 def test_image_prompts_non_streaming_and_streaming(stack, model, images):
     assert stack.generate("img-1", "describe it", [str(images[0])]) == reference(model, "describe it", images[:1])
     # two images, one as a path and one as a data: URI
-    two = [str(images[0]), _data_uri(images[1])]
+    two = [str(images[0]), data_uri(images[1].read_bytes())]
     assert stack.generate("img-2", "compare", two, stream=True) == reference(model, "compare", images)
 
 
@@ -531,14 +523,8 @@ def test_a_decode_kv_waiter_is_served_when_blocks_return_or_refused_by_its_deadl
         tight.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_decode_against_a_dead_producer_fails_within_the_timeout(stack):
-    kv = {"remote_url": f"tcp://127.0.0.1:{_free_port()}", "remote_request_id": "r", "prompt_len": 20,
+    kv = {"remote_url": f"tcp://127.0.0.1:{free_port()}", "remote_request_id": "r", "prompt_len": 20,
           "rope_delta": 0, "first_token": 1, "num_blocks": 2}
     start = time.monotonic()
     r = stack.http.post(stack.decode.url + "/v1/decode", json=stack.decode_body("dead", kv))

@@ -68,3 +68,10 @@ def test_the_local_launcher_does_not_import_ray():
     """Ray is optional: `epd_lab.launch` (hence `make demo`) imports it only for placement="ray"."""
     code = "import sys, epd_lab.launch, epd_lab.cli, epd_lab.demo; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_proxy_does_not_import_torch():
+    """The proxy holds no model and stays torch-free: its messages' field types come from
+    `epd_lab.wire_types`, shared with `ep.messages` (which imports torch)."""
+    code = "import sys, epd_lab.servers.proxy; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -35,17 +35,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.proxy import ProxySettings, create_app
 from epd_lab.servers.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
+from helpers import wait_for
 
 TAIL = [*"é ok".encode(), 1025]  # after the first token: a 2-byte character split over two tokens, a special id
 PNG_URI = "data:image/png;base64,iVBORw0KGgo="  # the proxy passes media through; the stand-in never decodes it
-
-
-def wait_for(condition: Any, timeout: float = 5.0) -> None:
-    """Poll `condition` until true (the proxy finishes a stream just after the client saw its end)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 def first_token(prompt: str) -> int:

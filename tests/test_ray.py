@@ -8,8 +8,6 @@ Kept small for a 2-vCPU CI machine: one CPU per node, no dashboard, one cluster 
 """
 from __future__ import annotations
 
-import base64
-import io
 import os
 import re
 import secrets
@@ -19,10 +17,8 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
@@ -30,6 +26,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from epd_lab.launch import Cluster, Topology  # noqa: E402
 from epd_lab.models import configure_torch, load_model  # noqa: E402
+from epd_lab.noise import data_uri, random_png  # noqa: E402
 from epd_lab.servers.reference import monolithic_chat  # noqa: E402
 
 MAX_TOKENS = 8
@@ -75,14 +72,9 @@ def _client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key=SECRET, max_retries=0, timeout=60)
 
 
-def _image_uri() -> str:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
+IMAGE = data_uri(random_png(0, (96, 128)))  # 128x96 noise
 MESSAGES = [[{"role": "user", "content": "the first question"}],
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_uri()}},
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}},
                                           {"type": "text", "text": "what is it?"}]}]]
 
 

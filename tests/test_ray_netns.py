@@ -5,20 +5,17 @@ Skips with the reason where network namespaces cannot be made (no CAP_NET_ADMIN)
 """
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from PIL import Image
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 from epd_lab.campaign import netns  # noqa: E402
 from epd_lab.models import configure_torch, load_model  # noqa: E402
+from epd_lab.noise import data_uri, random_png  # noqa: E402
 from epd_lab.servers.reference import monolithic_chat  # noqa: E402
 
 NODES = ("a", "b", "c")
@@ -49,13 +46,8 @@ print(json.dumps({"answers": answers, "paths": paths, "urls": urls, "pids": pids
 """
 
 
-def _image_uri() -> str:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-MESSAGES = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_uri()}},
+IMAGE = data_uri(random_png(1, (64, 96)))  # 96x64 noise
+MESSAGES = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}},
                                           {"type": "text", "text": "which host answered?"}]}]]
 
 

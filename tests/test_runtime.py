@@ -16,21 +16,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import epd_lab
 from epd_lab.bench import runtime as bench_runtime
 from epd_lab.ep.messages import DTYPES
 from epd_lab.kv import PagedKVCache
 from epd_lab.models import build_input_ids, load_model, monolithic_generate, open_model, preprocess
-from epd_lab.models.runtime import RUNTIMES, generate, open_runtime
+from epd_lab.models.runtime import RUNTIMES, generate, open_runtime, prompt_positions
 from epd_lab.models.runtime.graph import buckets_up_to, token_buckets
-from epd_lab.models.runtime.qwen2 import Qwen2LM
+from epd_lab.models.runtime.qwen2 import Qwen2LM, layer_bounds
 from epd_lab.models.runtime.ops import TorchOps
 from epd_lab.models.runtime.vision import VisionTower, budget_calls
+from epd_lab.noise import noise_images
 from test_model_device import HAS_CUDA, gpu
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
@@ -42,8 +41,7 @@ CASES = [("tell me a story", []), ("describe", [(224, 224)]), ("compare these", 
 
 
 def _inputs(prompt: str, sizes: list[tuple[int, int]]):
-    rng = np.random.default_rng(len(prompt))
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    images = noise_images(sizes, len(prompt))
     pixel_values, grid = preprocess(images) if images else (None, None)
     return build_input_ids(prompt, grid.tolist() if images else []), pixel_values, grid
 
@@ -222,6 +220,52 @@ def test_graph_buckets():
     assert buckets_up_to(6) == [1, 2, 4, 6]
 
 
+def test_layer_bounds_grow_by_two_and_end_at_the_last_layer():
+    assert layer_bounds(1) == [1] and layer_bounds(2) == [1, 2]
+    assert layer_bounds(28) == [1, 3, 7, 15, 28]
+    assert layer_bounds(31) == [1, 3, 7, 15, 31] and layer_bounds(32) == [1, 3, 7, 15, 31, 32]
+    with pytest.raises(ValueError):
+        layer_bounds(0)
+
+
+def test_a_forward_cut_in_parts_equals_the_whole(model):
+    """`Stages.parts`, chained (what the staged CUDA graphs replay), gives the whole forward's bits: prefill and
+    a decode step, cut after every layer, and the K/V written into the cache equal."""
+    ids, pixel_values, grid = _inputs(*CASES[1])
+    n = len(ids.view(-1))
+    with _cache(model) as cache:
+        rt = open_runtime("fast", model, cache)
+        lm, embeds = rt.lm, rt.encode(pixel_values, grid)
+        image = ids.view(-1) == model.config.image_token_id
+        x = lm.embed_tokens(ids.view(-1)).masked_scatter(image[:, None], embeds)
+        positions = rt.prefill(ids, embeds, grid, list(range(6))).next_position
+        mrope = prompt_positions(model, ids.view(-1), len(embeds), grid)[0][:, 0]
+        layers = len(lm.layers)
+        for table in (list(range(6)), list(range(10, 16))):
+            slots = cache.slots(table, n, device="cpu")
+            whole = lm.prefill(x, mrope, slots)
+
+            def written() -> list[torch.Tensor]:  # the prompt's rows (the last block's tail was never written)
+                return [t[table].flatten(0, 1)[:n].clone() for i in range(layers) for t in cache.layer(i)]
+            kv, value = written(), x
+            for i in range(layers):  # what the parts write must be written again
+                for t in cache.layer(i):
+                    t[table] = 0
+            for part in lm.prefill_stages(mrope, slots).parts(list(range(1, layers + 1))):
+                value = part(value)
+            assert torch.equal(value, whole)
+            assert all(torch.equal(a, b) for a, b in zip(kv, written()))
+        table = list(range(10, 16))
+        args = (torch.tensor([positions]), cache.slots(table, n + 1, device="cpu")[-1:], torch.tensor([table]),
+                torch.tensor([n + 1]))
+        token = torch.tensor([7])
+        whole = lm.decode(token, *args)
+        value = token
+        for part in lm.decode_stages(*args).parts(layer_bounds(layers)):
+            value = part(value)
+        assert torch.equal(value, whole)
+
+
 def test_bench_runtime_measures_and_checks_bits_on_the_cpu():
     """`bench runtime` on the tiny model, one repeat: every row measured, the fast runtime's bit checks pass."""
     result = bench_runtime.measure("tiny", torch.device("cpu"), torch.float32, ["hf", "fast"], 1, 1,
@@ -362,6 +406,9 @@ def test_graph_replay_equals_eager_and_split_equals_monolithic_on_cuda(cuda_mode
         mono = _run(rt, ids, embeds, grid, list(range(12)), N_TOKENS)
         again = _run(eager, ids, embeds, grid, list(range(12, 24)), N_TOKENS)
         assert all(torch.equal(a, b) for a, b in zip(mono, again)), "graph replay != eager"
+        whole = open_runtime("fast", cuda_model, cache, max_batch=4, staged_graphs=False)
+        again = _run(whole, ids, embeds, grid, list(range(12, 24)), N_TOKENS)
+        assert all(torch.equal(a, b) for a, b in zip(mono, again)), "one graph per bucket != graphs in parts"
         patches = int(grid[0].prod())
         parts = torch.cat([rt.encode(pixel_values[:patches], grid[:1]), rt.encode(pixel_values[patches:], grid[1:])])
         assert torch.equal(parts, embeds)
@@ -372,8 +419,7 @@ def test_graph_replay_equals_eager_and_split_equals_monolithic_on_cuda(cuda_mode
 
 @gpu
 def test_vision_budget_is_invariant_to_grouping_on_cuda(cuda_model):
-    rng = np.random.default_rng(1)
-    images = [Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)) for _ in range(4)]
+    images = noise_images([(448, 448)] * 4, 1)
     rt = open_runtime("fast", cuda_model)  # encode only
     together = rt.encode(*preprocess(images))
     alone = torch.cat([rt.encode(*preprocess([img])) for img in images])

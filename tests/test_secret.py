@@ -3,10 +3,8 @@ it (or with another one) a client is refused by the engine's handshake, the ZMQ 
 is written into registered memory; with it, a whole E→P→D request through `launch.Cluster` is served."""
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
-import io
 import os
 import socket
 import struct
@@ -18,7 +16,6 @@ import numpy as np
 import openai
 import pytest
 import zmq
-from PIL import Image
 
 from epd_lab import _native, security
 from epd_lab.ep.messages import EmbeddingNotify, encode_zmq
@@ -27,6 +24,7 @@ from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.kv import BlockManager, KVConsumer, KVProducer, KVTransferError, PagedKVCache, TransError
 from epd_lab.kv.messages import decode_reply, encode
 from epd_lab.launch import Cluster, Topology
+from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.errors import AuthenticationError, PeerUnreachable
@@ -181,12 +179,6 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def _image() -> str:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def test_every_role_requires_the_bearer_token_except_health(cluster):
     auth = {"Authorization": f"Bearer {SECRET}"}
     for url in cluster.urls():
@@ -201,7 +193,7 @@ def test_every_role_requires_the_bearer_token_except_health(cluster):
 
 
 def test_openai_clients_pass_the_secret_as_api_key_and_a_request_crosses_e_p_d(cluster):
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image()}},
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(random_png(0, 64))}},
                                              {"type": "text", "text": "describe it"}]}]
     with openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="wrong", max_retries=0, timeout=60) as bad:
         with pytest.raises(openai.AuthenticationError) as info:

@@ -1,21 +1,23 @@
 """Tracing across processes: real encoder processes record spans, `Cluster.spans` collects them with the
 in-process receiver's into one frame, and the frame exports to Chrome/Perfetto JSON, parquet and CSV.
-Also: the bounded recorder, the duplicate rule, clock offsets over loopback, and tracing switched off."""
+Also: the bounded recorder, the duplicate rule, clock offsets over loopback and from an encoder whose clock the
+kernel shifts (a time namespace), and tracing switched off."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import httpx
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from epd_lab import procs
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
-from epd_lab.trace import (COLUMNS, Recorder, Span, estimate_clock_offset, frame_spans, load_frame, request_of,
-                           save_frame, spans_frame, to_chrome_trace)
+from epd_lab.noise import noise_images
+from epd_lab.trace import (COLUMNS, Recorder, Span, critical_path, estimate_clock_offset, frame_spans, load_frame,
+                           request_of, save_frame, spans_frame, to_chrome_trace)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,11 +31,9 @@ def model():
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     d = tmp_path_factory.mktemp("img")
-    rng = np.random.default_rng(5)
-    paths = []
-    for i, side in enumerate((224, 112)):
-        paths.append(str(d / f"{i}.png"))
-        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(paths[-1])
+    paths = [str(d / f"{i}.png") for i in range(2)]
+    for path, image in zip(paths, noise_images([(224, 224), (112, 112)], 5)):
+        image.save(path)
     return paths
 
 
@@ -100,11 +100,11 @@ def test_frame_columns_request_clock_and_duplicates():
 def test_exports_round_trip(tmp_path):
     spans = [Span("r_local_part_0", 0, "vit", "encoder:1", 10_000, 50_000, 7),
              Span("r", -1, "prefill", "prefill", 60_000, 90_000)]
-    frame = spans_frame(spans, {"encoder:1": 0})
+    frame = spans_frame(spans, {"encoder:1": 0}, {"encoder:1": 0})
     for name in ("s.parquet", "s.csv"):
         back = load_frame(save_frame(frame, tmp_path / name))
         assert back[list(COLUMNS)].equals(frame[list(COLUMNS)]), name
-        assert back.attrs["clock_offsets"] == {"encoder:1": 0}
+        assert back.attrs["clock_offsets"] == {"encoder:1": 0} and back.attrs["clock_errors"] == {"encoder:1": 0}
     with pytest.raises(ValueError, match="parquet or .csv"):
         save_frame(frame, tmp_path / "s.xlsx")
     trace = json.loads(json.dumps(to_chrome_trace(frame, tmp_path / "t.json")))
@@ -143,7 +143,60 @@ def test_cluster_spans_line_up_one_request_across_processes(model, images):
     assert prefill.t_start_ns >= frame[frame.stage == "notify"].t_end_ns.max()  # prefill waits for every part
     assert len(everything) >= len(frame) and rid in set(everything.request)
     # loopback: the estimate is off by at most half the shortest round trip
-    assert abs(clock.offset_ns) <= clock.rtt_ns // 2 + 1 and clock.same_host
+    assert abs(clock.offset_ns) <= clock.error_ns and clock.same_clock
+
+
+SHIFT_S = 7
+
+
+def _time_namespaces() -> tuple[bool, str]:
+    try:
+        probe = subprocess.run(["unshare", "--time", "--monotonic", "1", "true"], capture_output=True, text=True,
+                               timeout=10)
+    except OSError as exc:
+        return False, str(exc)
+    return probe.returncode == 0, probe.stderr.strip()
+
+
+def test_an_encoder_on_another_clock_is_put_back_on_the_timeline(model, images, monkeypatch):
+    """The encoder runs in its own time namespace, its CLOCK_MONOTONIC SHIFT_S ahead of ours (`unshare --time`:
+    the kernel's own offset, as another host's clock would be): the offset /v1/clock measures brings its spans
+    back between the receiver's, within the stated error, and the trace and the critical path show that error."""
+    ok, why = _time_namespaces()
+    if not ok:
+        pytest.skip(f"no time namespaces here (unshare --time needs root and Linux >= 5.6): {why}")
+    spawn = procs.spawn
+
+    def shifted(cmd, log, env):  # this test's only: the encoder starts on the other clock
+        if "epd_lab.servers.encoder" in cmd:
+            cmd = ["unshare", "--time", "--monotonic", str(SHIFT_S), *cmd]
+        return spawn(cmd, log, env)
+
+    monkeypatch.setattr(procs, "spawn", shifted)
+    with Cluster(Topology(encoders=1, timeout=30)) as cluster, cluster.receiver() as receiver:
+        result = EPDPrefill(receiver, model).prefill("two clocks", images)
+        frame = cluster.spans(result.rid, extra=result.spans)
+    (node, clock), = frame.attrs["clocks"].items()
+    assert not clock["same_clock"] and clock["error_ns"] == (clock["rtt_ns"] + 1) // 2 > 0
+    assert abs(clock["offset_ns"] - SHIFT_S * 10**9) <= clock["error_ns"]  # the kernel's offset, within the error
+    assert frame.attrs["clock_errors"] == {node: clock["error_ns"]}
+    err = clock["error_ns"]
+    for part, rows in frame[frame.part >= 0].groupby("part"):
+        stages = rows.set_index("stage")
+        assert stages.loc["vit", "node"] == node and stages.loc["http_encode", "node"] == "prefill", part
+        # on our clock now, the encoder's work follows the receiver's calls that caused it: its ViT starts after
+        # /encode was sent, its write lies inside /send, and prefill starts after the write
+        assert stages.loc["http_encode", "t_start_ns"] - err <= stages.loc["vit", "t_start_ns"], part
+        assert stages.loc["http_send", "t_start_ns"] - err <= stages.loc["transfer", "t_start_ns"], part
+        assert stages.loc["transfer", "t_end_ns"] <= stages.loc["http_send", "t_end_ns"] + err, part
+        assert stages.loc["transfer", "t_end_ns"] <= frame[frame.stage == "prefill"].t_start_ns.min() + err, part
+    trace = to_chrome_trace(frame)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert any(n.startswith(f"{node} · clock +{SHIFT_S}") and "±" in n for n in names), names
+    assert trace["otherData"]["clock_errors_ns"] == {node: err}
+    path = critical_path(frame, result.rid, until=None)
+    # a gap between the encoder's spans and the receiver's may be off by the error; a span's own length is exact
+    assert path.clock_err_ms.max() == pytest.approx(err / 1e6) and (path.clock_err_ms[path.kind == "span"] == 0).all()
 
 
 def test_a_dead_server_loses_its_spans_only(model, images):

@@ -27,7 +27,7 @@ from epd_lab.transfer import (
     transports,
 )
 from epd_lab.transfer.peer import PeerProcess
-from procs import freeze
+from helpers import find_circle, freeze
 
 MiB = 1 << 20
 
@@ -260,31 +260,13 @@ def _import_graph() -> dict[str, set[str]]:
             for path in sorted(PKG_DIR.glob("*.py"))}
 
 
-def _circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One circle in `graph` as a path that ends where it starts, or None."""
-    done: set[str] = set()
-
-    def visit(node: str, path: list[str]) -> list[str] | None:
-        if node in path:
-            return path[path.index(node):] + [node]
-        if node in done:
-            return None
-        for nxt in sorted(graph.get(node, ())):
-            if (found := visit(nxt, path + [node])) is not None:
-                return found
-        done.add(node)
-        return None
-
-    return next((c for n in sorted(graph) if (c := visit(n, [])) is not None), None)
-
-
 def test_the_transfer_package_imports_no_circle():
     graph = _import_graph()
-    # the scan sees module-level imports and lazy ones inside functions (engine's verbs and registry)
-    assert {"registration", "verbs", "registry"} <= graph["engine"]
+    # the scan sees module-level imports and lazy ones inside functions (engine's verbs)
+    assert {"registration", "verbs"} <= graph["engine"]
     assert "registration" in graph["mooncake"] and "mooncake" not in graph["engine"]
-    assert _circle(graph) is None, " -> ".join(_circle(graph))
-    assert _circle({**graph, "registration": {"engine"}}) is not None  # and it would find one
+    assert find_circle(graph) is None, " -> ".join(find_circle(graph))
+    assert find_circle({**graph, "registration": {"engine"}}) is not None  # and it would find one
 
 
 def test_no_transport_imports_the_registry_at_module_level():
@@ -299,16 +281,6 @@ def test_the_builtin_transports_are_the_engine_protocols_and_mooncake():
     from epd_lab.transfer.engine import PROTOCOLS
 
     assert ENGINES == transports() == (*PROTOCOLS, "mooncake")
-
-
-def test_old_import_paths_still_work():
-    from epd_lab.transfer import engine
-    from epd_lab.transfer.engine import ENGINES as old_engines, Registration, open_engine as old_open
-    from epd_lab.transfer.registration import Registration as moved
-
-    assert (old_engines, old_open, Registration) == (ENGINES, open_engine, moved)
-    with pytest.raises(AttributeError, match="'epd_lab.transfer.engine' has no attribute 'no_such_name'"):
-        engine.no_such_name
 
 
 def test_opening_an_engine_imports_only_its_transport():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -25,6 +24,7 @@ from epd_lab.models import (
     num_image_tokens,
     preprocess,
 )
+from epd_lab.noise import noise_images
 
 # (w, h): 64, 48, 162 and 8 tokens. On an Intel Xeon (AVX-512, torch 2.13 CPU) the batched tower gave these
 # other bits than each image alone in float32 and bfloat16; the sizes of another set (224², 336×224, 168×280,
@@ -34,8 +34,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _images() -> list[Image.Image]:
-    rng = np.random.default_rng(9)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in SIZES]
+    return noise_images(SIZES, 9)
 
 
 def _groupings(n: int) -> list[list[tuple[int, int]]]:

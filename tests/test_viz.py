@@ -16,16 +16,15 @@ from __future__ import annotations
 import re
 import struct
 
-import numpy as np
 import pandas as pd
 import pytest
-from PIL import Image
 from plotly.offline import get_plotlyjs
 
 from epd_lab.ep.messages import part_req_id
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
+from epd_lab.noise import noise_images
 from epd_lab.trace import Recorder, Span, critical_path, spans_frame
 from epd_lab.viz import (STAGE_ORDER, bandwidth_curves, chromium_path, critical_path_waterfall, html_report,
                          load_bench, request_spans, save_png, save_pngs, stage_color, stage_distributions,
@@ -47,11 +46,9 @@ def _chromium() -> str:
 def epd_frame(tmp_path_factory) -> pd.DataFrame:
     """The spans of one real E→P request whose two images went to two encode servers."""
     d = tmp_path_factory.mktemp("img")
-    rng = np.random.default_rng(3)
-    paths = []
-    for i, (w, h) in enumerate(((448, 448), (224, 112))):
-        paths.append(str(d / f"{i}.png"))
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    paths = [str(d / f"{i}.png") for i in range(2)]
+    for path, image in zip(paths, noise_images([(448, 448), (224, 112)], 3)):
+        image.save(path)
     configure_torch()
     model = load_model()
     with Cluster(Topology(encoders=2, backend="mooncake", timeout=30)) as cluster, cluster.receiver() as rx:

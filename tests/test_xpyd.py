@@ -10,9 +10,7 @@ The first test is in-process: `KVProducer.abort` against a producer and a raw si
 """
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import io
 import json
 import os
 import re
@@ -22,15 +20,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import zmq
-from PIL import Image
 
 from epd_lab.kv import BlockManager, KVConsumer, KVProducer, PagedKVCache, TransError
 from epd_lab.kv.connector import RequestAborted
@@ -38,8 +34,10 @@ from epd_lab.kv.messages import decode_reply, encode
 from epd_lab.launch import Cluster, Topology
 from epd_lab.procs import die_with_parent
 from epd_lab.models import configure_torch, load_model
+from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
+from helpers import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -114,14 +112,6 @@ def _live(cluster: Cluster, urls: list[str], procs: slice) -> list[str]:
     return [url for url, proc in zip(urls, cluster.procs[procs], strict=True) if proc.poll() is None]
 
 
-def _wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return value
-
-
 @pytest.fixture(autouse=True)
 def blocks_back(request: pytest.FixtureRequest) -> Iterator[None]:
     """After every cluster test: all blocks free and nothing generating on every live prefill and decode. The
@@ -131,19 +121,14 @@ def blocks_back(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     c: Cluster = request.getfixturevalue("cluster")
     for url in _live(c, c.prefill_urls, PREFILLS) + _live(c, c.decode_urls, DECODES):
-        health = _wait(lambda u=url: (h := _health(u))["used_blocks"] == 0 and h.get("active_requests", 0) == 0 and h,
+        health = wait_for(lambda u=url: (h := _health(u))["used_blocks"] == 0 and h.get("active_requests", 0) == 0 and h,
                        SLACK, f"{url} kept blocks or requests")
         assert health["free_blocks"] == health["num_blocks"]
 
 
-def _data_uri(w: int, h: int, seed: int) -> str:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def _messages(text: str, sizes: list[tuple[int, int]], seed: int) -> list[dict[str, Any]]:
-    content = [{"type": "image_url", "image_url": {"url": _data_uri(w, h, seed + i)}} for i, (w, h) in enumerate(sizes)]
+    content = [{"type": "image_url", "image_url": {"url": data_uri(random_png(seed + i, (h, w)))}}
+               for i, (w, h) in enumerate(sizes)]
     return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
 
 
@@ -212,7 +197,7 @@ def test_decode_asks_only_the_producers_it_was_told_about(cluster: Cluster) -> N
 
 def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai.OpenAI) -> None:
     response_id, _ = _chat(client, _messages("timeline", [(224, 224)], seed=99), stream=True)
-    got = _wait(lambda: (r := httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id}))
+    got = wait_for(lambda: (r := httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id}))
                 .status_code == 200 and "e2e" in {s[2] for s in r.json()["spans"]} and r.json(),
                 SLACK, "the proxy never recorded the request's e2e span")  # recorded as the stream closes
     spans = got["spans"]
@@ -286,8 +271,8 @@ def test_streaming_client_disconnect_releases_prefill_and_decode(cluster: Cluste
         next(chunks)
     assert sum(_health(u)["active_requests"] for u in cluster.decode_urls) == 1
     stream.close()
-    _wait(lambda: cancelled() == before + 1, SLACK, "the decode did not drop the request")
-    _wait(lambda: _metric(cluster, 'epd_proxy_streams_aborted_total{reason="client_disconnect"}') == 1, SLACK,
+    wait_for(lambda: cancelled() == before + 1, SLACK, "the decode did not drop the request")
+    wait_for(lambda: _metric(cluster, 'epd_proxy_streams_aborted_total{reason="client_disconnect"}') == 1, SLACK,
           "the proxy did not count the disconnect")
     # blocks_back: no blocks held and nothing generating on any prefill or decode
 
@@ -301,7 +286,7 @@ def _leave_while_prefills_are_frozen(cluster: Cluster, body: bytes) -> None:
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            _wait(lambda: sum(_metric(cluster, f'epd_proxy_backend_inflight{{role="prefill",url="{u}"}}')
+            wait_for(lambda: sum(_metric(cluster, f'epd_proxy_backend_inflight{{role="prefill",url="{u}"}}')
                               for u in cluster.prefill_urls) == 1, SLACK, "the request never reached a prefill")
     finally:  # thawed well within the proxy's idle timeout, which would otherwise fail the prefill call
         for proc in cluster.procs[PREFILLS]:
@@ -317,7 +302,7 @@ def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
     aborted_before, served_before = _aborts(cluster), _served(cluster)[1]
     status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
     _leave_while_prefills_are_frozen(cluster, body)
-    _wait(lambda: _aborts(cluster) == aborted_before + 1, SLACK, "the prefill never got the abort")
+    wait_for(lambda: _aborts(cluster) == aborted_before + 1, SLACK, "the prefill never got the abort")
     assert _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') == status_before + 1
     assert _served(cluster)[1] == served_before  # no decode was asked
 
@@ -330,7 +315,7 @@ def test_streamed_client_gone_while_prefill_runs_releases_both(cluster: Cluster)
                        "stream": True}).encode()
     status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
     _leave_while_prefills_are_frozen(cluster, body)
-    _wait(lambda: _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}')
+    wait_for(lambda: _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}')
           == status_before + 1, SLACK, "the proxy did not answer 499")
 
 
@@ -387,7 +372,7 @@ def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: 
         messages = [_messages(f"passed over {i}", [(96, 64)], seed=i) for i in range(2)]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(_chat, client, m) for m in messages]
-            _wait(lambda: _metric(cluster, inflight) == 1 or all(f.done() for f in futures), SLACK,
+            wait_for(lambda: _metric(cluster, inflight) == 1 or all(f.done() for f in futures), SLACK,
                   "no request reached the frozen prefill")
             answers = [f.result(TIMEOUT + SLACK)[1] for f in futures]
         assert time.monotonic() - start < TIMEOUT + SLACK
@@ -395,7 +380,7 @@ def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: 
         assert _stalls(cluster, "prefill", victim_url) == stalls_before + 1
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    _wait(lambda: _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 1, SLACK,
+    wait_for(lambda: _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 1, SLACK,
           "the thawed prefill was not taken back")
     # blocks_back: prefill 1 holds nothing for the request it was passed over for
 
@@ -409,7 +394,7 @@ def test_killed_prefill_is_a_502_and_the_other_keeps_serving(cluster: Cluster, c
     os.kill(victim.pid, signal.SIGSTOP)
     try:
         futures = _concurrently(client, 2, "doomed")
-        _wait(lambda: _metric(cluster, inflight) == 1, SLACK, "no request reached the frozen prefill")
+        wait_for(lambda: _metric(cluster, inflight) == 1, SLACK, "no request reached the frozen prefill")
     finally:
         victim.kill()
         victim.wait(10)

@@ -26,7 +26,6 @@ rendered before it is timed (uncompressed PNGs of noise, base64 and JSON: the cl
 from __future__ import annotations
 
 import argparse
-import base64
 import gc
 import http.client
 import io
@@ -47,7 +46,6 @@ import torch
 from PIL import Image
 
 from epd_lab.bench import write_json
-from epd_lab.campaign.common import random_png
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.launch import Cluster, Topology
 from epd_lab.kv import PagedKVCache, blocks_needed
@@ -63,6 +61,7 @@ from epd_lab.models import (
     resolve_dtype,
 )
 from epd_lab.models.runtime import RUNTIMES, open_runtime
+from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
@@ -130,8 +129,7 @@ def _images(seed: int, setup: Setup) -> list[bytes]:
 
 def _messages(raws: list[bytes]) -> list[dict]:
     """The chat request: the images as data: URIs, then the text."""
-    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(r).decode()}}
-               for r in raws]
+    content = [{"type": "image_url", "image_url": {"url": data_uri(r)}} for r in raws]
     return [{"role": "user", "content": [*content, {"type": "text", "text": TEXT}]}]
 
 
@@ -500,7 +498,7 @@ def _machine(device: torch.device) -> dict:
         from epd_lab.bench.transfer_cuda import machine_info as gpu_machine_info
 
         return gpu_machine_info()
-    from epd_lab.bench.transfer import machine_info
+    from epd_lab.machine import machine_info
 
     return machine_info()
 

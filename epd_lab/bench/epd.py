@@ -22,27 +22,22 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
-from PIL import Image
-
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
 from epd_lab.models import configure_torch, load_model
+from epd_lab.noise import noise_images
 from epd_lab.trace import STAGES, Recorder, request_breakdown
 
 
 def make_images(directory: str, side: int, count: int, seed: int) -> list[str]:
     """`count` random RGB PNGs of `side`², distinct (so no encoder cache hit)."""
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i in range(count):
-        path = os.path.join(directory, f"img_{side}_{seed}_{i}.png")
-        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
+    paths = [os.path.join(directory, f"img_{side}_{seed}_{i}.png") for i in range(count)]
+    for path, image in zip(paths, noise_images([(side, side)] * count, seed)):
+        image.save(path)
     return paths
 
 

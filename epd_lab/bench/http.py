@@ -47,7 +47,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the route
 from fastapi.responses import Response
 
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
+from epd_lab.machine import machine_info
 from epd_lab.serving import CLIENT_KEEPALIVE_S, LOOPS, PARSERS, bind_tcp, http_info, serve_and_announce, url_of
 
 STACKS = tuple((loop, parser) for loop in reversed(LOOPS) for parser in reversed(PARSERS))  # asyncio+h11 first

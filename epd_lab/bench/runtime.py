@@ -11,6 +11,8 @@ For each model and runtime, on 448² images and a short text:
 Each is timed `--repeats` times (medians and ranges); on a GPU, the profiler then counts the kernels of
 `--profile-repeats` more calls and sums their time: ``gpu_busy_ms`` and ``kernels`` per call, and
 ``wall_over_busy`` = median wall / busy. The runtimes alternate call by call, so both see the same host noise.
+On a GPU the fast runtime's decode also runs with one graph per bucket (``fast_one_graph``), beside its graphs in
+parts; the summary's ``staged_over_one_graph_wall`` holds the ratios of their walls.
 
 Bits (``bits``): the fast runtime's vision tower on 4 images in one call against the images one by one, and its
 split (images encoded in two parts, KV copied into other blocks as a transfer would) against its monolithic use,
@@ -28,7 +30,6 @@ import subprocess
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -39,10 +40,12 @@ from epd_lab.models import build_input_ids, configure_torch, open_model, preproc
 from epd_lab.models.processor import image_processor
 from epd_lab.models.runtime import RUNTIMES, open_runtime
 from epd_lab.models.runtime.vision import VisionTower
+from epd_lab.noise import noise_images
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
 VISION_BUDGETS = (1024, 2048, 4096)  # patch rows per vision call, measured beside the default
 TOP_KERNELS = 6  # per measured call, the kernels that took the most GPU time
+ONE_GRAPH = "fast_one_graph"  # the fast runtime with one graph per bucket (`staged_graphs=False`)
 MAX_SEQ = 1024  # tokens a sequence may reach here: 4 x 448² images (1,024 image tokens) fit only in a prefill
 
 
@@ -124,8 +127,7 @@ class Timer:
 
 
 def _images(n: int, size: int, seed: int = 0) -> list[Image.Image]:
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+    return noise_images([(size, size)] * n, seed)
 
 
 def _copy_blocks(cache: PagedKVCache, src: list[int], dst: list[int]) -> None:
@@ -185,9 +187,12 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                     "runtimes": {}}
     with PagedKVCache.from_config(model.config, num_blocks=per_seq * 20, dtype=dtype, device=device) as cache:
         opened = {}
-        for name in runtimes:
+        variants = {name: {} for name in runtimes}
+        if device.type == "cuda" and "fast" in runtimes:  # its graphs launched whole, side by side with the parts
+            variants[ONE_GRAPH] = {"staged_graphs": False}
+        for name, options in variants.items():
             t0 = time.perf_counter()
-            opened[name] = open_runtime(name, model, cache)
+            opened[name] = open_runtime("fast" if name == ONE_GRAPH else name, model, cache, **options)
             log(f"{model_name}: runtime {name} opened in {time.perf_counter() - t0:.1f} s")
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(16)]
         timer = Timer(device)
@@ -212,11 +217,12 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                 return int(rt.prefill(ids1, rt.encode(*preprocess(imgs[:1], device)), grid1,
                                       tables[0]).logits.argmax())
 
-            calls[name] = {"vit_1x448": lambda rt=rt: rt.encode(pv1, grid1),
-                           "vit_4x448": lambda rt=rt: rt.encode(pv4, grid4),
-                           "prefill": lambda rt=rt, emb1=emb1: rt.prefill(ids1, emb1, grid1, tables[0]),
-                           "decode_c1": lambda step=step: step(1), "decode_c16": lambda step=step: step(16),
-                           "ttft": ttft}
+            calls[name] = {"decode_c1": lambda step=step: step(1), "decode_c16": lambda step=step: step(16)}
+            if name != ONE_GRAPH:  # the same vision tower and prefill graph either way
+                calls[name].update({"vit_1x448": lambda rt=rt: rt.encode(pv1, grid1),
+                                    "vit_4x448": lambda rt=rt: rt.encode(pv4, grid4),
+                                    "prefill": lambda rt=rt, emb1=emb1: rt.prefill(ids1, emb1, grid1, tables[0]),
+                                    "ttft": ttft})
         tower = model.model.visual
         # from the same host tensors as the runtimes' encode: the pixels' copy to the GPU is in both
         calls["hf_batched_tower"] = {"vit_4x448": lambda: Qwen2VisionTransformerPretrainedModel.forward(
@@ -277,9 +283,13 @@ def split_overhead(e2e: dict, images: int = 1, image_size: int = 448) -> tuple[f
 def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict:
     """The issue's summary keys (times in ms) from the fast runtime's rows, and from `e2e` (a `bench e2e`
     result through the servers on the same machine) the split's overhead."""
-    def fast(model: str, what: str, key: str = "median_ms") -> float | None:
+    def fast(model: str, what: str, key: str = "median_ms", runtime: str = "fast") -> float | None:
         row = next((r for r in results if r["model"] == model), None)
-        return None if row is None else row["runtimes"].get("fast", {}).get(what, {}).get(key)
+        return None if row is None else row["runtimes"].get(runtime, {}).get(what, {}).get(key)
+
+    def one_graph(model: str) -> dict:  # the staged graphs' walls over one graph's, measured side by side
+        return {what: (fast(model, what) / whole if (whole := fast(model, what, runtime=ONE_GRAPH)) and
+                       fast(model, what) else None) for what in ("decode_c1", "decode_c16")}
 
     main = "qwen2-vl-2b" if any(r["model"] == "qwen2-vl-2b" for r in results) else results[0]["model"]
     overhead, spans = split_overhead(e2e) if e2e else (None, None)
@@ -299,6 +309,7 @@ def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict
         "split_transfer_spans_ms": spans,
         "vit_4x448": {"gpu_busy_ms": fast(main, "vit_4x448", "gpu_busy_ms"), "hf_batched_gpu_busy_ms": hf_busy,
                       "bit_identical_to_one_by_one": bits.get("vit_4_one_call_equals_one_by_one")},
+        "staged_over_one_graph_wall": {r["model"]: one_graph(r["model"]) for r in results},
     }
 
 
@@ -334,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         from epd_lab.bench.transfer_cuda import machine_info
     else:
-        from epd_lab.bench.transfer import machine_info
+        from epd_lab.machine import machine_info
     machine = machine_info()
     try:
         # the device's copy of the tree may carry an older .git: the caller can name the commit it ran

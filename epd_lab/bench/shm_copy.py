@@ -27,7 +27,9 @@ import numpy as np
 
 from epd_lab import _native
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import _Bench, _measure, machine_info
+from epd_lab.bench.timing import measure
+from epd_lab.bench.transfer import _Bench
+from epd_lab.machine import machine_info
 from epd_lab.transfer import shm_copy
 
 MiB = 1 << 20
@@ -113,7 +115,7 @@ def two_process(sizes: tuple[int, ...], budget_s: float, rounds: int, chosen: di
                         policy, write = variants[name]
                         if policy:
                             shm_copy.set_policy(*policy)
-                        times[name] += _measure(lambda: write(size), budget_s / rounds, min_reps=3)
+                        times[name] += measure(lambda: write(size), budget_s / rounds, min_reps=3)
                 out[size] = {name: _stats(size, t) for name, t in times.items()}
         finally:
             shm_copy.set_policy(chosen["large_copy"], chosen["large_min"])

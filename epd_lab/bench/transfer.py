@@ -23,62 +23,27 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import pickle
-import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Iterator
 
 import numpy as np
 
 from epd_lab.bench import write_json
+from epd_lab.bench.timing import KiB, MiB, Row, format_ratios, format_row, measure, size_label, to_row
+from epd_lab.machine import machine_info
 from epd_lab.transfer import TransferEngine, shm_copy
 from epd_lab.transfer.peer import PeerProcess
 
-KiB, MiB = 1 << 10, 1 << 20
 SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB)
 SCATTER_BLOCKS, SCATTER_BLOCK = 256, 64 * KiB
 SCATTER_SPAN = 2 * SCATTER_BLOCKS * SCATTER_BLOCK  # the blocks land in every other 64 KiB of 32 MiB
 PATHS = ("memcpy", "shm", "shm_registered", "tcp", "verbs", "mooncake", "socket", "zmq", "zmq_pickle")
 OURS = ("shm", "shm_registered", "tcp", "verbs")
-
-
-@dataclass
-class Row:
-    """One measured point; `size` is the total bytes of one transfer, `blocks` how many blocks."""
-
-    path: str
-    size: int
-    blocks: int
-    gbps: float
-    rtt_us: float | None
-    gbps_min: float
-    gbps_max: float
-    repeats: int
-
-
-def _measure(fn: Callable[[], None], budget_s: float, min_reps: int = 5, max_reps: int = 400) -> list[float]:
-    fn()
-    fn()  # warm: connections, mappings, page tables
-    times: list[float] = []
-    end = time.perf_counter() + budget_s
-    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() < end):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _row(path: str, size: int, blocks: int, times: list[float]) -> Row:
-    med = statistics.median(times)
-    rtt = med * 1e6 if size == 4 * KiB and blocks == 1 and path != "memcpy" else None
-    return Row(path, size, blocks, size / med / 1e9, rtt, size / max(times) / 1e9, size / min(times) / 1e9,
-               len(times))
 
 
 @contextlib.contextmanager
@@ -235,21 +200,6 @@ class _Bench:
         return write, None
 
 
-# the flags copies depend on, and whether the CPU is virtual
-COPY_FLAGS = ("sse2", "avx", "avx2", "avx512f", "avx512bw", "erms", "fsrm", "hypervisor")
-
-
-def machine_info() -> dict:
-    """What the numbers were measured on."""
-    cpu = shm_copy.cpu_info()
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"host": platform.node(), "cpu": cpu["model"], "vendor": cpu["vendor"],
-            "cpu_flags": [f for f in COPY_FLAGS if f in cpu["flags"]], "cores": os.cpu_count(),
-            "memory_gib": round(mem / 2**30, 1), "kernel": platform.release(), "libc": shm_copy.libc_version(),
-            "memcpy_nt_threshold": shm_copy.memcpy_nt_threshold(), "python": platform.python_version(),
-            "numpy": np.__version__}
-
-
 def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s: float = 0.5,
         scatter: bool = True, timeout: float = 10.0, log: Callable[[str], None] = print) -> dict:
     """Measure; returns ``{"machine", "rows", "skipped", "ratios"}`` (rows as in the JSON file)."""
@@ -264,32 +214,22 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
         # all paths one size after another, so that the ratios of one size are measured side by side
         for size in sizes:
             for path, (write, _) in bench.writers.items():
-                rows.append(_row(path, size, 1, _measure(lambda: write(size), budget_s)))
-                log(_fmt(rows[-1]))
+                rows.append(to_row(path, size, 1, measure(lambda: write(size), budget_s)))
+                log(format_row(rows[-1]))
         if scatter:
             for path, (write, scat) in bench.writers.items():
                 if scat is None:
                     continue
                 total = SCATTER_BLOCKS * SCATTER_BLOCK
                 if total not in sizes:  # the contiguous twin the scattered batch is compared with
-                    rows.append(_row(path, total, 1, _measure(lambda: write(total), budget_s)))
-                    log(_fmt(rows[-1]))
-                rows.append(_row(path, total, SCATTER_BLOCKS, _measure(scat, budget_s)))
-                log(_fmt(rows[-1]))
+                    rows.append(to_row(path, total, 1, measure(lambda: write(total), budget_s)))
+                    log(format_row(rows[-1]))
+                rows.append(to_row(path, total, SCATTER_BLOCKS, measure(scat, budget_s)))
+                log(format_row(rows[-1]))
     result = {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "copy_policy": shm_copy.current(), "rows": [asdict(r) for r in rows], "skipped": bench.skipped}
     result["ratios"] = ratios(result["rows"])
     return result
-
-
-def _fmt(r: Row) -> str:
-    rtt = f"{r.rtt_us:8.1f}" if r.rtt_us is not None else "       -"
-    return (f"  {r.path:15s} {_size(r.size):>8s} x{r.blocks:<4d} {r.gbps:7.2f} GB/s "
-            f"[{r.gbps_min:6.2f} .. {r.gbps_max:6.2f}]  rtt {rtt} us  (n={r.repeats})")
-
-
-def _size(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -311,32 +251,20 @@ def ratios(rows: list[dict]) -> list[dict]:
         out.append({"name": name, "value": value, "target": target, "ok": ok})
 
     for size in (16 * MiB, 256 * MiB):
-        add(f"shm / memcpy @ {_size(size)}", g("shm", size), g("memcpy", size), 0.8)
-        add(f"shm_registered / memcpy @ {_size(size)} (report)", g("shm_registered", size), g("memcpy", size), 0.0)
+        add(f"shm / memcpy @ {size_label(size)}", g("shm", size), g("memcpy", size), 0.8)
+        add(f"shm_registered / memcpy @ {size_label(size)} (report)", g("shm_registered", size), g("memcpy", size), 0.0)
     add("tcp / mooncake @ 1 MiB", g("tcp", MiB), g("mooncake", MiB), 1.0)
     add("tcp / socket @ 1 MiB", g("tcp", MiB), g("socket", MiB), 0.9)
     for size in (16 * MiB, 256 * MiB):
-        add(f"tcp / mooncake @ {_size(size)}", g("tcp", size), g("mooncake", size), 1.5)
+        add(f"tcp / mooncake @ {size_label(size)}", g("tcp", size), g("mooncake", size), 1.5)
     add("tcp rtt / mooncake rtt @ 4 KiB", rtt("tcp"), rtt("mooncake"), 1.0, higher_is_better=False)
     total = SCATTER_BLOCKS * SCATTER_BLOCK
     for path in ("shm", "shm_registered", "tcp", "verbs", "mooncake"):
         add(f"{path} 256 scattered / contiguous @ 16 MiB", g(path, total, SCATTER_BLOCKS), g(path, total), 0.7)
     for size in (16 * MiB, 256 * MiB):
-        add(f"shm / zmq_pickle @ {_size(size)}", g("shm", size), g("zmq_pickle", size), 5.0)
-        add(f"tcp / zmq_pickle @ {_size(size)}", g("tcp", size), g("zmq_pickle", size), 1.5)
+        add(f"shm / zmq_pickle @ {size_label(size)}", g("shm", size), g("zmq_pickle", size), 5.0)
+        add(f"tcp / zmq_pickle @ {size_label(size)}", g("tcp", size), g("zmq_pickle", size), 1.5)
     return out
-
-
-def format_ratios(result: dict) -> str:
-    lines = ["", "targets (ratios of medians, this run):"]
-    for r in result["ratios"]:
-        if r["value"] is None:
-            lines.append(f"  {r['name']:48s}      -   (a side was not measured)")
-            continue
-        verdict = "report" if r["target"] == 0.0 else ("ok" if r["ok"] else "MISS")
-        cmp = "<=" if "rtt" in r["name"] else ">="
-        lines.append(f"  {r['name']:48s} {r['value']:6.2f}   target {cmp} {r['target']:.1f}   {verdict}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ one kernel), ``cuda_api`` and ``cuda_loop`` (the same batch by one ``cudaMemcpyB
 ``cudaMemcpyAsync`` per block), ``cuda_arrays`` (the batch handed over as numpy arrays rather than
 lists), ``pinned_staging`` (D2H into pinned host memory, then H2D), ``zmq_pickle`` (a pickled dict
 holding the tensor, sent to a second process that rebuilds it on its GPU and acks: D2H, pickle, send,
-unpickle, H2D). Two GPUs (peer copy, NCCL send/recv) are not measured here: see README's GPU section.
+unpickle, H2D). Two GPUs (peer copy, NCCL send/recv) are not measured here: see docs/gpu-summary.md.
 
 Then the KV cache of a 4096-token prompt for each model shape (`epd_lab.models.shapes`), laid out as
 `PagedKVCache` lays it out (per layer K and V ``[blocks, 16, kv_heads, head_dim]`` bf16, each registered
@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import Row, _fmt, _measure, _row, _size, format_ratios
+from epd_lab.bench.timing import Row, format_ratios, format_row, measure, size_label, to_row
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
@@ -259,7 +259,7 @@ def kv_transfer(name: str, peer, budget_s: float, timeout: float) -> dict:
         def arrays() -> None:
             eng.batch_transfer_sync_write(peer.session_id, a_srcs, a_dsts, a_lens, a_keys)
 
-        t_lists, t_arrays = _measure(lists, budget_s), _measure(arrays, budget_s)
+        t_lists, t_arrays = measure(lists, budget_s), measure(arrays, budget_s)
         i = 5  # one block, checked where it landed
         got = peer.cuda_checksum(dsts[i], block_len)
         import zlib
@@ -271,7 +271,7 @@ def kv_transfer(name: str, peer, budget_s: float, timeout: float) -> dict:
         one.copy_(cache[:total])
         torch.cuda.synchronize()
 
-    t_limit = _measure(limit, budget_s)
+    t_limit = measure(limit, budget_s)
     peer.call("cuda_free", ptr=dst)
     med = {k: float(np.median(v)) for k, v in (("lists", t_lists), ("arrays", t_arrays), ("limit", t_limit))}
     return {"shape": name, "tokens": KV_TOKENS, "kv_bytes": total, "blocks": len(lens), "block_bytes": block_len,
@@ -361,8 +361,8 @@ def two_gpus(sizes: tuple[int, ...], budget_s: float, timeout: float, log: Calla
 
         for n in sizes:
             for path, fn in (("peer_copy", peer_copy), ("cuda_gpu1", ours)):
-                rows.append(_row(path, n, 1, _measure(lambda: fn(n), budget_s)))
-                log(_fmt(rows[-1]))
+                rows.append(to_row(path, n, 1, measure(lambda: fn(n), budget_s)))
+                log(format_row(rows[-1]))
         import zlib
 
         ok = peer.cuda_checksum(far, top) == zlib.crc32(src.cpu().numpy())
@@ -390,8 +390,8 @@ def two_gpus(sizes: tuple[int, ...], budget_s: float, timeout: float, log: Calla
                 torch.cuda.synchronize(0)
                 if r >= 2:
                     times.append(time.perf_counter() - t0)
-            rows.append(_row("nccl", n, 1, times))
-            log(_fmt(rows[-1]))
+            rows.append(to_row("nccl", n, 1, times))
+            log(format_row(rows[-1]))
         dist.destroy_process_group()
     finally:
         try:
@@ -456,7 +456,7 @@ def model_shape(name: str) -> dict:
 def machine_info() -> dict:
     import torch
 
-    from epd_lab.bench.transfer import machine_info as cpu_info
+    from epd_lab.machine import machine_info as cpu_info
 
     props = torch.cuda.get_device_properties(0)
     try:
@@ -485,7 +485,7 @@ def ratios(rows: list[dict], kv: list[dict]) -> list[dict]:
 
     for size in SIZES:
         if size >= 16 * MiB:
-            add(f"cuda / d2d @ {_size(size)}", g("cuda", size), g("d2d", size), 0.8)
+            add(f"cuda / d2d @ {size_label(size)}", g("cuda", size), g("d2d", size), 0.8)
     total = SCATTER_BLOCKS * SCATTER_BLOCK
     for path in ("cuda", "cuda_arrays", "cuda_api", "cuda_loop"):
         add(f"{path} 256 scattered / cuda contiguous @ 16 MiB", g(path, total, SCATTER_BLOCKS), g("cuda", total), 0.7)
@@ -493,14 +493,14 @@ def ratios(rows: list[dict], kv: list[dict]) -> list[dict]:
         g("d2d", total), 0.0)
     for size in SIZES:
         if size >= 16 * MiB:
-            add(f"cuda / pinned_staging @ {_size(size)}", g("cuda", size), g("pinned_staging", size), 5.0)
+            add(f"cuda / pinned_staging @ {size_label(size)}", g("cuda", size), g("pinned_staging", size), 5.0)
     for size in (16 * MiB, 256 * MiB):
-        add(f"cuda / zmq_pickle @ {_size(size)} (report)", g("cuda", size), g("zmq_pickle", size), 0.0)
+        add(f"cuda / zmq_pickle @ {size_label(size)} (report)", g("cuda", size), g("zmq_pickle", size), 0.0)
     for size in SIZES:
         if size >= MiB:
-            add(f"two GPUs: cuda_gpu1 / peer_copy @ {_size(size)}", g("cuda_gpu1", size), g("peer_copy", size),
+            add(f"two GPUs: cuda_gpu1 / peer_copy @ {size_label(size)}", g("cuda_gpu1", size), g("peer_copy", size),
                 0.8 if size >= 16 * MiB else 0.0)
-            add(f"two GPUs: cuda_gpu1 / nccl @ {_size(size)}", g("cuda_gpu1", size), g("nccl", size), 1.0)
+            add(f"two GPUs: cuda_gpu1 / nccl @ {size_label(size)}", g("cuda_gpu1", size), g("nccl", size), 1.0)
     for k in kv:
         add(f"KV 4k {k['shape']} (lists) / d2d of the same bytes (report)", k["gbps"]["lists"],
             k["gbps"]["limit"], 0.0)
@@ -533,20 +533,20 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
                 if write is None:
                     continue
                 try:
-                    rows.append(_row(path, size, 1, _measure(lambda: write(size), budget_s)))
+                    rows.append(to_row(path, size, 1, measure(lambda: write(size), budget_s)))
                 except _TooBig:
                     continue
-                log(_fmt(rows[-1]))
+                log(format_row(rows[-1]))
         if scatter:
             total = SCATTER_BLOCKS * SCATTER_BLOCK
             for path, (write, scat) in bench.writers.items():
                 if scat is None:
                     continue
                 if write is not None and total not in sizes:
-                    rows.append(_row(path, total, 1, _measure(lambda: write(total), budget_s)))
-                    log(_fmt(rows[-1]))
-                rows.append(_row(path, total, SCATTER_BLOCKS, _measure(scat, budget_s)))
-                log(_fmt(rows[-1]))
+                    rows.append(to_row(path, total, 1, measure(lambda: write(total), budget_s)))
+                    log(format_row(rows[-1]))
+                rows.append(to_row(path, total, SCATTER_BLOCKS, measure(scat, budget_s)))
+                log(format_row(rows[-1]))
         if shapes:
             peer = bench.peer()
             for name in shapes:

@@ -18,13 +18,12 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
+from epd_lab.machine import machine_info
 from epd_lab.models import (
     VisionEncoder,
     build_input_ids,
@@ -34,6 +33,7 @@ from epd_lab.models import (
     preprocess,
 )
 from epd_lab.models.vision import PerImageVisionTower
+from epd_lab.noise import noise_images
 
 SIZES = ((224, 224), (100, 333), (500, 260), (56, 112))  # 64, 48, 162 and 8 image tokens, as tests/test_vision.py
 
@@ -51,8 +51,7 @@ def batched_tower(model: torch.nn.Module) -> Iterator[None]:
 
 def images(seed: int = 0) -> list[Image.Image]:
     """Random RGB images of SIZES."""
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in SIZES]
+    return noise_images(SIZES, seed)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,8 +10,6 @@ engines' registrations, pinning writes and managed buffers), plus informative on
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import random
 import threading
@@ -22,10 +20,11 @@ from typing import Any, Callable
 import aiohttp
 import httpx
 import numpy as np
-from PIL import Image
 
 from epd_lab import security
 from epd_lab.launch import Cluster
+from epd_lab.machine import machine_info
+from epd_lab.noise import image_uri
 from epd_lab.servers.openai_api import MODEL_ID
 
 # /metrics gauges (name suffixes after "epd_<role>_") that must be back at their idle value after the last answer
@@ -57,21 +56,6 @@ class Outcome:
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def random_png(seed: int | tuple[int, ...], size: int | tuple[int, int], compress_level: int = 6) -> bytes:
-    """A random RGB image of `size`² (or `size` = (height, width)) as PNG bytes (distinct per seed). Noise does not
-    compress: level 0 stores it and spares both ends a deflate that gains nothing."""
-    buf = io.BytesIO()
-    height, width = (size, size) if isinstance(size, int) else size
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(buf, "PNG", compress_level=compress_level)
-    return buf.getvalue()
-
-
-def image_uri(seed: int, size: int) -> str:
-    """A random RGB PNG of `size`² as a data URI (distinct per seed)."""
-    return "data:image/png;base64," + base64.b64encode(random_png(seed, size)).decode()
 
 
 @dataclass(slots=True)
@@ -407,7 +391,5 @@ def target(name: str, passed: bool, measured: Any, goal: str) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    """Where the leg ran (`bench.transfer.machine_info`)."""
-    from epd_lab.bench.transfer import machine_info
-
+    """Where the leg ran (`epd_lab.machine.machine_info`)."""
     return machine_info()

@@ -55,7 +55,10 @@ from hypothesis import strategies as st
 from hypothesis.errors import HypothesisWarning
 
 from epd_lab import security
+from epd_lab._native import (OP_AUTH, OP_CONTROL, OP_HELLO, OP_WRITE, ST_BADREQ, ST_CONTROL_ERR, ST_OK, ST_REFUSED,
+                             WIRE_MAGIC, WIRE_VERSION)
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
+from epd_lab.noise import image_uri
 from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
 
 __all__ = ["BODY_TYPES", "WIRE_REQ", "augmented_spec", "fuzz", "fuzz_guarded_engine", "fuzz_http", "fuzz_socket",
@@ -68,11 +71,9 @@ BODY_TYPES: dict[str, type] = {"/encode": EncodeRequest, "/send": SendRequest,
                                "/scheduler_receive_url": SchedulerReceiveUrl, "/v1/prefill": PrefillRequest,
                                "/v1/abort": AbortRequest, "/v1/decode": DecodeRequest}
 # native/epd_core.h: epd_wire_req {u32 magic, u16 version, u16 op, u64 seq, addr, length, key}; epd_wire_rep
+# {u32 magic, i32 status, u64 seq, length}; their sizes and the constants come from the header (epd_lab._native)
 WIRE_REQ = struct.Struct("<IHHQQQQ")
 WIRE_REP = struct.Struct("<IiQQ")
-WIRE_MAGIC, WIRE_VERSION = 0x57445045, 2
-OP_WRITE, OP_HELLO, OP_CONTROL = 1, 2, 3
-ST_OK, ST_REFUSED, ST_BADREQ, ST_CONTROL_ERR = 0, 1, 2, 3
 CHEAP_MAX_TOKENS = 4  # valid OpenAI bodies generate at most this many tokens (the leg probes input, not decode)
 SLACK_S = 5.0  # a request's bound: the cluster's timeout plus this
 
@@ -475,7 +476,7 @@ def wire_frames(draw: Any, targets: tuple[int, ...] = (), keys: tuple[int, ...] 
 
     magic = WIRE_MAGIC if mostly(9) else draw(st.sampled_from([0, WIRE_MAGIC ^ 1]) | st.integers(0, 2**32 - 1))
     version = WIRE_VERSION if mostly(9) else draw(st.sampled_from([0, 1, 3, 0xFFFF]))
-    op = OP_WRITE if mostly(8) else draw(st.sampled_from([OP_HELLO, OP_CONTROL, 0, 4, 0xFFFF]))
+    op = OP_WRITE if mostly(8) else draw(st.sampled_from([OP_HELLO, OP_CONTROL, 0, OP_AUTH, 0xFFFF]))
     if targets and mostly(7):
         addr = max(0, min(2**64 - 1, draw(st.sampled_from(targets)) + draw(st.integers(-8192, 8192))))
     else:
@@ -699,11 +700,7 @@ def fuzz_guarded_engine(*, n: int, seed: int, deadline: float, region: int = 64 
 
 # ---------------------------------------------------------------- leg ----
 def _tiny_png() -> str:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(out, "PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return image_uri(0, 32)
 
 
 def _legit_chat(proxy_url: str, timeout: float) -> tuple[bool, str]:

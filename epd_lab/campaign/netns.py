@@ -1,8 +1,9 @@
 """Emulated hosts on one machine: a Linux bridge in this network namespace and one network namespace per
 "host", joined to the bridge by a veth pair, all in one /24 (this namespace is .1 on the bridge). A process
 started with ``ip netns exec <ns>`` and bound to its host's address reaches the others only over its veth:
-`cut` takes that link down (a pulled cable, mid-transfer if timed so), `restore` brings it back, and `rate_mbit`
-shapes each link with ``tc qdisc ... tbf`` (this kernel has no ``netem``: no delay or loss emulation).
+`cut` takes that link down (a pulled cable, mid-transfer if timed so), `restore` brings it back, `rate_mbit`
+shapes what each host receives with ``tc qdisc ... tbf``, and `shape` what one host sends (its uplink, set and
+changed while it runs: a rate sweep needs no restart). This kernel has no ``netem``: no delay or loss emulation.
 `ray_nodes` runs a Ray cluster on such hosts, a node per namespace (`epd_lab.launch_ray`, docs/ray.md).
 
 Needs root (CAP_NET_ADMIN); `available()` says whether ``ip netns add`` works here.
@@ -77,6 +78,17 @@ class Hosts:
 
     def address(self, name: str) -> str:
         return f"{self.subnet}.{self.names.index(name) + 2}"
+
+    def shape(self, name: str, rate_mbit: float | None, burst_bytes: int = 4096) -> None:
+        """Limit what host `name` sends to `rate_mbit` (tbf on its own end of the link, in its namespace), or
+        lift the limit (None). A small `burst_bytes` keeps a transfer's time near bytes / rate: tbf lets a
+        whole burst through at line rate (it must hold one full frame, 1514 bytes)."""
+        ns = ["ip", "netns", "exec", self.netns(name), "tc", "qdisc"]
+        if rate_mbit is None:
+            subprocess.run([*ns, "del", "dev", "eth0", "root"], capture_output=True, timeout=10)  # none: fine
+            return
+        subprocess.run([*ns, "replace", "dev", "eth0", "root", "tbf", "rate", f"{rate_mbit}mbit", "burst",
+                        str(burst_bytes), "latency", "200ms"], check=True, capture_output=True, timeout=10)
 
     def cut(self, name: str) -> None:
         """Take `name`'s link down: nothing reaches or leaves that host until `restore`."""

@@ -5,9 +5,15 @@ the latency distribution, pool levels and RSS over time).
 A leg's result is a dict with ``leg``, ``targets`` (``{target, passed, measured, goal}``), ``passed``, and its
 runs under ``runs`` (load, soak) or ``cells`` (faults), each with ``counts``, ``requests`` (`Outcome` records)
 and ``samples`` (``{t, process, metric, value}``); a leg without runs (fuzz) gets its targets and counts.
+
+A committed run keeps its summary readable and its rows small: `compact` moves the runs' ``requests`` and
+``samples`` (most of the bytes) into ``<leg>.rows.json.gz``; `load_result` joins them again, and
+``python -m epd_lab.campaign.report html <leg>.json`` rebuilds the HTML page from the two.
 """
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -106,3 +112,59 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Pat
 def _plain(value: object) -> object:
     item = getattr(value, "item", None)
     return item() if callable(item) else str(value)
+
+
+ROWS = ("requests", "samples")  # ~98% of the committed legs' bytes; only the HTML page reads them
+
+
+def rows_path(json_path: str | Path) -> Path:
+    """Where `compact` puts the rows of ``<leg>.json``: ``<leg>.rows.json.gz`` beside it."""
+    path = Path(json_path)
+    return path.with_name(f"{path.stem}.rows.json.gz")
+
+
+def compact(json_path: str | Path) -> Path | None:
+    """Move the runs' ``requests`` and ``samples`` out of ``<leg>.json`` into ``<leg>.rows.json.gz``, leaving the
+    summary (targets, counts, latency quantiles, levels) as JSON. Returns the rows file, or None where the
+    result has no rows (fuzz, or already compacted)."""
+    path = Path(json_path)
+    result = json.loads(path.read_text())
+    rows = [{key: run.pop(key) for key in ROWS if key in run} for run in runs_of(result)]
+    if not any(rows):
+        return None
+    out = rows_path(path)
+    # mtime=0: the same rows give the same bytes, so re-compacting does not churn git
+    out.write_bytes(gzip.compress(json.dumps(rows).encode(), compresslevel=9, mtime=0))
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return out
+
+
+def load_result(json_path: str | Path) -> dict[str, Any]:
+    """A leg's result as `write_report` wrote it: ``<leg>.json`` with its rows put back from
+    ``<leg>.rows.json.gz`` where `compact` moved them."""
+    path = Path(json_path)
+    result = json.loads(path.read_text())
+    rows_file = rows_path(path)
+    if rows_file.exists():
+        for run, rows in zip(runs_of(result), json.loads(gzip.decompress(rows_file.read_bytes())), strict=True):
+            run.update(rows)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``compact <leg>.json ...`` before committing a run; ``html <leg>.json --out DIR`` to rebuild its page."""
+    ap = argparse.ArgumentParser(prog="python -m epd_lab.campaign.report", description=main.__doc__)
+    ap.add_argument("action", choices=("compact", "html"))
+    ap.add_argument("paths", nargs="+", type=Path, help="legs' JSON files")
+    ap.add_argument("--out", type=Path, default=Path("out/campaign"), help="html: folder for <leg>.html")
+    args = ap.parse_args(argv)
+    for path in args.paths:
+        if args.action == "compact":
+            print(f"{path}: rows in {compact(path) or 'none'}")
+        else:
+            result = load_result(path)
+            print(html_report(sections(result), args.out / f"{path.stem}.html", f"epd-lab campaign {result['leg']}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,17 +21,14 @@ import torch
 
 from epd_lab.trace import Span
 from epd_lab.transfer.engine import parse_session_id
+from epd_lab.wire_types import MediaItem, NonNegative
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # dtype names on the wire
 BACKENDS = ("mooncake", "zmq_to_tokenizer", "zmq_to_scheduler")
 MAX_ZMQ_BYTES = 1 << 31
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-# a media item (path, data: URI, URL) never holds a NUL: no file name, URI or URL can, and the OS refuses it with
-# an error the media readers do not expect (a 500 the fuzz leg found: "embedded null byte")
-MediaItem = Annotated[str, msgspec.Meta(pattern="^[^\x00]*$")]
 
 # An RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
@@ -198,6 +195,7 @@ class EmbeddingNotify(msgspec.Struct, tag="notify"):
     grid_thw: list[list[int]]
     error: str | None = None
     spans: list[Span] = []
+    clock: str = ""  # the sender's `trace.clock_id()`: its last span is ended on arrival only on the same clock
 
 
 class EmbeddingData(EmbeddingNotify, tag="data"):

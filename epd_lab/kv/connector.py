@@ -19,7 +19,7 @@ Seed 003's names for the same jobs (Mooncake's vLLM connector):
   waits in the one serving thread until every request it names is finished, then
   `KVProducer.send_kv_to_decode` writes and answers.
 - ``_send_blocks()``: `KVProducer._send_blocks`, the addresses ``base + block_id * block_len`` of the runs that
-  ``group_concurrent_contiguous()`` (`epd_lab.kv.transfer`) merges, in one ``batch_transfer_sync_write``.
+  ``group_concurrent_contiguous()`` (`epd_lab.kv.runs`) merges, in one ``batch_transfer_sync_write``.
 - ``receive_kv()`` (consumer, worker side): `KVConsumer.receive_kv`. The seed's ``start_load_kv()``, which
   starts one ``receive_kv`` thread per remote host, has no counterpart: the decode server calls `receive_kv`
   per request from its own threads.
@@ -71,7 +71,7 @@ from epd_lab.kv.messages import (
     encode,
 )
 from epd_lab.kv.paged_cache import PagedKVCache
-from epd_lab.kv.transfer import BlockCopies, block_copies
+from epd_lab.kv.runs import BlockCopies, block_copies
 from epd_lab.faults import failpoint
 from epd_lab.transfer.engine import parse_session_id
 

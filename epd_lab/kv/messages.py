@@ -18,8 +18,8 @@ from typing import Annotated
 import msgspec
 
 from epd_lab.transfer.engine import parse_session_id
+from epd_lab.wire_types import NonNegative
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 MAX_MESSAGE_BYTES = 16 << 20  # a metadata frame larger than this is refused before decoding
 
 

@@ -87,7 +87,7 @@ from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MOD
                                        check_placement, use_device)
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 T = TypeVar("T")
 

@@ -100,7 +100,7 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Co
 from epd_lab.models.runtime import open_runtime
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                        check_placement, synchronize, use_device)
-from epd_lab.trace import Recorder, Span
+from epd_lab.trace import Recorder, Span, clock_id
 from epd_lab.transfer import (
     RegistrationError,
     RemoteAccessError,
@@ -109,7 +109,7 @@ from epd_lab.transfer import (
     open_engine,
     parse_session_id,
 )
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 TRANSPORTS = ENGINES
 SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes
@@ -235,9 +235,11 @@ class MMEncoder:
         self.admission = Admission("encoder", settings.max_parts, 0, settings.timeout)
 
     # ---- /encode ----
-    async def encode(self, body: Awaitable[bytes | bytearray], ticket: Ticket) -> EncodeResponse:
+    async def encode(self, body: Awaitable[bytes | bytearray], ticket: Ticket,
+                     t_in: int | None = None) -> EncodeResponse:
         """/encode's JSON body (`EncodeRequest`, awaited here): read the media and answer the sizes; run
-        (mooncake: start) the ViT and send per backend. A bad request or item is a 400 (`BadRequest`).
+        (mooncake: start) the ViT and send per backend. A bad request or item is a 400 (`BadRequest`). `t_in`:
+        when the route took the request (``monotonic_ns``), the start of its ``intake`` span.
 
         The caller admitted the part (`admission.enter`: `ticket`); it leaves when this returns, or for mooncake
         once held and then sent, released or expired."""
@@ -245,7 +247,7 @@ class MMEncoder:
         try:
             body = await body
             try:  # one thread hop for the body and the media: megabytes of JSON and base64 with data: URIs
-                req, modality, items, load_span = await asyncio.to_thread(self._read_request, body)
+                req, modality, items, spans = await asyncio.to_thread(self._read_request, body, t_in)
             except MediaError as exc:
                 raise BadRequest(str(exc)) from None
             if req.encoder_idx is not None:
@@ -261,7 +263,7 @@ class MMEncoder:
                 raise Conflict(f"req_id {req.req_id!r} was released before its /encode was read")
             if self.settings.backend == "mooncake":
                 self._check_held_bytes(resp.embedding_size)
-            future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, load_span)
+            future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, spans)
             failpoint("encoder.before_encode_reply")
             if self.settings.backend == "mooncake":
                 self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
@@ -306,12 +308,16 @@ class MMEncoder:
                 del self.released_ids[next(iter(self.released_ids))]
         return {"req_id": req.req_id, "released": held is not None}
 
-    def _read_request(self, body: bytes | bytearray) -> tuple[EncodeRequest, Modality, list[_Item], Span]:
-        """In a thread: the request, checked, and its media items, read, hashed and opened from their headers
-        (the `load` span); a bad item raises `MediaError` naming it."""
+    def _read_request(self, body: bytes | bytearray,
+                      t_in: int | None) -> tuple[EncodeRequest, Modality, list[_Item], list[Span]]:
+        """In a thread: the request, checked, and its media items, read, hashed and opened from their headers;
+        its spans so far: ``intake`` (from `t_in`, when given: admission, the body, the hop here, its decoding)
+        and ``load``. A bad item raises `MediaError` naming it."""
         req = decode_body(body, EncodeRequest)
         modality = self._check_encode(req)
         t0 = time.monotonic_ns()
+        node = self.recorder.node
+        spans = [] if t_in is None else [Span(req.req_id, req.part_idx, "intake", node, t_in, t0, len(body))]
         items, nbytes = [], 0
         for idx, name in enumerate(req.mm_items):
             try:
@@ -320,8 +326,8 @@ class MMEncoder:
             except MediaError as exc:
                 raise _item_error(idx, exc) from None
             nbytes += len(raw)
-        return req, modality, items, Span(req.req_id, req.part_idx, "load", self.recorder.node, t0,
-                                          time.monotonic_ns(), nbytes)
+        return req, modality, items, [*spans, Span(req.req_id, req.part_idx, "load", node, t0, time.monotonic_ns(),
+                                                   nbytes)]
 
     def _check_encode(self, req: EncodeRequest) -> Modality:
         """The request's modality, once the request is known to be servable (a 400 otherwise)."""
@@ -345,11 +351,12 @@ class MMEncoder:
         return f"{self.settings.model_name}|{self.settings.dtype}|{digest}"
 
     def _run_vit(self, req_id: str, part_idx: int, items: list[_Item],
-                 load_span: Span) -> tuple[torch.Tensor, list[Span]]:
+                 spans: list[Span]) -> tuple[torch.Tensor, list[Span]]:
         """In the worker thread: the embedding of all items, from the cache where possible, else decoded (just
-        before the ViT: only what is not cached is ever decoded) and encoded; with the spans so far (`load`,
-        `decode` when anything was decoded, `vit`). An image that does not decode raises `MediaError`."""
-        spans = [load_span]
+        before the ViT: only what is not cached is ever decoded) and encoded; with the spans so far (`intake`,
+        `load`), then `decode` when anything was decoded and `vit`. An image that does not decode raises
+        `MediaError`."""
+        spans = list(spans)
         pieces: list[torch.Tensor | None] = [self.cache.get(item.key) for item in items]
         missing = [i for i, piece in enumerate(pieces) if piece is None]
         t0 = time.monotonic_ns()
@@ -521,7 +528,8 @@ class MMEncoder:
         nbytes = len(msg.data) if isinstance(msg, EmbeddingData) else 0
         if self.recorder.enabled:  # a copy per receiver: each gets only its own send's span (data not copied)
             msg = msgspec.structs.replace(
-                msg, spans=[*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)])
+                msg, spans=[*msg.spans, Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t0, nbytes)],
+                clock=clock_id())
         try:
             self.pushers.push(url, encode_zmq(msg))
         except zmq.ZMQError as exc:
@@ -622,6 +630,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
 
     @app.post("/encode")
     async def encode(request: Request) -> Response:
+        t_in = time.monotonic_ns()
         server: MMEncoder = app.state.server
         ticket = await server.admission.enter()  # refused before its body is even read: it costs nothing more
 
@@ -631,7 +640,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
                 raise ClientClosed("the client closed /encode before it was read: nothing is held for it")
             return raw
 
-        return json_response(await server.encode(body(), ticket))
+        return json_response(await server.encode(body(), ticket, t_in))
 
     @app.post("/send")
     async def send(request: Request) -> Response:

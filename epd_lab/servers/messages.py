@@ -19,14 +19,11 @@ from typing import Annotated
 import msgspec
 
 from epd_lab.trace import Span
+from epd_lab.wire_types import MediaItem, NonNegative
 
 MAX_TOKENS = 4096  # the tiny model's max_position_embeddings bounds prompt + generated tokens anyway
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
-# a media item (path, data: URI, URL) never holds a NUL: no file name, URI or URL can, and the OS refuses it with
-# an error the media readers do not expect (a 500 the fuzz leg found: "embedded null byte")
-MediaItem = Annotated[str, msgspec.Meta(pattern="^[^\x00]*$")]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # int64: within what torch.Generator.manual_seed takes
 
 

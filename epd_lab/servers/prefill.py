@@ -67,11 +67,11 @@ from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metr
                              serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                        check_placement, synchronize, use_device)
-from epd_lab.trace import Recorder
+from epd_lab.trace import Recorder, Span
 
 KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
 from epd_lab.transfer import open_engine
-from epd_lab.transfer.engine import ENGINES
+from epd_lab.transfer.registry import ENGINES
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -226,21 +226,26 @@ class PrefillServer:
                                    settings.service_prior)
 
     # ---- /v1/prefill ----
-    def prefill(self, req: PrefillRequest, deadline: float | None = None) -> PrefillResponse:
-        """Run one request (in a worker thread); raises `ServingError`."""
+    def prefill(self, req: PrefillRequest, deadline: float | None = None,
+                t_in: int | None = None) -> PrefillResponse:
+        """Run one request (in a worker thread); raises `ServingError`. `t_in`: when the route took it
+        (``monotonic_ns``): its ``intake`` span runs from there to here."""
         rid = req.request_id
         with self._lock:
             if rid in self._inflight:
                 raise Conflict(f"request_id {rid!r} is already being prefilled")
             self._inflight.add(rid)
         try:
-            return self._prefill(req, rid, time.monotonic() if deadline is None else deadline)
+            return self._prefill(req, rid, time.monotonic() if deadline is None else deadline, t_in)
         finally:
             with self._lock:
                 self._inflight.discard(rid)
 
-    def _prefill(self, req: PrefillRequest, rid: str, deadline: float) -> PrefillResponse:
+    def _prefill(self, req: PrefillRequest, rid: str, deadline: float, t_in: int | None) -> PrefillResponse:
         t0 = time.monotonic_ns()
+        if t_in is not None:
+            self.recorder.add(Span(rid, -1, "intake", self.recorder.node, t_in, t0))
+            t0 = t_in  # the answer carries the intake too
         kv = _KeptKV(self, rid, req.kv_transfer_params.do_remote_decode, deadline)
         try:
             # the text alone, before E→P, measured without building its ids (50 MB of them hold a worker, GIL and
@@ -353,22 +358,23 @@ def create_app(settings: PrefillSettings) -> FastAPI:
 
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
+        t_in = time.monotonic_ns()  # the request's `intake` starts: admission, its body, the hop to a worker
         server: PrefillServer = app.state.server
         # queued, or refused, before its body is read: a waiting request holds no body, KV or embedding
         t0, budget = time.monotonic(), deadline_budget(request.headers, server.settings.timeout)
         ticket = await server.admission.enter(budget)
         try:
-            return await _prefill(server, request, t0 + budget)
+            return await _prefill(server, request, t0 + budget, t_in)
         finally:
             ticket.leave()
 
-    async def _prefill(server: PrefillServer, request: Request, deadline: float) -> Response:
+    async def _prefill(server: PrefillServer, request: Request, deadline: float, t_in: int) -> Response:
         body = await read_body(request)
         if await request.is_disconnected():  # e.g. read on waking from a freeze the proxy passed over: no compute
             raise ClientClosed("the client closed the request before its prefill began")
 
         def run() -> bytes:  # one hop off the loop: the body (data: URIs, MiBs) decodes in the worker too
-            return encode(server.prefill(decode_body(body, PrefillRequest), deadline))
+            return encode(server.prefill(decode_body(body, PrefillRequest), deadline, t_in))
 
         answer = await asyncio.get_running_loop().run_in_executor(server.pool, run)
         return Response(answer, media_type="application/json")

@@ -4,14 +4,17 @@
     class DecodeSettings:
         max_batch: int = option(8, "requests per decode forward")
 
-`parser(DecodeSettings)` is the role's ``argparse`` parser (``--max-batch``, typed from the annotation),
+`parser(DecodeSettings)` is the role's ``argparse`` parser (``--max-batch``, typed from the annotation; a
+``Mapping[str, Mapping[str, Any]]`` field takes ``--name KEY=JSON``, repeated),
 `from_argv` the settings it parses (a value the dataclass refuses exits with the usage), and `to_argv` the
 command line that recreates given settings, which `epd_lab.launch` starts each process with.
 """
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, Sequence, TypeVar
@@ -42,6 +45,24 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _key_json(value: str) -> tuple[str, dict[str, Any]]:
+    """A ``KEY=JSON`` option, the JSON an object; repeating the option adds keys."""
+    key, sep, text = value.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{value!r} is not KEY=JSON (e.g. prefill='{{\"num_gpus\": 1}}')")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{key.strip()}: {text!r} is not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"{key.strip()}: {text!r} is not a JSON object")
+    return key.strip(), obj
+
+
+def _is_mapping(kind: Any) -> bool:
+    return typing.get_origin(kind) in (collections.abc.Mapping, dict)
+
+
 def _base(hint: Any) -> tuple[Any, bool]:
     """(the type, whether None is allowed) of ``X`` or ``X | None``."""
     args = typing.get_args(hint)
@@ -59,13 +80,15 @@ def parser(cls: type, prog: str | None = None, description: str | None = None) -
         kind, _ = _base(hint)
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
         help_ = field.metadata.get("help", "")
-        if not required and field.default not in (None, "", ()):
+        if field.default is not dataclasses.MISSING and field.default not in (None, "", ()):
             help_ += f" (default: {field.default})"
         kw: dict[str, Any] = {"dest": field.name, "help": help_, "required": required}
         if kind is bool:
             ap.add_argument(_flag(field), action=argparse.BooleanOptionalAction, default=None, **kw)
         elif typing.get_origin(kind) is tuple:
             ap.add_argument(_flag(field), type=_split, action="extend", default=None, metavar="A[,B...]", **kw)
+        elif _is_mapping(kind):
+            ap.add_argument(_flag(field), type=_key_json, action="append", default=None, metavar="KEY=JSON", **kw)
         else:
             ap.add_argument(_flag(field), type=kind, choices=field.metadata.get("choices"), default=None, **kw)
     return ap
@@ -77,7 +100,9 @@ def from_argv(cls: type[S], argv: Sequence[str] | None = None, prog: str | None 
     refuses (`ValueError`) exits with the usage, as argparse does."""
     ap = parser(cls, prog, description)
     args = ap.parse_args(argv)
-    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(args).items() if v is not None}
+    mappings = {f.name for f, hint in _cli_fields(cls) if _is_mapping(_base(hint)[0])}
+    given = {k: (dict(v) if k in mappings else tuple(v) if isinstance(v, list) else v)
+             for k, v in vars(args).items() if v is not None}
     try:
         return cls(**given)
     except (TypeError, ValueError) as exc:
@@ -98,6 +123,9 @@ def to_argv(settings: Any) -> list[str]:
             raise ValueError(f"{field.name}=None has no command line (its default is {field.default!r})")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, collections.abc.Mapping):
+            for key, obj in value.items():
+                argv += [flag, f"{key}={json.dumps(obj, separators=(',', ':'))}"]
         elif isinstance(value, tuple):
             if not value or any("," in str(v) for v in value):
                 raise ValueError(f"{field.name}={value!r} has no comma-separated command line")

@@ -23,6 +23,11 @@ across it counts for the part before it, so a gap is exactly time that no leaf s
 loops, HTTP and serialization (time inside a container but outside its leaves is such a gap). The rows tile
 the window: their ``t_end_ns - t_start_ns`` add up to the anchor's duration exactly.
 
+Clocks: each row's two bounds were read on some node's clock (a span's own bounds on its node's; a bound
+clipped to the window on the anchor's; a gap's on the spans either side of it). When both are one node's, the
+row's length is exact; otherwise each clock's offset error (``frame.attrs["clock_errors"]``, from `collect`)
+may add to it: ``clock_err_ms`` is their sum, 0 for everything on one clock.
+
 Causality is inferred from the timestamps and parts only (spans carry no parent links): a request-wide leaf
 (``prefill``, ``kv_write``) with a span of the same request lying inside it by chance would count as a
 container.
@@ -31,7 +36,7 @@ pandas is imported inside the functions, as in `frame` (the servers import `epd_
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Hashable, Iterable, Mapping, NamedTuple
 
 from epd_lab.trace.spans import bare_request_id
 
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PATH_COLUMNS = ("stage", "node", "part", "req_id", "span", "t_start_ns", "t_end_ns", "start_ms", "end_ms", "dur_ms",
-                "kind", "between")
+                "kind", "between", "clock_err_ms")
 GAP = "gap"
 
 
@@ -106,7 +111,21 @@ def _no_request(request_id: str, requests: Iterable[str]) -> ValueError:
     return ValueError(f"no spans of request {request_id!r}; requests: {sorted(set(requests))[:20]}")
 
 
-def _path(rows: pd.DataFrame, request: str, until: str | None) -> pd.DataFrame:
+def _clock_errors(walk: list[tuple[_Span | None, int, int]], first: str, last: str,
+                  errors: Mapping[str, int]) -> list[float]:
+    """Per row of `walk`, the bound on its length's error from clock offsets (ms): the errors of the clocks its
+    two bounds were read on, when they are two. `first` and `last` own the window's bounds. A gap lies between
+    two spans, and a span clipped at its end is clipped by the next span's start (no gap follows it)."""
+    nodes = [first, *(span.node if span else "" for span, _, _ in walk), last]
+    rows = []
+    for i, (span, start, end) in enumerate(walk, start=1):
+        a = span.node if span and start == span.t_start else nodes[i - 1]
+        b = span.node if span and end == span.t_end else nodes[i + 1]
+        rows.append(0.0 if a == b else (errors.get(a, 0) + errors.get(b, 0)) / 1e6)
+    return rows
+
+
+def _path(rows: pd.DataFrame, request: str, until: str | None, errors: Mapping[str, int]) -> pd.DataFrame:
     """`critical_path` on the rows of one request."""
     import pandas as pd
 
@@ -114,7 +133,9 @@ def _path(rows: pd.DataFrame, request: str, until: str | None) -> pd.DataFrame:
              for label, r in zip(rows.index, rows.itertuples(index=False))]
     if until is None:
         anchor = None
-        w0, w1 = int(rows["t_start_ns"].min()), int(rows["t_end_ns"].max())
+        first = min(spans, key=lambda s: s.t_start)
+        last = max(spans, key=lambda s: s.t_end)
+        w0, w1, nodes = first.t_start, last.t_end, (first.node, last.node)
     else:
         named = [s for s in spans if s.stage == until]
         if not named:
@@ -122,7 +143,7 @@ def _path(rows: pd.DataFrame, request: str, until: str | None) -> pd.DataFrame:
                              f"name another enclosing stage (e.g. until='e2e') or until=None for all its spans")
         # one anchor per request is the rule; should there be two, the one that starts first (then lasts longest)
         anchor = min(named, key=lambda s: (s.t_start, -s.t_end))
-        w0, w1 = anchor.t_start, anchor.t_end
+        w0, w1, nodes = anchor.t_start, anchor.t_end, (anchor.node, anchor.node)
     covering = [s for s in spans if s.t_end > s.t_start]
     walk = _walk(_leaves(covering, anchor), w0, w1)
     stages = ["start", *(span.stage if span else GAP for span, _, _ in walk), "end"]
@@ -140,8 +161,10 @@ def _path(rows: pd.DataFrame, request: str, until: str | None) -> pd.DataFrame:
     path["dur_ms"] = (path["t_end_ns"] - path["t_start_ns"]) / 1e6
     path["kind"] = ["span" if span else GAP for span, _, _ in walk]
     path["between"] = [f"{stages[i]}→{stages[i + 2]}" if span is None else "" for i, (span, _, _) in enumerate(walk)]
+    path["clock_err_ms"] = _clock_errors(walk, *nodes, errors)
+    window_err = 0 if nodes[0] == nodes[1] else errors.get(nodes[0], 0) + errors.get(nodes[1], 0)
     path.attrs["anchor"] = {"request": request, "until": until, "t_start_ns": w0, "t_end_ns": w1,
-                            "ms": (w1 - w0) / 1e6}
+                            "ms": (w1 - w0) / 1e6, "clock_err_ms": window_err / 1e6}
     return path
 
 
@@ -155,14 +178,16 @@ def critical_path(frame: pd.DataFrame, request_id: str, until: str | None = "ttf
     ``part``, ``req_id``, and ``span``, the span's index label in `frame`) or ``"gap"`` for time no leaf span
     covers (``stage`` ``"gap"``, ``between`` e.g. ``"load→vit"``, ``"start→…"``, ``"…→end"``). ``start_ms``/
     ``end_ms`` count from the request's first span, as in the frame; ``t_end_ns - t_start_ns`` add up to the
-    window exactly. ``attrs["anchor"]``: ``request``, ``until``, ``t_start_ns``, ``t_end_ns``, ``ms``.
+    window exactly. ``clock_err_ms``: how far a row's length may be off from clock offsets between hosts (0 on
+    one clock). ``attrs["anchor"]``: ``request``, ``until``, ``t_start_ns``, ``t_end_ns``, ``ms``,
+    ``clock_err_ms``.
     The rules (leaves, ties, clipping) are in this module's docstring.
     """
     request = bare_request_id(request_id)
     rows = frame[frame["request"] == request]
     if rows.empty:
         raise _no_request(request_id, frame["request"])
-    return _path(rows, request, until)
+    return _path(rows, request, until, frame.attrs.get("clock_errors", {}))
 
 
 def summarize_critical_paths(frame: pd.DataFrame, request_ids: Iterable[str] | None = None,
@@ -189,7 +214,7 @@ def summarize_critical_paths(frame: pd.DataFrame, request_ids: Iterable[str] | N
     for rid in ids:
         if rid not in groups:
             raise _no_request(rid, groups)
-        path = _path(groups[rid], rid, until)
+        path = _path(groups[rid], rid, until, frame.attrs.get("clock_errors", {}))
         w0, windows[rid] = path.attrs["anchor"]["t_start_ns"], path.attrs["anchor"]["ms"]
         per_request[rid] = path.groupby("stage")["dur_ms"].sum()
         offsets[rid] = path[path["kind"] == "span"].groupby("stage")["t_start_ns"].min().sub(w0)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 COLUMNS = ("req_id", "request", "part", "stage", "node", "t_start_ns", "t_end_ns", "nbytes", "start_ms", "end_ms",
            "duration_ms")
+_CLOCK_ATTRS = ("clock_offsets", "clock_errors")
 _PART_SUFFIX = re.compile(r"_local_part_\d+$")
 
 
@@ -25,14 +26,17 @@ def request_of(req_id: str) -> str:
     return _PART_SUFFIX.sub("", req_id)
 
 
-def spans_frame(spans: Iterable[Span], clock_offsets: Mapping[str, int] | None = None) -> pd.DataFrame:
+def spans_frame(spans: Iterable[Span], clock_offsets: Mapping[str, int] | None = None,
+                clock_errors: Mapping[str, int] | None = None) -> pd.DataFrame:
     """One row per span, ordered by start.
 
     A span held by two recorders (the encoder's own ``notify`` and the copy its receiver ended on
     arrival; the proxy's copies of the prefill's and decode's spans) appears once, with the later end.
 
     `clock_offsets` maps a node to the ns to subtract from its timestamps to bring them onto this
-    host's CLOCK_MONOTONIC (zero for nodes on this host); it is kept in ``frame.attrs["clock_offsets"]``.
+    host's CLOCK_MONOTONIC (zero for nodes on this host); it is kept in ``frame.attrs["clock_offsets"]``, and
+    `clock_errors` (ns per node: how far each offset may be off, `collect.ClockOffset.error_ns`) in
+    ``frame.attrs["clock_errors"]``.
     ``start_ms``/``end_ms`` count from the first span of the same ``request``.
     """
     import pandas as pd
@@ -53,6 +57,7 @@ def spans_frame(spans: Iterable[Span], clock_offsets: Mapping[str, int] | None =
     frame["duration_ms"] = (frame["t_end_ns"] - frame["t_start_ns"]) / 1e6
     frame = frame.sort_values(["t_start_ns", "t_end_ns"], kind="stable").reset_index(drop=True)
     frame.attrs["clock_offsets"] = offsets
+    frame.attrs["clock_errors"] = dict(clock_errors or {})
     return frame
 
 
@@ -62,17 +67,30 @@ def frame_spans(frame: pd.DataFrame) -> list[Span]:
             for r in frame.itertuples(index=False)]
 
 
+def clock_label(node: str, offsets: Mapping[str, int], errors: Mapping[str, int]) -> str:
+    """`node`, with the offset its spans were moved by and that offset's error when it is not the collector's
+    own clock (a nonzero offset or error)."""
+    offset, error = int(offsets.get(node, 0)), int(errors.get(node, 0))
+    if not offset and not error:
+        return node
+    return f"{node} · clock {offset / 1e6:+.3f} ms ± {error / 1e6:.3f} ms"
+
+
 def to_chrome_trace(frame: pd.DataFrame, path: str | Path | None = None) -> dict[str, Any]:
     """The frame as Chrome trace-event JSON (opens in ui.perfetto.dev and chrome://tracing).
 
     One process track per node, one thread per request part; complete (``"X"``) events in µs from the
-    frame's first span, with the bytes and request in ``args``. Written to `path` when given.
+    frame's first span, with the bytes and request in ``args``. A node whose spans were moved onto this
+    clock has its offset and error in its track's name (``encoder:1 · clock -3000.000 ms ± 0.150 ms``); all
+    offsets and errors are in ``otherData``. Written to `path` when given.
     """
     t0 = int(frame["t_start_ns"].min()) if len(frame) else 0
     nodes = {node: pid for pid, node in enumerate(sorted(frame["node"].unique()), start=1)}
     tracks: dict[tuple[str, str, int], int] = {}
-    events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": node}}
-                                    for node, pid in nodes.items()]
+    offsets, errors = frame.attrs.get("clock_offsets", {}), frame.attrs.get("clock_errors", {})
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": clock_label(node, offsets, errors)}}
+        for node, pid in nodes.items()]
     for r in frame.itertuples(index=False):
         pid = nodes[r.node]
         key = (r.node, r.request, int(r.part))
@@ -85,21 +103,22 @@ def to_chrome_trace(frame: pd.DataFrame, path: str | Path | None = None) -> dict
                        "args": {"req_id": r.req_id, "part": int(r.part), "nbytes": int(r.nbytes)}})
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
              "otherData": {"clock": "CLOCK_MONOTONIC", "t0_ns": t0,
-                           "clock_offsets_ns": {k: int(v) for k, v in frame.attrs.get("clock_offsets", {}).items()}}}
+                           "clock_offsets_ns": {k: int(v) for k, v in offsets.items()},
+                           "clock_errors_ns": {k: int(v) for k, v in errors.items()}}}
     if path is not None:
         Path(path).write_text(json.dumps(trace))
     return trace
 
 
 def save_frame(frame: pd.DataFrame, path: str | Path) -> Path:
-    """Write the frame as parquet (``.parquet``) or CSV (``.csv``); the clock offsets go along (parquet
-    keeps ``attrs``; CSV gets a ``<name>.offsets.json`` beside it)."""
+    """Write the frame as parquet (``.parquet``) or CSV (``.csv``); the clock offsets and errors go along
+    (parquet keeps ``attrs``; CSV gets them in a ``<name>.offsets.json`` beside it)."""
     path = Path(path)
     if path.suffix == ".parquet":
         frame.to_parquet(path, index=False)
     elif path.suffix == ".csv":
         frame.to_csv(path, index=False)
-        path.with_suffix(".offsets.json").write_text(json.dumps(frame.attrs.get("clock_offsets", {})))
+        path.with_suffix(".offsets.json").write_text(json.dumps({k: frame.attrs.get(k, {}) for k in _CLOCK_ATTRS}))
     else:
         raise ValueError(f"unknown span table format {path.suffix!r}: use .parquet or .csv")
     return path
@@ -115,8 +134,10 @@ def load_frame(path: str | Path) -> pd.DataFrame:
     elif path.suffix == ".csv":
         frame = pd.read_csv(path, dtype={"req_id": str, "request": str, "stage": str, "node": str})
         offsets = path.with_suffix(".offsets.json")
-        frame.attrs["clock_offsets"] = json.loads(offsets.read_text()) if offsets.exists() else {}
+        if offsets.exists():
+            frame.attrs.update(json.loads(offsets.read_text()))
     else:
         raise ValueError(f"unknown span table format {path.suffix!r}: use .parquet or .csv")
-    frame.attrs.setdefault("clock_offsets", {})
+    for key in _CLOCK_ATTRS:
+        frame.attrs.setdefault(key, {})
     return frame

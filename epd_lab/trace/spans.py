@@ -1,9 +1,10 @@
 """Timed spans of protocol stages (DESIGN.md §5), recorded in every process.
 
 A span is ``(req_id, part, stage, node, t_start_ns, t_end_ns, nbytes)``. Clocks are CLOCK_MONOTONIC
-(`time.monotonic_ns`), which all processes of one host share, so spans from the encoders and the
-receiver line up without correction. Spans recorded by an encoder travel back to the receiver inside
-its notification message.
+(`time.monotonic_ns`), which all processes of one boot and one time namespace share (`clock_id`), so spans
+from the encoders and the receiver of one host line up without correction; `collect` puts other clocks'
+spans on the collector's. Spans recorded by an encoder travel back to the receiver inside its notification
+message.
 
 Tracing is on unless the environment says ``EPD_TRACE=0`` (`Topology(trace=False)` sets it for a whole
 cluster); `epd-lab bench epd --trace-overhead` measures what it costs.
@@ -12,17 +13,33 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
+import socket
 import threading
 import time
 from typing import Iterable, Iterator
 
 import msgspec
 
-STAGES = ("http_encode", "load", "decode", "vit", "buffer_alloc", "register", "http_send", "transfer", "notify",
-          "reassemble", "prefill")
+# ``intake``: a role's route took the request until its work began (admission, the body read, the hop to a
+# worker thread, its decoding): the prefill's, then each encoder part's.
+STAGES = ("intake", "http_encode", "load", "decode", "vit", "buffer_alloc", "register", "http_send", "transfer",
+          "notify", "reassemble", "prefill")
 # The P→D stages and the proxy's per-request spans, in the order a request meets them.
 PD_STAGES = ("proxy_parse", "kv_write", "kv_query", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
+
+
+@functools.cache
+def clock_id() -> str:
+    """Which CLOCK_MONOTONIC this process reads: the kernel's boot id and the time namespace (which may offset
+    it, ``unshare --time``). Two processes with the same id read the same clock; on a system without these
+    files, the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/time')}"
+    except OSError:
+        return socket.gethostname()
 
 
 def tracing_enabled() -> bool:

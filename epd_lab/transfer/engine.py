@@ -470,14 +470,3 @@ class TransferEngine:
     def __repr__(self) -> str:
         state = "closed" if self._owner.closed else self.session_id
         return f"TransferEngine({state}, protocol={self.protocol!r})"
-
-
-def __getattr__(name: str) -> Any:
-    """`ENGINES` and `open_engine` now live in `epd_lab.transfer.registry`; old imports of them from
-    here still work. Looked up on use, not imported at module level: the registry names this module as
-    a target, and this module importing the registry back would make the two depend on each other."""
-    if name in ("ENGINES", "open_engine"):
-        from epd_lab.transfer import registry
-
-        return getattr(registry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from epd_lab.ep.receiver import ReceivedEmbeddings
-from epd_lab.kv.transfer import group_concurrent_contiguous
+from epd_lab.kv.runs import group_concurrent_contiguous
 
 COLORS = qualitative.Plotly
 POOL_COLOR = "rgba(180, 180, 180, 0.35)"

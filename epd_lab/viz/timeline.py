@@ -125,24 +125,29 @@ def critical_path_waterfall(frame: pd.DataFrame, request: str | None = None, unt
         fig.add_trace(go.Bar(
             orientation="h", y=[row] * len(rows), base=rows["start_ms"], x=rows["dur_ms"], name=stage,
             legendgroup=stage, marker=dict(color=stage_color(stage), line=dict(color="white", width=0.5)),
-            customdata=rows[["start_ms", "end_ms", "dur_ms", "node", "part"]].to_numpy(),
+            customdata=rows[["start_ms", "end_ms", "dur_ms", "node", "part", "clock_err_ms"]].to_numpy(),
             hovertemplate=f"{stage} on the path<br>%{{customdata[3]}}, part %{{customdata[4]}}<br>"
-                          "%{customdata[0]:.3f} → %{customdata[1]:.3f} ms<br>%{customdata[2]:.3f} ms<extra></extra>",
+                          "%{customdata[0]:.3f} → %{customdata[1]:.3f} ms<br>%{customdata[2]:.3f} ms "
+                          "± %{customdata[5]:.3f} ms (clocks)<extra></extra>",
         ))
         legend.add(stage)
     gaps = path[path["kind"] == GAP]
     if len(gaps):
         fig.add_trace(go.Bar(
             orientation="h", y=[row] * len(gaps), base=gaps["start_ms"], x=gaps["dur_ms"], name=GAP,
-            marker=_GAP_STYLE, customdata=gaps[["start_ms", "end_ms", "dur_ms", "between"]].to_numpy(),
+            marker=_GAP_STYLE, customdata=gaps[["start_ms", "end_ms", "dur_ms", "between", "clock_err_ms"]].to_numpy(),
             hovertemplate="gap %{customdata[3]}<br>%{customdata[0]:.3f} → %{customdata[1]:.3f} ms<br>"
-                          "%{customdata[2]:.3f} ms covered by no span<extra></extra>",
+                          "%{customdata[2]:.3f} ms ± %{customdata[4]:.3f} ms (clocks) covered by no span"
+                          "<extra></extra>",
         ))
     _add_bars(fig, sub, legend, on_path=set(spans["span"]), above=[row])
     gap_ms = gaps["dur_ms"].sum()
+    # spans from other hosts' clocks: how far their placement may be off (the offsets' errors, `trace.collect`)
+    clocks = f", clocks ± {path['clock_err_ms'].max():.3f} ms" if path["clock_err_ms"].any() else ""
     fig.update_layout(
         title=title or (f"request {name}: {until or 'all spans'} {anchor['ms']:.1f} ms, critical path of "
-                        f"{len(spans)} spans, {gap_ms:.1f} ms ({100 * gap_ms / anchor['ms']:.0f}%) covered by no span"),
+                        f"{len(spans)} spans, {gap_ms:.1f} ms ({100 * gap_ms / anchor['ms']:.0f}%) covered by no "
+                        f"span{clocks}"),
         xaxis_title="ms from the request's first span", barmode="overlay", legend_title="stage",
         height=160 + 22 * (len(sub) + 1), margin=dict(l=10, r=10, t=60, b=50),
     )

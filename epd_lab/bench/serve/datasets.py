@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epd_lab.campaign.common import random_png
+from epd_lab.noise import random_png
 
 DATASETS = ("random-mm", "image", "jsonl")
 RESOLUTIONS = {"360p": (360, 640), "720p": (720, 1280), "1080p": (1080, 1920), "4k": (2160, 3840)}

@@ -43,13 +43,15 @@ class FastRuntime(RuntimeBase):
             image by image).
         cuda_graphs: replay the buckets from CUDA graphs on a GPU (False: run the same padded buckets eagerly,
             which gives the same bits; for comparison).
+        staged_graphs: capture each decode bucket in parts launched back to back (`runtime.graph`); False: one
+            graph per bucket (the same bits; for comparison).
     """
 
     name = "fast"
 
     def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None, *,
                  max_batch: int = 16, max_seq_len: int = 16384, max_prefill_tokens: int = 4096,
-                 vision_budget: int | None = None, cuda_graphs: bool = True) -> None:
+                 vision_budget: int | None = None, cuda_graphs: bool = True, staged_graphs: bool = True) -> None:
         self.model, self.cache = model, cache
         self.device = model_device(model)
         on_gpu = self.device.type == "cuda"
@@ -65,7 +67,8 @@ class FastRuntime(RuntimeBase):
         self.lm = Qwen2LM(model, cache)
         if on_gpu:
             self.prefill_graphs = PrefillGraphs(self.lm, max_prefill_tokens, model.config.image_token_id, cuda_graphs)
-            self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs)
+            self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs,
+                                       staged_graphs)
 
     @torch.no_grad()
     def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,9 @@
 and mini-sglang's scheme): `DecodeGraphs` per batch size (1, 2, 4, 8, 16, ...), `PrefillGraphs` per prompt length
 (64, 128, ..., powers of two).
 
+A decode bucket's forward is captured in parts, runs of layers growing 1, 2, 4, 8, ... (`qwen2.layer_bounds`),
+one graph each, launched back to back: the GPU starts on the first part while the host still launches the rest
+(7B on the H200: 0.96x the wall of one graph per bucket; 2B 1.00x). A prefill is one graph (see `PrefillGraphs`).
 A call replays the smallest bucket that holds it; the rows past it are padding that writes nothing to the
 cache (slot -1) and that no real row attends to (decode: length 0; prefill: causal, after the prompt). A decode
 step's inputs travel in ONE host-to-device copy (a pinned int64 buffer: tokens, positions, slots, sequence
@@ -15,11 +18,11 @@ monolithic use and in the split alike.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from epd_lab.models.runtime.qwen2 import Qwen2LM
+from epd_lab.models.runtime.qwen2 import Qwen2LM, layer_bounds
 
 T = TypeVar("T")
 
@@ -68,31 +71,37 @@ def capture(fn: Callable[[], T], device: torch.device, pool: tuple | None = None
 
 
 class _Graphs:
-    """Graphs of `step(bucket)` for each bucket, captured largest first into one pool; `capture=False` runs the
-    same padded steps eagerly instead (the same kernels on the same shapes: the same bits, for comparison)."""
+    """Graphs of each bucket's forward, captured largest bucket first into one pool; `capture=False` runs the same
+    padded forwards eagerly instead (the same kernels on the same shapes: the same bits, for comparison).
 
-    def __init__(self, device: torch.device, buckets: list[int], step: Callable[[int], torch.Tensor],
-                 capture: bool) -> None:
+    `step(bucket)` gives a bucket's forward as its input and its chain of parts (`Stages.parts`): each part is
+    captured as its own graph, and a replay launches them in order, so that the GPU runs a part while the host
+    launches the next (a graph of ~330 nodes took 0.4-0.7 ms of host time to launch on the H200)."""
+
+    def __init__(self, device: torch.device, buckets: list[int],
+                 step: Callable[[int], tuple[Any, list[Callable[[Any], Any]]]], capture: bool) -> None:
         if device.type != "cuda":
             raise ValueError(f"bucketed steps run on a CUDA device, the model is on {device}")
         self.buckets, self._step = buckets, step
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
         if capture:
             self._capture(device)
 
     def _capture(self, device: torch.device) -> None:
-        step = self._step
-        buckets = self.buckets
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         pool = None
-        for bucket in reversed(buckets):  # the largest first: the smaller ones fit in its pool
-            graph, self._outputs[bucket] = capture(lambda bucket=bucket: step(bucket), device, pool)
-            pool = graph.pool()
-            self._graphs[bucket] = graph
+        for bucket in reversed(self.buckets):  # the largest first: the smaller ones fit in its pool
+            value, parts = self._step(bucket)
+            graphs = []
+            for part in parts:  # each part reads the output its predecessor's graph wrote
+                graph, value = capture(lambda part=part, value=value: part(value), device, pool)
+                pool = graph.pool()
+                graphs.append(graph)
+            self._graphs[bucket], self._outputs[bucket] = graphs, value
         end.record()
         end.synchronize()
         self.capture_s = start.elapsed_time(end) / 1e3
@@ -105,11 +114,15 @@ class _Graphs:
         raise ValueError(f"{size} rows exceed the largest bucket, {self.buckets[-1]}")
 
     def replay(self, bucket: int) -> torch.Tensor:
-        """Replay a bucket (or run its step eagerly); its output, copied (the next replay overwrites the graph's
-        own)."""
+        """Replay a bucket (or run its forward eagerly); its output, copied (the next replay overwrites the
+        graph's own)."""
         if not self._graphs:
-            return self._step(bucket)
-        self._graphs[bucket].replay()
+            value, parts = self._step(bucket)
+            for part in parts:
+                value = part(value)
+            return value
+        for graph in self._graphs[bucket]:
+            graph.replay()
         return self._outputs[bucket].clone()
 
 
@@ -120,8 +133,10 @@ class DecodeGraphs:
     `capture=False`: the same bucketed steps, run eagerly.
     """
 
-    def __init__(self, lm: Qwen2LM, max_batch: int, max_blocks: int, capture: bool = True) -> None:
+    def __init__(self, lm: Qwen2LM, max_batch: int, max_blocks: int, capture: bool = True,
+                 staged: bool = True) -> None:
         self.lm, self.max_batch, self.max_blocks = lm, max_batch, max_blocks
+        self.bounds = layer_bounds(len(lm.layers)) if staged else [len(lm.layers)]
         width = 4 + max_blocks  # per row: token, position, slot, seq_len, then the block table
         self._host = torch.zeros(max_batch * width, dtype=torch.long, pin_memory=True)
         self._host[2 * max_batch:3 * max_batch] = -1  # the warm-up and padding rows store nothing
@@ -131,11 +146,11 @@ class DecodeGraphs:
         self._graphs = _Graphs(lm.device, buckets_up_to(max_batch), self._step, capture)
         self.capture_s = self._graphs.capture_s
 
-    def _step(self, bucket: int) -> torch.Tensor:
+    def _step(self, bucket: int) -> tuple[torch.Tensor, list[Callable[[Any], Any]]]:
         fields = self._device[:4 * self.max_batch].view(4, self.max_batch)[:, :bucket]
         tables = self._device[4 * self.max_batch:].view(self.max_batch, self.max_blocks)[:bucket]
         tokens, positions, slots, seq_lens = fields
-        return self.lm.decode(tokens, positions, slots, tables, seq_lens)
+        return tokens, self.lm.decode_stages(positions, slots, tables, seq_lens).parts(self.bounds)
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:
@@ -172,6 +187,9 @@ class PrefillGraphs:
 
     def __init__(self, lm: Qwen2LM, max_tokens: int, image_token_id: int, capture: bool = True) -> None:
         self.lm, self.image_token_id = lm, image_token_id
+        # one graph: in parts, a 2B prefill's wall was 1.04x one graph's on the H200 (7B 1.01x; side by side,
+        # `data/bench/runtime-h200-s3-run1-full.json`): its GPU time hides the launches, the parts' fixed costs add
+        self.bounds = [len(lm.layers)]
         buckets = token_buckets(max_tokens)
         self.max_tokens = width = buckets[-1]
         # ids, 3 rows of positions, slots (each `width`), then the index of the last prompt token
@@ -184,15 +202,19 @@ class PrefillGraphs:
         self._graphs = _Graphs(lm.device, buckets, self._step, capture)
         self.capture_s = self._graphs.capture_s
 
-    def _step(self, bucket: int) -> torch.Tensor:
+    def _step(self, bucket: int) -> tuple[torch.Tensor, list[Callable[[Any], Any]]]:
         width = self.max_tokens
         ids = self._device[:bucket]
         positions = self._device[width:4 * width].view(3, width)[:, :bucket]
         slots = self._device[4 * width:4 * width + bucket]
+        first, *rest = self.lm.prefill_stages(positions, slots, self._device[5 * width:]).parts(self.bounds)
+        return ids, [lambda ids: first(self._embed(ids)), *rest]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The prompt's input embeddings: the k-th image_pad takes image embedding k, the other ids their own."""
         is_image = ids == self.image_token_id
-        image_row = (torch.cumsum(is_image, 0) - 1).clamp_(min=0)  # the k-th image_pad takes embedding k
-        embeds = torch.where(is_image[:, None], self._images.index_select(0, image_row), self.lm.embed_tokens(ids))
-        return self.lm.prefill(embeds, positions, slots, self._device[5 * width:])
+        image_row = (torch.cumsum(is_image, 0) - 1).clamp_(min=0)
+        return torch.where(is_image[:, None], self._images.index_select(0, image_row), self.lm.embed_tokens(ids))
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             image_embeds: torch.Tensor | None) -> torch.Tensor:

@@ -13,7 +13,9 @@ position per token, the same on all three axes (``prompt_len + rope_delta + i``)
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,60 @@ def _project(h: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor | Non
     if len(parts) == 1:
         return F.linear(h, *parts[0])
     return torch.cat([F.linear(h, w, b) for w, b in parts], dim=-1)
+
+
+class _State(NamedTuple):
+    """What flows between stages: the hidden states, the residual stream (None before the first layer) and the
+    rotary cos/sin of the tokens' positions."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def layer_bounds(num_layers: int, growth: int = 2) -> list[int]:
+    """Where a forward's runs of layers end: 1, 3, 7, 15, ... (each run `growth` times the one before), then
+    `num_layers`. A run's launch then takes less host time than the run before it takes on the GPU (on the H200,
+    2B decode: ~23 us launched against ~55 us run per layer), so the GPU waits only for the first run's launch."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    bounds, size = [], 1
+    while not bounds or bounds[-1] < num_layers:
+        bounds.append(min(num_layers, (bounds[-1] if bounds else 0) + size))
+        size *= growth
+    return bounds
+
+
+@dataclass(frozen=True)
+class Stages:
+    """One forward as a chain: `parts(bounds)` are callables, the first taking the forward's input, each next
+    one its predecessor's output, the last returning the logits. `run(input)` is the whole forward."""
+
+    lm: "Qwen2LM"
+    begin: Callable[[torch.Tensor], _State]
+    slots: torch.Tensor
+    attend: Callable[..., torch.Tensor]
+    end: Callable[[_State], torch.Tensor]
+
+    def parts(self, bounds: Sequence[int]) -> list[Callable[[Any], Any]]:
+        """The forward cut after each layer count in `bounds` (`layer_bounds`; the last is the number of
+        layers): the input's stage and the first run of layers are one part, the last run and the head one."""
+        starts = [0, *bounds[:-1]]
+
+        def part(i: int) -> Callable[[Any], Any]:
+            start, stop = starts[i], bounds[i]
+
+            def run(value: Any) -> Any:
+                state = self.begin(value) if i == 0 else value
+                state = self.lm.layers_forward(state, self.slots, self.attend, start, stop)
+                return self.end(state) if i == len(bounds) - 1 else state
+            return run
+        return [part(i) for i in range(len(bounds))]
+
+    def run(self, value: torch.Tensor) -> torch.Tensor:
+        """The whole forward on `value`."""
+        return self.parts([len(self.lm.layers)])[0](value)
 
 
 class Qwen2LM:
@@ -126,18 +182,63 @@ class Qwen2LM:
         return F.embedding(positions, self._rope_table[0]), F.embedding(positions, self._rope_table[1])
 
     # ---- forward ----
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                attend) -> tuple[torch.Tensor, torch.Tensor]:
-        ops, residual = self.ops, None
-        for i, layer in enumerate(self.layers):
+    # A forward is a chain of stages (`Stages`): the inputs' first part, then runs of layers, then the head. Whole,
+    # it is `prefill`/`decode`; a decode cut at `layer_bounds` is one CUDA graph a part (`runtime.graph`), so that
+    # the GPU runs a part while the host launches the next. The same kernels on the same tensors: the same bits.
+    def prefill_stages(self, positions: torch.Tensor, slots: torch.Tensor,
+                       last: torch.Tensor | None = None) -> "Stages":
+        """`prefill`'s stages, their first taking the prompt's input embeddings [T, hidden]."""
+
+        def begin(embeds: torch.Tensor) -> _State:
+            return _State(embeds, None, *self.mrope(positions))
+
+        def attend(q, k, v, k_cache, v_cache):
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                 v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
+                                                 enable_gqa=True)
+            return out[0].transpose(0, 1)
+
+        def end(state: _State) -> torch.Tensor:
+            x, residual = state.x, state.residual
+            if last is None:
+                x, residual = x[-1:], residual[-1:]
+            else:
+                x, residual = x.index_select(0, last), residual.index_select(0, last)
+            return self._head(x, residual)[0]
+
+        return Stages(self, begin, slots, attend, end)
+
+    def decode_stages(self, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor) -> "Stages":
+        """`decode`'s stages, their first taking the B tokens [B]."""
+
+        def begin(tokens: torch.Tensor) -> _State:
+            return _State(F.embedding(tokens, self.embed), None, *self.rope(positions))
+
+        def attend(q, k, v, k_cache, v_cache):
+            return self.ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, self.scale)
+
+        return Stages(self, begin, slots, attend, lambda state: self._head(state.x, state.residual))
+
+    def _head(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h, _ = self.ops.add_rms_norm(x, residual, self.norm, self.eps)
+        return F.linear(h, self.lm_head)
+
+    def layers_forward(self, state: "_State", slots: torch.Tensor, attend, start: int, stop: int) -> "_State":
+        """Layers [start, stop) on `state`: each token's K/V stored in its row `slots[t]`, `attend` the attention
+        over them (the prompt itself, or the cache's blocks)."""
+        ops, x, residual = self.ops, state.x, state.residual
+        for i in range(start, stop):
+            layer = self.layers[i]
             k_cache, v_cache = self.cache.layer(i)
             h, residual = ops.add_rms_norm(x, residual, layer.input_norm, self.eps)
             qkv = _project(h, layer.qkv)
-            q, k, v = ops.rope_store(qkv, cos, sin, slots, k_cache, v_cache, self.num_heads, self.num_kv_heads)
+            q, k, v = ops.rope_store(qkv, state.cos, state.sin, slots, k_cache, v_cache, self.num_heads,
+                                     self.num_kv_heads)
             x = F.linear(attend(q, k, v, k_cache, v_cache).reshape(x.shape[0], -1), layer.o_weight)
             h, residual = ops.add_rms_norm(x, residual, layer.post_norm, self.eps)
             x = F.linear(ops.silu_mul(_project(h, layer.gate_up)), layer.down_weight)
-        return x, residual
+        return _State(x, residual, state.cos, state.sin)
 
     @torch.no_grad()
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -147,21 +248,7 @@ class Qwen2LM:
         [vocab] of row `last` (a [1] index tensor; default the last row), which alone goes through the final norm
         and the LM head (HF's ``logits_to_keep=1``). Rows after `last` may be padding: nothing before them
         attends to them. No host sync (graph-capturable)."""
-        cos, sin = self.mrope(positions)
-
-        def attend(q, k, v, k_cache, v_cache):
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                 v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
-                                                 enable_gqa=True)
-            return out[0].transpose(0, 1)
-
-        x, residual = self._layers(embeds, cos, sin, slots, attend)
-        if last is None:
-            x, residual = x[-1:], residual[-1:]
-        else:
-            x, residual = x.index_select(0, last), residual.index_select(0, last)
-        h, _ = self.ops.add_rms_norm(x, residual, self.norm, self.eps)
-        return F.linear(h, self.lm_head)[0]
+        return self.prefill_stages(positions, slots, last).run(embeds)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -169,14 +256,7 @@ class Qwen2LM:
         """One step of B sequences: token b [B] at rope position `positions[b]`, its K/V stored in row `slots[b]`,
         then attending over the first `seq_lens[b]` tokens (the new one included) of blocks `block_tables[b]`.
         Returns logits [B, vocab]. No host sync on a GPU (graph-capturable)."""
-        cos, sin = self.rope(positions)
-
-        def attend(q, k, v, k_cache, v_cache):
-            return self.ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, self.scale)
-
-        x, residual = self._layers(F.embedding(tokens, self.embed), cos, sin, slots, attend)
-        h, _ = self.ops.add_rms_norm(x, residual, self.norm, self.eps)
-        return F.linear(h, self.lm_head)
+        return self.decode_stages(positions, slots, block_tables, seq_lens).run(tokens)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] of ids [T]."""

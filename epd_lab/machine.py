@@ -1,0 +1,23 @@
+"""What a measurement ran on: the record every bench and campaign leg writes beside its numbers."""
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+
+from epd_lab.transfer import shm_copy
+
+# the flags copies depend on, and whether the CPU is virtual
+COPY_FLAGS = ("sse2", "avx", "avx2", "avx512f", "avx512bw", "erms", "fsrm", "hypervisor")
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
+    cpu = shm_copy.cpu_info()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"host": platform.node(), "cpu": cpu["model"], "vendor": cpu["vendor"],
+            "cpu_flags": [f for f in COPY_FLAGS if f in cpu["flags"]], "cores": os.cpu_count(),
+            "memory_gib": round(mem / 2**30, 1), "kernel": platform.release(), "libc": shm_copy.libc_version(),
+            "memcpy_nt_threshold": shm_copy.memcpy_nt_threshold(), "python": platform.python_version(),
+            "numpy": np.__version__}

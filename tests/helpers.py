@@ -1,0 +1,55 @@
+"""Helpers shared by the tests: a free loopback port, a polling wait, a frozen process, a circle in a graph.
+
+Random-noise test images come from `epd_lab.noise`; the `one_thread` fixture lives in ``conftest.py``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound once by the OS, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition not reached") -> Any:
+    """Poll `condition` until it returns something true, and return that; fail with `what` after `timeout` s
+    (for state a server settles just after the client saw its answer)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what} (waited {timeout} s)"
+        time.sleep(0.05)
+    return value
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP and wait until the kernel reports the process stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.001)
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle in `graph` as a path that ends where it starts, or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for nxt in sorted(graph.get(node, ())):
+            if (found := visit(nxt, path + [node])) is not None:
+                return found
+        done.add(node)
+        return None
+
+    return next((c for n in sorted(graph) if (c := visit(n, [])) is not None), None)
