@@ -212,7 +212,8 @@ def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai
     # prefill ran (pipelined), and its KV arrived once prefill had written it
     assert first["e2e"] <= first["http_encode"] <= last["transfer"] <= first["prefill"]
     assert first["kv_query"] <= first["prefill"] and first["kv_transfer"] <= last["prefill"]
-    assert last["kv_write"] <= last["kv_transfer"] <= first["decode_step"]
+    # the write began before decode had the KV (the producer may answer TRANS_DONE before kv_write's span closes)
+    assert first["kv_write"] <= last["kv_transfer"] <= first["decode_step"]
     assert last["decode_step"] <= last["e2e"] and last["ttft"] <= last["e2e"]
     assert sum(s[2] == "decode_step" for s in spans) == MAX_TOKENS - 1
     bare = httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id.removeprefix("chatcmpl-")})

@@ -62,7 +62,7 @@ import msgspec
 import torch
 import zmq
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from epd_lab import models
 from epd_lab.ep.messages import DTYPES
@@ -85,6 +85,7 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbid
                              role_app, serve_main)
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                        check_placement, use_device)
+from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
 from epd_lab.transfer.registry import ENGINES
@@ -364,23 +365,6 @@ def _line(msg: msgspec.Struct) -> bytes:
     return msgspec.json.encode(msg) + b"\n"
 
 
-class _GenerationStream(StreamingResponse):
-    """A streaming response that cancels its generation however the response ends: also when the client went
-    away before the body generator ever started (then the generator's own ``finally`` never runs)."""
-
-    def __init__(self, gen: Generation, content: AsyncIterator[bytes], on_end: Callable[[], None],
-                 **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._gen, self._on_end = gen, on_end
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._gen.cancelled = True
-            self._on_end()
-
-
 def create_app(settings: DecodeSettings) -> FastAPI:
     """The decode server's app; the model loads and the cache registers in its lifespan."""
 
@@ -396,7 +380,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
         streaming = False
         try:
             response = await _decode(server, request, ticket.leave, due)
-            streaming = isinstance(response, _GenerationStream)  # admitted until its stream ends
+            streaming = isinstance(response, ClosingStreamingResponse)  # admitted until its stream ends
             return response
         finally:
             if not streaming:
@@ -445,7 +429,10 @@ def create_app(settings: DecodeSettings) -> FastAPI:
 
         gen = server.admit(req, block_table, kv_spans, emit, give_back)
         if req.stream:
-            return _GenerationStream(gen, _stream(gen, queue), _stream_ended, media_type="application/x-ndjson")
+            async def ended() -> None:  # also when the client left before the body generator ever started
+                gen.cancelled = True
+                _stream_ended()
+            return ClosingStreamingResponse(_stream(gen, queue), ended, media_type="application/x-ndjson")
         try:
             while (item := await queue.get()) is not DONE:
                 if isinstance(item, Exception):

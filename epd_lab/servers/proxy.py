@@ -75,14 +75,13 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from epd_lab import security
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
@@ -95,6 +94,7 @@ from epd_lab.serving import (CLIENT_KEEPALIVE_S, DEADLINE_HEADER, PROBE_INTERVAL
                              role_app, serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT
 from epd_lab.serving.body import SMALL_BODY_BYTES
+from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -211,28 +211,6 @@ def _decode_json(backend: Backend, raw: bytes, typ: type[Any]) -> Any:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         what = getattr(typ, "__name__", "stream line")
         raise BadGateway(f"{backend.role} {backend.url} answered a malformed {what}: {exc}") from None
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A `StreamingResponse` that closes its body generator and then runs `on_close`, however it ends.
-
-    Starlette stops iterating when the client goes away but leaves a generator suspended at ``yield`` (or never
-    started) to the garbage collector; here the upstream stream is closed at once instead.
-    """
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._content = content
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._content.aclose()  # type: ignore[attr-defined]  # an async generator
-            finally:
-                await self._on_close()
 
 
 class Proxy:
