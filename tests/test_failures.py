@@ -2,20 +2,24 @@
 a deregister waits for a write in flight."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from epd_lab.transfer import PeerUnreachable, TransferEngine, TransferTimeout, parse_session_id
 from epd_lab.transfer.peer import PeerError, PeerProcess
-from helpers import freeze
+from helpers import freeze, wait_for
 
 MiB = 1 << 20
 REQ = struct.Struct("<IHHQQQQ")  # magic, version, op, seq, addr, length, key (native/epd_core.h)
@@ -173,19 +177,30 @@ with TransferEngine(protocol="shm") as e:
 """
 
 
+@contextlib.contextmanager
+def _writer(peer: PeerProcess, dst: int, n: int) -> Iterator[subprocess.Popen]:
+    """A `FROZEN_WRITER` process writing `n` bytes to `dst` in `peer` over and over, once it said it is ready;
+    killed and reaped on exit."""
+    w = subprocess.Popen([sys.executable, "-c", FROZEN_WRITER, peer.session_id, str(dst), str(n)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert w.stdout.readline().strip() == "ready"
+        yield w
+    finally:
+        w.kill()
+        w.wait()
+        w.stdout.close()
+
+
 def test_deregister_of_a_frozen_shm_writer_is_bounded():
     """An shm writer frozen mid-copy pins the region; deregister gives up after twice the timeout and
     says so (the one case where late bytes can still land: in pool memory, never elsewhere)."""
-    import subprocess
-    import sys
-
     n = 256 * MiB
     with PeerProcess(protocol="tcp", timeout=0.5) as peer:
         dst = peer.alloc(n, managed=True)
-        w = subprocess.Popen([sys.executable, "-c", FROZEN_WRITER, peer.session_id, str(dst), str(n)],
-                             stdout=subprocess.PIPE, text=True)
-        try:
-            assert w.stdout.readline().strip() == "ready"
+        with _writer(peer, dst, n) as w:
+            # attached: its first shm peer may calibrate the copy first (alone, this test then missed mid-copy)
+            wait_for(lambda: peer.stats()["writes_in"], 60, "the writer never wrote")
             for _ in range(20):  # a 256 MiB copy takes ~25 ms and the loop ~10 us: freeze until mid-copy
                 time.sleep(0.05)
                 freeze(w.pid)
@@ -198,10 +213,6 @@ def test_deregister_of_a_frozen_shm_writer_is_bounded():
                 peer.call("register", ptr=dst, nbytes=n)
             else:
                 pytest.fail("never froze the writer mid-copy in 20 tries")
-        finally:
-            w.kill()
-            w.wait()
-            w.stdout.close()
         s = peer.stats()
         assert (s["deregister_timeouts"], s["regions"]) == (1, 0)
 
@@ -212,20 +223,12 @@ def test_a_shm_writer_killed_mid_write_leaves_no_pin(managed):
     them: writes_in_flight goes back to 0 (while the writer is still an unreaped zombie too) and the region
     deregisters at once, with no timeout. Managed memory is a memcpy into the mapping, external memory a
     process_vm_writev: both pin."""
-    import subprocess
-    import sys
-
     n = 256 * MiB
     with PeerProcess(protocol="tcp", timeout=2.0) as peer:
         dst = peer.alloc(n, managed=managed)
-        w = subprocess.Popen([sys.executable, "-c", FROZEN_WRITER, peer.session_id, str(dst), str(n)],
-                             stdout=subprocess.PIPE, text=True)
-        try:
-            assert w.stdout.readline().strip() == "ready"
-            deadline = time.monotonic() + 60
-            while not peer.stats()["writes_in"]:  # attached: its first shm peer may calibrate the copy first
-                assert time.monotonic() < deadline, "the writer never wrote"
-                time.sleep(0.01)
+        with _writer(peer, dst, n) as w:
+            # attached: its first shm peer may calibrate the copy first
+            wait_for(lambda: peer.stats()["writes_in"], 60, "the writer never wrote")
             for _ in range(40):  # a 256 MiB copy takes ~25-50 ms and the loop ~10 us: freeze until mid-copy
                 time.sleep(0.03)
                 freeze(w.pid)
@@ -246,10 +249,6 @@ def test_a_shm_writer_killed_mid_write_leaves_no_pin(managed):
                 time.sleep(0.01)
             assert s["pins_reaped"] == 1
             peer.call("deregister", ptr=dst, timeout=10)  # would wait 2 x 2 s and fail with "stalled mid-write"
-        finally:
-            w.kill()
-            w.wait()
-            w.stdout.close()
         s = peer.stats()
         assert (s["deregister_timeouts"], s["regions"], s["writes_in_flight"]) == (0, 0, 0)
         peer.call("register", ptr=dst, nbytes=n)  # the address takes a new registration, unpinned
