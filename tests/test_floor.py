@@ -108,7 +108,7 @@ def test_topology_settings_reach_the_role_command_line() -> None:
     topology = Topology(encoders=1, prefills=1, decodes=1, proxy=True, timeout=20, dtype="bfloat16",
                         settings={"decode": {"max_batch": 2}, "proxy": {"policy": "least_loaded"}})
     cluster = object.__new__(Cluster)  # only its command lines: nothing is started
-    cluster.topology, cluster.procs = topology, []
+    cluster.topology, cluster.procs, cluster._ray = topology, [], None  # what close() reads at __del__
     decode = cluster.command("decode")
     assert decode[decode.index("-m") + 1] == "epd_lab.servers.decode"
     assert from_argv(DecodeSettings, decode[3:]) == DecodeSettings(dtype="bfloat16", timeout=20, max_batch=2)
