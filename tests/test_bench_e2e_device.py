@@ -64,6 +64,16 @@ def test_a_small_cpu_run_writes_device_model_and_timings(tmp_path):
     assert "tiny on cpu (no GPU), float32" in stdout
 
 
+def test_images_by_url_are_fetched_by_the_encoders_and_the_floor(tmp_path):
+    data, stdout = _bench(tmp_path, "--device", "cpu", "--image-size", "112", "--images", "1", "--media", "url")
+    _check(data, "cpu", "float32", 112, 16, (1,))
+    assert data["media"] == "url" and {r["media"] for r in data["rows"]} == {"url"} and "by url" in stdout
+    # every image a request named was fetched once from the bench's media server: the floor's 2 timed requests
+    # and its warm-up, then the cluster's 2-image warm-up, its checked request and the 2 timed ones
+    assert data["media_fetches"] == 3 + 2 + 1 + 2
+    assert {"load", "vit"} <= {p["stage"] for p in data["rows"][1]["critical_path"]}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda runs")
 def test_cuda_without_a_gpu_fails_at_once_with_the_reason():
     proc = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "e2e", "--device", "cuda"],
@@ -81,6 +91,7 @@ def test_cuda_without_a_gpu_fails_at_once_with_the_reason():
     (["--image-size", "224,20"], "image_size must be >= 56"),  # every point is checked before anything runs
     (["--images", "1,x"], "invalid _ints value"),
     (["--dtype", "float16"], "invalid choice"),
+    (["--media", "path"], "invalid choice"),
 ])
 def test_bad_options_are_refused_before_anything_runs(capsys, args, message):
     from epd_lab.bench.e2e import main

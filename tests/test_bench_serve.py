@@ -171,6 +171,8 @@ def test_media_server_serves_what_it_holds():
         answer = httpx.get(url)
         assert answer.content == raw and answer.headers["content-type"] == "image/png"
         assert httpx.get(media.url + "/m/404.png").status_code == 404
+        media.clear()  # forgotten, and its name is not given to the next image
+        assert httpx.get(url).status_code == 404 and media.add(raw) != url
     with pytest.raises(httpx.ConnectError):
         httpx.get(url)
 

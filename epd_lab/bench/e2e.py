@@ -22,6 +22,10 @@ backend's one cluster in turn (rows carry ``images`` and ``image_size``). The KV
 rendered before it is timed (uncompressed PNGs of noise, base64 and JSON: the client's encoding is not measured).
 `--model` takes a shape (qwen2-vl-2b, qwen2-vl-7b: the real sizes with random weights, e.g. 896² is
 1,024 tokens of 3,584 bf16 values, 7 MiB, per image on 7B) or a local directory.
+
+`--media` says how a request carries its images: ``data-uri`` (default: base64 inside the JSON, which the proxy
+and the prefill relay to the encoders) or ``url`` (served by the bench's `MediaServer` on loopback; the encoders
+fetch them, and the floor fetches its images the same way, with the same client, inside its timed region).
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ import torch
 from PIL import Image
 
 from epd_lab.bench import write_json
+from epd_lab.bench.serve.media_server import MediaServer
+from epd_lab.ep.media import MediaPolicy, fetch_media
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.launch import Cluster, Topology
 from epd_lab.kv import PagedKVCache, blocks_needed
@@ -72,6 +78,7 @@ TEXT = "what is in this picture?"
 BLOCK_SIZE = 16  # tokens per KV block: the roles' default (--block-size), the floor's too
 CONCURRENCY = (1, 4, 16)
 MIN_IMAGE_SIZE = 56  # the processor's smallest image side (MIN_PIXELS = 56²)
+MEDIA = ("data-uri", "url")
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,8 @@ class Setup:
         images: images per request.
         kv_tokens: the text prompt's length in the `kv_transfer` part (tokens: one per byte).
         runtime: the model runtime of the floor and of every model role (`epd_lab.models.runtime`).
+        media: how a request carries its images: ``data-uri`` (inside the JSON) or ``url`` (fetched by the
+            encoders, and by the floor, from the bench's media server).
     """
 
     device: str = "cpu"
@@ -95,6 +104,7 @@ class Setup:
     images: int = 1
     kv_tokens: int = 512
     runtime: str = "fast"
+    media: str = "data-uri"
 
     def __post_init__(self) -> None:
         if self.image_size < MIN_IMAGE_SIZE:
@@ -105,6 +115,8 @@ class Setup:
         resolve_dtype(self.dtype, self.device)  # a bad name fails here, not in a server
         if self.runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
+        if self.media not in MEDIA:
+            raise ValueError(f"unknown media {self.media!r}; choose one of {', '.join(MEDIA)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -127,10 +139,48 @@ def _images(seed: int, setup: Setup) -> list[bytes]:
     return [_image((seed, setup.images, i), setup.image_size) for i in range(setup.images)]
 
 
+class Media:
+    """How a run's requests carry their images (`Setup.media`); a context manager. By URL it owns the
+    `MediaServer` that serves them, and the floor fetches through the encoders' own `fetch_media`."""
+
+    def __init__(self, kind: str = "data-uri") -> None:
+        self.kind = kind
+        self.server = MediaServer() if kind == "url" else None
+        self._policy = MediaPolicy(private_hosts=True)  # the encoders' policy in this bench: loopback allowed
+
+    def item(self, raw: bytes) -> str:
+        """What a request names for the image `raw`: a data: URI, or the URL it is served at."""
+        return data_uri(raw) if self.server is None else self.server.add(raw)
+
+    def messages(self, raws: list[bytes]) -> list[dict]:
+        """The chat request: the images (as `item`), then the text."""
+        content = [{"type": "image_url", "image_url": {"url": self.item(r)}} for r in raws]
+        return [{"role": "user", "content": [*content, {"type": "text", "text": TEXT}]}]
+
+    def raw(self, item: str) -> bytes:
+        """The bytes the floor decodes: fetched by URL as an encoder fetches them, else the bytes themselves."""
+        return fetch_media(item, timeout=60, max_bytes=1 << 30, policy=self._policy)
+
+    def forget(self) -> None:
+        """Stop serving the images added so far (a level's, once measured): memory stays one level's."""
+        if self.server is not None:
+            self.server.clear()
+
+    def close(self) -> None:
+        """Stop the media server, if any."""
+        if self.server is not None:
+            self.server.close()
+
+    def __enter__(self) -> "Media":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _messages(raws: list[bytes]) -> list[dict]:
-    """The chat request: the images as data: URIs, then the text."""
-    content = [{"type": "image_url", "image_url": {"url": data_uri(r)}} for r in raws]
-    return [{"role": "user", "content": [*content, {"type": "text", "text": TEXT}]}]
+    """The chat request with its images as data: URIs (the prompt's text around the images is the same by URL)."""
+    return Media().messages(raws)
 
 
 def _summary(values: list[float]) -> dict:
@@ -146,9 +196,10 @@ def open_floor_model(setup: Setup) -> torch.nn.Module:
     return open_model(setup.model, dtype=setup.torch_dtype, device=use_device(setup.device))
 
 
-def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: torch.nn.Module | None = None) -> dict:
+def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: torch.nn.Module | None = None,
+               media: Media | None = None) -> dict:
     """The floor: TTFT and TPOT of the same model in this process, one request at a time (`model`, else
-    `open_floor_model`). Also holds the reference answer to the clusters' checked request (``reference``), one
+    `open_floor_model`); by URL (`media`) each request's images are fetched inside its TTFT. Also holds the reference answer to the clusters' checked request (``reference``), one
     request's prompt length (``prompt_tokens``) and the size of its embeddings (``image_tokens``,
     ``embedding_bytes``)."""
     model = open_floor_model(setup) if model is None else model
@@ -160,9 +211,11 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: to
     with PagedKVCache.from_config(model.config, num_blocks=len(table), block_size=BLOCK_SIZE,
                                   dtype=setup.torch_dtype, device=model_device(model)) as cache, \
             open_runtime(setup.runtime, model, cache) as rt:
+        media = media or Media()
         for r in range(requests + 1):
-            raws = _images(1000 + r, setup)
+            items = [media.item(raw) for raw in _images(1000 + r, setup)]
             t0 = time.perf_counter()
+            raws = [media.raw(item) for item in items]
             pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)) for raw in raws], model_device(model))
             embeds = rt.encode(pixel_values, grid)
             input_ids = build_input_ids(prompt, grid.tolist())
@@ -176,8 +229,9 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: to
             if r:
                 ttft.append((t1 - t0) * 1e3)
                 tpot.append((t2 - t1) * 1e3 / max(1, max_tokens - 1))
+        media.forget()
         reference = monolithic_chat(model, _messages(_images(0, setup)), max_tokens, runtime=rt)
-    return {"path": "monolithic", "concurrency": 1, **_point(setup), "ttft_ms": _summary(ttft),
+    return {"path": "monolithic", "concurrency": 1, **_point(setup), "media": media.kind, "ttft_ms": _summary(ttft),
             "tpot_ms": _summary(tpot),
             "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1)),
             "reference": reference, "prompt_tokens": input_ids.shape[-1], "image_tokens": int(embeds.shape[0]),
@@ -290,25 +344,30 @@ def capacity(floors: list[dict], max_tokens: int, concurrency: int, kv_tokens: i
 def cluster_for(setup: Setup, backend: str = "mooncake", pipelined: bool = False,
                 room: Capacity = Capacity()) -> Cluster:
     """The measured topology: 2 encoders, a prefill server, a decode server and the proxy, every model role on
-    `setup.device` (`pipelined`: decode asked while prefill runs), its KV caches and encoders sized by `room`."""
+    `setup.device` (`pipelined`: decode asked while prefill runs), its KV caches and encoders sized by `room`; by
+    URL the encoders may fetch from loopback (the bench's media server)."""
     return Cluster(setup.topology(encoders=2, backend=backend, prefills=1, decodes=1, proxy=True, timeout=60,
                                   pipelined=pipelined, kv_blocks=room.kv_blocks,
-                                  settings={"encoder": {"max_held_bytes": room.max_held_bytes}}))
+                                  settings={"encoder": {"max_held_bytes": room.max_held_bytes,
+                                                        "media_private_hosts": setup.media == "url"}}))
 
 
 def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setup = Setup(),
-        reference: str | None = None, concurrency: tuple[int, ...] = CONCURRENCY) -> list[dict]:
-    """E→P→D through `cluster`'s proxy at each concurrency level. Each row's ``answer_ok`` says whether the
-    checked request's answer equals `reference` (None: not checked)."""
+        reference: str | None = None, concurrency: tuple[int, ...] = CONCURRENCY, media: Media | None = None) -> list[dict]:
+    """E→P→D through `cluster`'s proxy at each concurrency level, the images carried as `media` says (default:
+    data: URIs). Each row's ``answer_ok`` says whether the checked request's answer equals `reference` (None: not
+    checked)."""
     import openai
+
+    media = media or Media()
 
     rows = []
     path = f"epd/{cluster.topology.backend}" + (" (pipelined)" if cluster.topology.pipelined else "")
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=300)
     # warm-up (connections, mappings, caches; on a GPU each process's first kernels at these shapes): two images,
     # which the prefill splits over both encoders, then the checked request
-    _chat(client, _messages([_image((1, i), setup.image_size) for i in range(max(2, setup.images))]), max_tokens)
-    answer = _chat(client, _messages(_images(0, setup)), max_tokens).text
+    _chat(client, media.messages([_image((1, i), setup.image_size) for i in range(max(2, setup.images))]), max_tokens)
+    answer = _chat(client, media.messages(_images(0, setup)), max_tokens).text
     answer_ok = None if reference is None else answer == reference
     if answer_ok is False:
         log(f"  {path}: the answer differs from the monolithic model's: {answer!r} != {reference!r}")
@@ -316,7 +375,8 @@ def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setu
         n = max(requests, conc)
         results: list[_Chat] = []
         lock = threading.Lock()
-        payloads = iter([render(_messages(_images(10_000 * conc + seed, setup)), max_tokens) for seed in range(n)])
+        payloads = iter([render(media.messages(_images(10_000 * conc + seed, setup)), max_tokens)
+                         for seed in range(n)])
         stream = StreamClient(cluster.proxy_url)
 
         def worker() -> None:
@@ -342,7 +402,8 @@ def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setu
         if len(results) < n:
             raise RuntimeError(f"{path} at concurrency {conc}: {n - len(results)} of {n} requests failed "
                                "(the error is printed above)")
-        rows.append({"path": path, "concurrency": conc, **_point(setup),
+        media.forget()
+        rows.append({"path": path, "concurrency": conc, **_point(setup), "media": media.kind,
                      "ttft_ms": _summary([r.ttft for r in results]), "tpot_ms": _summary([r.tpot for r in results]),
                      "second_token_ms": _summary([r.second for r in results]),
                      "requests_per_s": len(results) / wall, "answer_ok": answer_ok})
@@ -433,9 +494,17 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
     device = resolve_device(setup.device)
     points = [replace(setup, image_size=size, images=images) for size, images in grid] or [setup]
     log(f"  {setup.model} on {device} ({_gpu_name(device) or 'no GPU'}), {resolve_dtype(setup.dtype, setup.device)}, "
-        f"images x side per request: {', '.join(f'{p.images} x {p.image_size}²' for p in points)}")
+        f"images x side per request: {', '.join(f'{p.images} x {p.image_size}²' for p in points)}, by {setup.media}")
+    with Media(setup.media) as media:
+        return _run(backends, requests, max_tokens, log, pipelined, setup, concurrency, points, checkpoint, media)
+
+
+def _run(backends: tuple[str, ...], requests: int, max_tokens: int, log, pipelined: bool, setup: Setup,
+         concurrency: tuple[int, ...], points: list[Setup], checkpoint: Callable[[dict], None] | None,
+         media: Media) -> dict:
+    device = resolve_device(setup.device)
     model = open_floor_model(setup)
-    floors = [monolithic(requests, max_tokens, point, model) for point in points]
+    floors = [monolithic(requests, max_tokens, point, model, media) for point in points]
     del model
     _release(device)
     references = [floor.pop("reference") for floor in floors]
@@ -450,6 +519,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
         return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
                 "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
+                "media": setup.media, "media_fetches": None if media.server is None else media.server.requests,
                 "max_tokens": max_tokens,
                 "concurrency": list(concurrency), "kv_blocks": room.kv_blocks, "max_held_bytes": room.max_held_bytes,
                 "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
@@ -459,7 +529,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
         for piped in (False, True) if pipelined else (False,):
             with cluster_for(setup, backend, piped, room) as cluster:
                 for point, reference in zip(points, references):
-                    rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency)
+                    rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency, media)
                 if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
                     kv = kv_transfer(cluster, requests, setup.kv_tokens)
             if checkpoint is not None:
@@ -529,10 +599,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", default="fast", choices=tuple(RUNTIMES),
                     help="the model runtime of the floor and every model role")
     ap.add_argument("--concurrency", type=_ints, default=CONCURRENCY, help="levels, comma-separated (1,4,16)")
+    ap.add_argument("--media", default="data-uri", choices=MEDIA,
+                    help="how requests carry their images: inside the JSON (data-uri), or by URL from the bench's "
+                         "media server (fetched by the encoders and by the floor)")
     args = ap.parse_args(argv)
     try:
         setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens,
-                      args.runtime)
+                      args.runtime, args.media)
         grid = [(size, images) for size in args.image_size for images in args.images]
         for size, images in grid:
             replace(setup, image_size=size, images=images)  # each point's sizes checked here, not mid-run

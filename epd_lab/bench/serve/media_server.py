@@ -26,6 +26,7 @@ class MediaServer:
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self._items: dict[str, tuple[bytes, str]] = {}
+        self._added = 0  # names are never reused, even after `clear`
         self.requests = 0  # GETs answered, for the report (each image fetched once per encoder that needs it)
         items, served = self._items, self
 
@@ -58,9 +59,14 @@ class MediaServer:
     def add(self, raw: bytes) -> str:
         """Serve `raw` (an image's bytes); returns its URL."""
         ext, content_type = _kind(raw)
-        path = f"/m/{len(self._items)}.{ext}"
+        path = f"/m/{self._added}.{ext}"
+        self._added += 1
         self._items[path] = (raw, content_type)
         return self.url + path
+
+    def clear(self) -> None:
+        """Stop serving everything added so far (its URLs answer 404 from now on)."""
+        self._items.clear()
 
     def close(self) -> None:
         """Stop serving and close the socket."""
