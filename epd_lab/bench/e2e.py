@@ -488,7 +488,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
     """Measure; returns ``{"machine", "device", "gpu", "model", "dtype", "grid", "rows", "kv_transfer",
     "complete", ...}``. `grid`: the (image_size, images) points, each measured by the floor and by every cluster
     (none: `setup`'s own). `pipelined`: each backend also with decode asked while prefill runs, beside the
-    default path. `checkpoint`: called with the result so far (``complete`` False) after each cluster, so that a
+    default path. `checkpoint`: called with the result so far (``complete`` False) after each grid point, so that a
     run cut short keeps what it measured. Raises ValueError at once where `setup.device` is not here (e.g. cuda
     without a GPU)."""
     device = resolve_device(setup.device)
@@ -530,10 +530,10 @@ def _run(backends: tuple[str, ...], requests: int, max_tokens: int, log, pipelin
             with cluster_for(setup, backend, piped, room) as cluster:
                 for point, reference in zip(points, references):
                     rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency, media)
+                    if checkpoint is not None:
+                        checkpoint(result(False, log=lambda *_: None))
                 if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
                     kv = kv_transfer(cluster, requests, setup.kv_tokens)
-            if checkpoint is not None:
-                checkpoint(result(False, log=lambda *_: None))
     if kv is None:
         with cluster_for(setup, room=room) as cluster:
             kv = kv_transfer(cluster, requests, setup.kv_tokens)
