@@ -307,6 +307,7 @@ def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict
         "monolithic_ttft_ms": fast(main, "ttft"),
         "split_ttft_overhead_ms": overhead,
         "split_transfer_spans_ms": spans,
+        "split_media": e2e.get("media", "data-uri") if e2e else None,  # how that run's requests carried images
         "vit_4x448": {"gpu_busy_ms": fast(main, "vit_4x448", "gpu_busy_ms"), "hf_batched_gpu_busy_ms": hf_busy,
                       "bit_identical_to_one_by_one": bits.get("vit_4_one_call_equals_one_by_one")},
         "staged_over_one_graph_wall": {r["model"]: one_graph(r["model"]) for r in results},
