@@ -230,10 +230,10 @@ def test_split_pays_and_its_figure_from_the_committed_gpu_grids():
     frame = e2e_frame(runs)
     assert len(frame) == sum(len(run["rows"]) for run in runs)
     pays = split_pays(frame)
-    key = ["model", "image_size", "images", "backend"]
+    key = ["run", "model", "image_size", "images", "backend"]
     assert len(pays) == frame[frame["path"] != "monolithic"].groupby(key).ngroups
-    for _, p in pays.iterrows():  # each figure recomputed from the run's own rows
-        at = frame[(frame["model"] == p["model"]) & (frame["image_size"] == p["image_size"])
+    for _, p in pays.iterrows():  # each figure recomputed from the run's own rows, against the run's own floor
+        at = frame[(frame["run"] == p["run"]) & (frame["image_size"] == p["image_size"])
                    & (frame["images"] == p["images"])]
         floor = at[at["path"] == "monolithic"].iloc[0]
         lone = at[(at["backend"] == p["backend"]) & (at["concurrency"] == 1)].iloc[0]
@@ -243,13 +243,17 @@ def test_split_pays_and_its_figure_from_the_committed_gpu_grids():
         # the proxy's ttft span, from the run's critical path at concurrency 1, lies inside the client's TTFT
         assert 0 < p["server_ttft_ms"] < p["ttft_ms"]
         assert p["client_ms"] == pytest.approx(p["ttft_ms"] - p["server_ttft_ms"])
-    assert set(frame["model"]) == {f"{run['model']} ({run.get('runtime', 'hf')})" for run in runs}
-    model = frame["model"].iloc[0]
-    fig = split_figure(frame, model)
-    at = frame[frame["model"] == model]
-    sizes, backends = at["image_size"].nunique(), at.loc[at["path"] != "monolithic", "backend"].nunique()
-    assert len(fig.data) == sizes * ((backends + 1) + backends)  # TTFT lines (floor too), then ratio lines
-    assert model in fig.layout.title.text
+    by_url = {run["source"]: run.get("media") == "url" for run in runs}
+    assert {m for m in frame["model"] if "by URL" in m} == set(frame.loc[frame["run"].map(by_url), "model"])
+    for model in frame["model"].unique():
+        fig = split_figure(frame, model)
+        at = frame[frame["model"] == model]
+        sizes, backends = at["image_size"].nunique(), at.loc[at["path"] != "monolithic", "backend"].nunique()
+        # per side: a TTFT line per path (the floor's too), then a ratio line per backend
+        assert len(fig.data) == sizes * ((backends + 1) + backends), model
+        assert model in fig.layout.title.text
+        for trace in fig.data:  # several runs of one point: one value drawn, the newest run's
+            assert len(set(trace.x)) == len(trace.x), (model, trace.name)
     with pytest.raises(ValueError, match="not a grid run"):
         load_e2e([RESULTS / "e2e.json"])  # the CPU run of issue 10, before the grid
 

@@ -3,8 +3,9 @@
 The bench measures, per grid point (images per request x image side), the monolithic floor (one process, one
 request at a time) and E→P→D through the proxy at several concurrency levels, one row per (path, level). Here:
 
-- `e2e_frame`: every row of one or more runs, flat (model, path, backend, images, image_size, concurrency,
+- `e2e_frame`: every row of one or more runs, flat (run, model, path, backend, images, image_size, concurrency,
   TTFT/TPOT p50 and p90, requests/s, and at concurrency 1 the servers' own TTFT: the proxy's ``ttft`` span).
+  A split is compared with the floor of its own run: runs of one model differ in host, commit and media.
 - `split_pays`: per model, point and backend, what the split costs a lone request (TTFT over the floor at
   concurrency 1, and how much of the client's TTFT the servers spent: the rest is the client encoding and
   sending the request) and what it gives under load (requests/s at the highest level over the floor's).
@@ -30,27 +31,31 @@ _COLORS = {MONOLITHIC: "#444444", "mooncake": "#1F77B4", "zmq_to_scheduler": "#E
 
 def load_e2e(paths: Iterable[str | Path] | None = None) -> list[dict[str, Any]]:
     """The runs' JSON (default: every ``e2e-cuda-*.json`` under ``data/bench``), each checked to be a grid run of
-    `epd-lab bench e2e` (``grid`` and ``rows``)."""
+    `epd-lab bench e2e` (``grid`` and ``rows``); each carries its file's name as ``source``."""
     paths = sorted(RESULTS.glob("e2e-cuda-*.json")) if paths is None else [Path(p) for p in paths]
     runs = []
     for path in paths:
         run = json.loads(Path(path).read_text())
         if "grid" not in run or "rows" not in run:
             raise ValueError(f"{path}: no 'grid' and 'rows'; not a grid run of `epd-lab bench e2e`")
-        runs.append(run)
+        runs.append({**run, "source": Path(path).stem})
     return runs
 
 
 def e2e_frame(runs: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    """One row per measured (model, path, images, image_size, concurrency) of `runs`; ``backend`` is the E→P
-    backend (``monolithic`` for the floor). ``model`` names the runtime too ("qwen2-vl-2b (fast)"): runs made
-    before the runtime option existed ran HF's ("hf")."""
+    """One row per measured (run, model, path, images, image_size, concurrency) of `runs`; ``backend`` is the E→P
+    backend (``monolithic`` for the floor). ``model`` names the runtime too, and images by URL
+    ("qwen2-vl-2b (fast, by URL)"): runs made before those options existed ran HF's runtime ("hf") with data:
+    URIs. ``run``: the run's ``source`` (its file), else its position in `runs`."""
     records = []
-    for run in runs:
-        model = f"{run['model']} ({run.get('runtime', 'hf')})"
+    for i, run in enumerate(runs):
+        by_url = ", by URL" if run.get("media") == "url" else ""
+        model = f"{run['model']} ({run.get('runtime', 'hf')}{by_url})"
         for r in run["rows"]:
             backend = r["path"].removeprefix("epd/")
-            records.append({"model": model, "gpu": run.get("gpu"), "path": r["path"], "backend": backend,
+            records.append({"run": run.get("source", str(i)), "created": run.get("created", ""), "model": model,
+                            "gpu": run.get("gpu"),
+                            "path": r["path"], "backend": backend,
                             "images": r["images"], "image_size": r["image_size"], "concurrency": r["concurrency"],
                             "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p90_ms": r["ttft_ms"]["p90"],
                             "tpot_p50_ms": r["tpot_ms"]["p50"], "requests_per_s": r["requests_per_s"],
@@ -68,22 +73,22 @@ def _server_ttft(row: dict[str, Any]) -> float:
 
 
 def split_pays(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, image_size, images, backend): ``ttft_over_floor_ms`` and ``ttft_ratio`` at concurrency 1, and
+    """Per (run, model, image_size, images, backend), against that run's floor: ``ttft_over_floor_ms`` and ``ttft_ratio`` at concurrency 1, and
     ``throughput_ratio``: the split's requests/s at its highest level over the floor's (the floor serves one
     request at a time, so its rate is the same at any level). A ratio above 1 is where the split pays.
     ``server_ttft_ms``: the part of ``ttft_ms`` inside the servers; ``client_ms`` the rest (the client's JSON
     and upload of the images, which the floor does not pay)."""
-    key = ["model", "image_size", "images"]
+    key = ["run", "model", "image_size", "images"]
     floor = frame[frame["path"] == MONOLITHIC].set_index(key)
     split = frame[frame["path"] != MONOLITHIC]
     out = []
-    for (model, size, images, backend), rows in split.groupby([*key, "backend"], sort=True):
-        base = floor.loc[(model, size, images)]
+    for (run, model, size, images, backend), rows in split.groupby([*key, "backend"], sort=True):
+        base = floor.loc[(run, model, size, images)]
         lone = rows[rows["concurrency"] == 1]
         top = rows[rows["concurrency"] == rows["concurrency"].max()].iloc[0]
         ttft = float(lone["ttft_p50_ms"].iloc[0]) if len(lone) else float("nan")
         server = float(lone["server_ttft_p50_ms"].iloc[0]) if len(lone) else float("nan")
-        out.append({"model": model, "image_size": size, "images": images, "backend": backend,
+        out.append({"run": run, "created": rows["created"].iloc[0], "model": model, "image_size": size, "images": images, "backend": backend,
                     "floor_ttft_ms": base["ttft_p50_ms"], "ttft_ms": ttft,
                     "ttft_over_floor_ms": ttft - base["ttft_p50_ms"], "ttft_ratio": ttft / base["ttft_p50_ms"],
                     "server_ttft_ms": server, "client_ms": ttft - server,
@@ -96,14 +101,17 @@ def split_pays(frame: pd.DataFrame) -> pd.DataFrame:
 def split_figure(frame: pd.DataFrame, model: str | None = None) -> go.Figure:
     """Two rows of panels, one column per image side: TTFT p50 at concurrency 1 (the floor and each backend),
     and each backend's throughput ratio over the floor (dashed: 1, where the split starts to pay), against
-    images per request. `model`: which model's rows (default: the only one)."""
+    images per request. `model`: which model's rows (default: the only one). Where several runs measured a
+    point, the newest (``created``) is drawn."""
     models = sorted(frame["model"].unique())
     if model is None:
         if len(models) != 1:
             raise ValueError(f"the frame holds several models ({', '.join(models)}): name one")
         model = models[0]
-    frame = frame[frame["model"] == model]
-    pays = split_pays(frame)
+    point = ["backend", "image_size", "images"]
+    frame = frame[frame["model"] == model].sort_values("created")
+    pays = split_pays(frame).sort_values("created").drop_duplicates(point, keep="last")
+    frame = frame.drop_duplicates([*point, "concurrency"], keep="last")
     sizes = sorted(frame["image_size"].unique())
     fig = make_subplots(rows=2, cols=len(sizes), shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=[f"{s}² images: TTFT at concurrency 1" for s in sizes]
