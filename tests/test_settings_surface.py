@@ -38,7 +38,7 @@ REFUSED = [
     *[(role, {"device": "gpu"}, "device must be cpu, cuda or cuda:N, got 'gpu'")
       for role in ("encoder", "prefill", "decode", "monolithic")],
     *[(role, {"timeout": 0}, "timeout must be positive, got 0") for role in ROLES],
-    *[(role, {"port": 65536}, "port must be in 0..65535, got 65536") for role in ("encoder", "proxy")],
+    *[(role, {"port": 65536}, "port must be in 0..65535, got 65536") for role in ROLES],
     *[(role, {"kv_blocks": 0}, "kv_blocks must be >= 1, got 0") for role in ("prefill", "decode", "monolithic")],
     *[(role, {"block_size": 0}, "block_size must be >= 1, got 0") for role in ("prefill", "decode", "monolithic")],
     *[(role, {"max_batch": 0}, "max_batch must be >= 1, got 0") for role in ("decode", "monolithic")],
