@@ -83,8 +83,8 @@ from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
                              ServingError, Unavailable, deadline_budget, engine_metrics, option, read_struct,
                              role_app, serve_main)
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
-                                       check_placement, use_device)
+from epd_lab.serving.placement import PagedKVSettings, use_device
+from epd_lab.serving.settings import check_at_least, check_positive
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
@@ -103,18 +103,10 @@ class _TimedOut(GatewayTimeout):
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
-class DecodeSettings:
+class DecodeSettings(PagedKVSettings):
     """What a decode server is started with; checked on construction (`ValueError`)."""
 
-    host: str = option("127.0.0.1", "address to bind")
-    port: int = option(0, "0: the OS picks (printed on stdout)")
     transport: str = option("auto", "the transfer engine's protocol", choices=ENGINES)
-    model: str | None = option(None, MODEL_HELP)
-    device: str = option("cpu", DEVICE_HELP)
-    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
-    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
-    kv_blocks: int = option(512, "blocks in the paged KV cache")
-    block_size: int = option(16, "tokens per KV block")
     timeout: float = option(10.0, "seconds the side channel waits for the producer's answer")
     kv_quarantine: float | None = option(None, "seconds the blocks of a timed-out transfer rest before reuse "
                                                "(default: --timeout)")
@@ -127,16 +119,12 @@ class DecodeSettings:
                                                "ask; a request naming another is refused (none: any, unguarded)")
 
     def __post_init__(self) -> None:
-        check_placement(self)
-        for name in ("kv_blocks", "block_size", "max_batch", "max_active"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queued < 0:
-            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
-        if self.kv_quarantine is not None and self.kv_quarantine < 0:
-            raise ValueError(f"kv_quarantine must be >= 0, got {self.kv_quarantine}")
+        PagedKVSettings.__post_init__(self)
+        check_at_least(self, 1, "max_batch", "max_active")
+        check_at_least(self, 0, "max_queued")
+        check_positive(self, "timeout")
+        if self.kv_quarantine is not None:
+            check_at_least(self, 0, "kv_quarantine")
 
 
 class DecodeServer:

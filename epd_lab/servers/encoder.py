@@ -98,8 +98,8 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Co
                              Metric, NotFound, ServingError, Ticket, Unavailable, decode_body, engine_metrics,
                              json_response, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.models.runtime import open_runtime
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
-                                       check_placement, synchronize, use_device)
+from epd_lab.serving.placement import ModelSettings, synchronize, use_device
+from epd_lab.serving.settings import check_at_least, check_choice, check_positive
 from epd_lab.trace import Recorder, Span, clock_id
 from epd_lab.transfer import (
     RegistrationError,
@@ -120,16 +120,10 @@ T = TypeVar("T", bound=msgspec.Struct)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
-class EncoderSettings:
+class EncoderSettings(ModelSettings):
     """What an encode server is started with; checked on construction (`ValueError`)."""
 
-    host: str = option("127.0.0.1", "address to bind")
-    port: int = option(0, "0: the OS picks (printed on stdout)")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
-    model: str | None = option(None, MODEL_HELP)
-    device: str = option("cpu", DEVICE_HELP)
-    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
-    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
     transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=TRANSPORTS)
     timeout: float = option(10.0, "seconds; bounds every wait: media fetch, embedding, receive URL, transfer, "
                                   "ZMQ send")
@@ -145,21 +139,12 @@ class EncoderSettings:
     media_private_hosts: bool = option(False, "fetch http(s) media items from loopback and private addresses too")
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        check_placement(self)
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("timeout", "embedding_ttl"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
-        for name in ("max_parts", "max_held_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        ModelSettings.__post_init__(self)
+        check_choice(self, "backend", BACKENDS)
+        check_choice(self, "transport", TRANSPORTS)
+        check_positive(self, "timeout", "embedding_ttl")
+        check_at_least(self, 0, "cache_bytes")
+        check_at_least(self, 1, "max_parts", "max_held_bytes")
 
     @property
     def model_name(self) -> str:

@@ -37,35 +37,24 @@ from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation, samplin
 from epd_lab.servers.text import Detokenizer, detokenize
 from epd_lab.serving import (BadRequest, Metric, ServingError, Unavailable, decode_body, json_response, option,
                              read_body, role_app, serve_main)
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
-                                       check_placement, use_device)
+from epd_lab.serving.placement import PagedKVSettings, use_device
+from epd_lab.serving.settings import check_at_least, check_positive
 from epd_lab.trace import Recorder, Span
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
-class MonolithicSettings:
+class MonolithicSettings(PagedKVSettings):
     """What the monolithic server is started with; checked on construction (`ValueError`)."""
 
-    host: str = option("127.0.0.1", "address to bind")
-    port: int = option(0, "0: the OS picks (printed on stdout)")
-    model: str | None = option(None, MODEL_HELP)
-    device: str = option("cpu", DEVICE_HELP)
-    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
-    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
     timeout: float = option(10.0, "seconds a media item may take to fetch")
-    kv_blocks: int = option(512, "blocks in the paged KV cache")
-    block_size: int = option(16, "tokens per KV block")
     max_batch: int = option(16, "requests per decode forward")
     media_roots: tuple[str, ...] = option((), "folders whose files clients may name as media items")
     media_private_hosts: bool = option(False, "fetch http(s) media items from loopback and private addresses too")
 
     def __post_init__(self) -> None:
-        check_placement(self)
-        for name in ("kv_blocks", "block_size", "max_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        PagedKVSettings.__post_init__(self)
+        check_at_least(self, 1, "max_batch")
+        check_positive(self, "timeout")
 
 
 class MonolithicServer:

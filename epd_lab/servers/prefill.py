@@ -65,8 +65,8 @@ from epd_lab.servers.text import prompt_tokens
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, deadline_budget,
                              decode_body, engine_metrics, error_for_status, option, read_body, read_struct, role_app,
                              serve_main)
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
-                                       check_placement, synchronize, use_device)
+from epd_lab.serving.placement import PagedKVSettings, synchronize, use_device
+from epd_lab.serving.settings import check_at_least, check_choice, check_positive
 from epd_lab.trace import Recorder, Span
 
 KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
@@ -75,23 +75,15 @@ from epd_lab.transfer.registry import ENGINES
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
-class PrefillSettings:
+class PrefillSettings(PagedKVSettings):
     """What a prefill server is started with; checked on construction (`ValueError`)."""
 
-    host: str = option("127.0.0.1", "address to bind")
-    port: int = option(0, "0: the OS picks (printed on stdout)")
     encoders: tuple[str, ...] = option((), "encode servers' base URLs (none: text-only prompts)")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
     transport: str = option("auto", "the transfer engines' protocol (E→P receiver and KV producer)", choices=ENGINES)
-    model: str | None = option(None, MODEL_HELP)
-    device: str = option("cpu", DEVICE_HELP)
-    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
-    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
     recv_buffer: str = option("auto", "where the E→P receiver's buffer for a request's embeddings lives: host, "
                                       "pinned (page-locked host memory, as the seed) or device (GPU memory); auto: "
                                       "pinned on CUDA, host on the CPU", choices=RECV_BUFFERS)
-    kv_blocks: int = option(512, "blocks in the paged KV cache")
-    block_size: int = option(16, "tokens per KV block")
     timeout: float = option(10.0, "seconds: E→P per request, and the side channel's wait for a request not yet "
                                   "ready")
     kv_free_timeout: float = option(30.0, "seconds a prefilled KV waits for decode before its blocks are freed")
@@ -104,19 +96,13 @@ class PrefillSettings:
                                        "which served requests only one at a time if at all (serving.admission)")
 
     def __post_init__(self) -> None:
+        PagedKVSettings.__post_init__(self)
         object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        check_placement(self)
+        check_choice(self, "backend", BACKENDS)
         object.__setattr__(self, "recv_buffer", resolve_recv_buffer(self.recv_buffer, self.device))
-        if self.max_queued < 0:
-            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
-        for name in ("kv_blocks", "block_size", "workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("timeout", "kv_free_timeout", "service_prior"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_at_least(self, 0, "max_queued")
+        check_at_least(self, 1, "workers")
+        check_positive(self, "timeout", "kv_free_timeout", "service_prior")
 
 
 class _KeptKV:

@@ -94,6 +94,7 @@ from epd_lab.serving import (CLIENT_KEEPALIVE_S, DEADLINE_HEADER, PROBE_INTERVAL
                              role_app, serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT
 from epd_lab.serving.body import SMALL_BODY_BYTES
+from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span
 
@@ -105,13 +106,11 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
-class ProxySettings:
+class ProxySettings(ServerSettings):
     """What a proxy is started with; checked on construction (`ValueError`)."""
 
     prefills: tuple[str, ...] = option(help="prefill server URL(s)", flag="--prefill")
     decodes: tuple[str, ...] = option(help="decode server URL(s)", flag="--decode")
-    host: str = option("127.0.0.1", "address to bind")
-    port: int = option(0, "0: the OS picks (printed on stdout)")
     policy: str = option("round_robin", "how a backend is chosen", choices=POLICIES)
     timeout: float = option(30.0, "seconds; idle timeout of every backend call (connect, each read)")
     retry_after: float = option(5.0, "seconds a backend that refused a connection is skipped")
@@ -120,6 +119,7 @@ class ProxySettings:
                                     "answered)")
 
     def __post_init__(self) -> None:
+        ServerSettings.__post_init__(self)
         object.__setattr__(self, "prefills", tuple(u.rstrip("/") for u in self.prefills))
         object.__setattr__(self, "decodes", tuple(u.rstrip("/") for u in self.decodes))
         for role, urls in (("prefill", self.prefills), ("decode", self.decodes)):
@@ -128,14 +128,9 @@ class ProxySettings:
             for url in urls:
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"{role} URL {url!r} must start with http:// or https://")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
-        if self.retry_after < 0:
-            raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+        check_choice(self, "policy", POLICIES)
+        check_positive(self, "timeout")
+        check_at_least(self, 0, "retry_after")
 
 
 JSON_HEADERS = {"content-type": "application/json"}

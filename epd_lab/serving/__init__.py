@@ -7,7 +7,8 @@
 - `errors`: typed errors that carry their HTTP status.
 - `body`: one body reader under one limit, one JSON decoder.
 - `metrics`: the request counter and the Prometheus text writer.
-- `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`).
+- `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`);
+  `ServerSettings`, every role's base.
 """
 from epd_lab.serving.admission import DEADLINE_HEADER, Admission, Ticket, deadline_budget
 from epd_lab.serving.app import Role, json_response, role_app

@@ -1,5 +1,6 @@
 """Where and how a role's model runs: the ``--model``, ``--device``, ``--dtype`` and ``--runtime`` options every
-model role shares.
+model role shares (`ModelSettings`, the base of their settings), and the paged KV cache's ``--kv-blocks`` and
+``--block-size`` that prefill, decode and the monolithic floor add (`PagedKVSettings`).
 
 A role on ``cuda[:N]`` keeps its model and what it computes on that GPU: the encoder its embeddings (and its
 embedding cache), prefill and decode their paged KV cache, registered with the transfer engine, which then
@@ -7,6 +8,7 @@ moves them GPU to GPU (`epd_lab.transfer.cuda`). ``--dtype auto`` is bfloat16 on
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,9 +16,10 @@ import torch
 from epd_lab.models import DTYPE_NAMES, resolve_device, resolve_dtype
 from epd_lab.models.catalog import DEVICE_NAME
 from epd_lab.models.runtime import RUNTIMES
+from epd_lab.serving.settings import ServerSettings, check_at_least, option
 
-__all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "RUNTIME_HELP", "RUNTIME_NAMES", "check_placement",
-           "synchronize", "use_device"]
+__all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "RUNTIME_HELP", "RUNTIME_NAMES", "ModelSettings",
+           "PagedKVSettings", "check_placement", "synchronize", "use_device"]
 
 MODEL_HELP = "a local model directory, or a model shape: tiny, qwen2-vl-2b, qwen2-vl-7b (default: tiny)"
 DEVICE_HELP = "cpu, cuda or cuda:N: where the model runs and the role's embeddings or KV cache live"
@@ -33,6 +36,33 @@ def check_placement(settings: Any) -> None:
     if not DEVICE_NAME.fullmatch(settings.device):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {settings.device!r}")
     object.__setattr__(settings, "dtype", resolve_dtype(settings.dtype, settings.device))
+
+
+@dataclasses.dataclass(slots=True, frozen=True, kw_only=True)
+class ModelSettings(ServerSettings):
+    """What a model role (encoder, prefill, decode, monolithic) is started with beyond its address: its model and
+    where and how it runs (`check_placement`)."""
+
+    model: str | None = option(None, MODEL_HELP)
+    device: str = option("cpu", DEVICE_HELP)
+    dtype: str = option("auto", DTYPE_HELP, choices=DTYPE_NAMES)
+    runtime: str = option("fast", RUNTIME_HELP, choices=RUNTIME_NAMES)
+
+    def __post_init__(self) -> None:
+        ServerSettings.__post_init__(self)
+        check_placement(self)
+
+
+@dataclasses.dataclass(slots=True, frozen=True, kw_only=True)
+class PagedKVSettings(ModelSettings):
+    """A model role with a paged KV cache (prefill, decode, monolithic): its size."""
+
+    kv_blocks: int = option(512, "blocks in the paged KV cache")
+    block_size: int = option(16, "tokens per KV block")
+
+    def __post_init__(self) -> None:
+        ModelSettings.__post_init__(self)
+        check_at_least(self, 1, "kv_blocks", "block_size")
 
 
 def use_device(name: str) -> torch.device:

@@ -8,6 +8,11 @@
 ``Mapping[str, Mapping[str, Any]]`` field takes ``--name KEY=JSON``, repeated),
 `from_argv` the settings it parses (a value the dataclass refuses exits with the usage), and `to_argv` the
 command line that recreates given settings, which `epd_lab.launch` starts each process with.
+
+`ServerSettings` (``--host``, ``--port``) is every role's base; the model roles' bases, which add the model's
+placement and the paged KV cache, are `epd_lab.serving.placement`'s (they need torch; the proxy does not).
+`check_at_least`, `check_positive` and `check_choice` are the checks the roles' ``__post_init__`` share, each with
+one message.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import types
 import typing
 from typing import Any, Sequence, TypeVar
 
-__all__ = ["from_argv", "option", "parser", "to_argv"]
+__all__ = ["ServerSettings", "check_at_least", "check_choice", "check_positive", "from_argv", "option", "parser",
+           "to_argv"]
 
 S = TypeVar("S")
 
@@ -133,3 +139,38 @@ def to_argv(settings: Any) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def check_at_least(settings: Any, minimum: int, *names: str) -> None:
+    """`ValueError` unless each field in `names` is at least `minimum`."""
+    for name in names:
+        if getattr(settings, name) < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {getattr(settings, name)}")
+
+
+def check_positive(settings: Any, *names: str) -> None:
+    """`ValueError` unless each field in `names` is above 0 (a NaN is not)."""
+    for name in names:
+        if not getattr(settings, name) > 0:
+            raise ValueError(f"{name} must be positive, got {getattr(settings, name)}")
+
+
+def check_choice(settings: Any, name: str, choices: Sequence[str]) -> None:
+    """`ValueError` unless field `name` is one of `choices` (the command line's ``choices``, for Python callers)."""
+    if getattr(settings, name) not in choices:
+        raise ValueError(f"unknown {name} {getattr(settings, name)!r}; choose one of {', '.join(choices)}")
+
+
+# keyword-only: a role's own fields come first in its constructor (the proxy's URLs stay positional)
+@dataclasses.dataclass(slots=True, frozen=True, kw_only=True)
+class ServerSettings:
+    """What every role's server is started with: the address it binds. A role's settings derive from it (or
+    from a base that does) and call its ``__post_init__`` from theirs, by name: zero-argument ``super()`` fails
+    in a slotted dataclass (Python < 3.14)."""
+
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "0: the OS picks (printed on stdout)")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")

@@ -1,0 +1,86 @@
+"""The roles' command lines are a public interface: every flag each role's settings expose, with its default, and
+the messages its checks refuse a value with, written out literally (taken from the settings before they shared
+their fields through `epd_lab.serving.role_settings`), so that a flag dropped, renamed or given another default
+fails here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from epd_lab.launch import ROLES
+from epd_lab.servers.openai_api import MODEL_ID
+from epd_lab.serving import parser
+
+REQUIRED = "required"  # a flag with no default
+PLACEMENT = {"--model": None, "--device": "cpu", "--dtype": "auto", "--runtime": "fast"}
+SURFACE: dict[str, dict[str, object]] = {
+    "encoder": {"--host": "127.0.0.1", "--port": 0, "--backend": "mooncake", **PLACEMENT, "--transport": "auto",
+                "--timeout": 10.0, "--embedding-ttl": 10.0, "--cache-bytes": 256 << 20, "--max-parts": 64,
+                "--max-held-bytes": 512 << 20, "--media-roots": (), "--media-private-hosts": False},
+    "prefill": {"--host": "127.0.0.1", "--port": 0, "--encoders": (), "--backend": "mooncake", "--transport": "auto",
+                **PLACEMENT, "--recv-buffer": "auto", "--kv-blocks": 512, "--block-size": 16, "--timeout": 10.0,
+                "--kv-free-timeout": 30.0, "--workers": 4, "--max-queued": 1024, "--service-prior": 0.1},
+    "decode": {"--host": "127.0.0.1", "--port": 0, "--transport": "auto", **PLACEMENT, "--kv-blocks": 512,
+               "--block-size": 16, "--timeout": 10.0, "--kv-quarantine": None, "--max-batch": 16, "--max-active": 64,
+               "--max-queued": 1024, "--kv-producers": ()},
+    "proxy": {"--prefill": REQUIRED, "--decode": REQUIRED, "--host": "127.0.0.1", "--port": 0,
+              "--policy": "round_robin", "--timeout": 30.0, "--retry-after": 5.0, "--model": MODEL_ID,
+              "--pipelined": False},
+    "monolithic": {"--host": "127.0.0.1", "--port": 0, **PLACEMENT, "--timeout": 10.0, "--kv-blocks": 512,
+                   "--block-size": 16, "--max-batch": 16, "--media-roots": (), "--media-private-hosts": False},
+}
+URLS = {"prefills": ("http://p:1",), "decodes": ("http://d:1",)}  # the proxy's required settings
+# (role, a value its checks refuse, the message): one per check, word for word
+REFUSED = [
+    *[(role, {"device": "gpu"}, "device must be cpu, cuda or cuda:N, got 'gpu'")
+      for role in ("encoder", "prefill", "decode", "monolithic")],
+    *[(role, {"timeout": 0}, "timeout must be positive, got 0") for role in ROLES],
+    *[(role, {"port": 65536}, "port must be in 0..65535, got 65536") for role in ROLES],
+    *[(role, {"kv_blocks": 0}, "kv_blocks must be >= 1, got 0") for role in ("prefill", "decode", "monolithic")],
+    *[(role, {"block_size": 0}, "block_size must be >= 1, got 0") for role in ("prefill", "decode", "monolithic")],
+    *[(role, {"max_batch": 0}, "max_batch must be >= 1, got 0") for role in ("decode", "monolithic")],
+    *[(role, {"max_queued": -1}, "max_queued must be >= 0, got -1") for role in ("prefill", "decode")],
+    *[(role, {"backend": "x"}, "unknown backend 'x'; choose one of mooncake, zmq_to_tokenizer, zmq_to_scheduler")
+      for role in ("encoder", "prefill")],
+    ("encoder", {"transport": "x"}, "unknown transport 'x'; choose one of"),
+    ("encoder", {"embedding_ttl": 0}, "embedding_ttl must be positive, got 0"),
+    ("encoder", {"cache_bytes": -1}, "cache_bytes must be >= 0, got -1"),
+    ("encoder", {"max_parts": 0}, "max_parts must be >= 1, got 0"),
+    ("encoder", {"max_held_bytes": 0}, "max_held_bytes must be >= 1, got 0"),
+    ("prefill", {"workers": 0}, "workers must be >= 1, got 0"),
+    ("prefill", {"kv_free_timeout": 0}, "kv_free_timeout must be positive, got 0"),
+    ("prefill", {"service_prior": 0}, "service_prior must be positive, got 0"),
+    ("decode", {"max_active": 0}, "max_active must be >= 1, got 0"),
+    ("decode", {"kv_quarantine": -1}, "kv_quarantine must be >= 0, got -1"),
+    ("proxy", {"prefills": ()}, "at least one prefill URL is needed"),
+    ("proxy", {"decodes": ("d:1",)}, "decode URL 'd:1' must start with http:// or https://"),
+    ("proxy", {"policy": "x"}, "unknown policy 'x'; choose one of"),
+    ("proxy", {"retry_after": -1}, "retry_after must be >= 0, got -1"),
+]
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return field.metadata["flag"] or "--" + field.name.replace("_", "-")
+
+
+@pytest.mark.parametrize("role", SURFACE)
+def test_each_role_keeps_its_flags_and_defaults(role: str) -> None:
+    cls = ROLES[role][1]
+    defaults = {_flag(f): REQUIRED if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+    assert defaults == SURFACE[role]
+    # and the parser offers exactly those (a bool as --x and --no-x)
+    offered = set(re.findall(r"--[a-z][a-z-]*", parser(cls).format_usage()))
+    negated = {"--no-" + flag[2:] for flag, default in SURFACE[role].items() if isinstance(default, bool)}
+    assert offered == set(SURFACE[role]) | negated
+    assert cls.__dataclass_params__.frozen and "__slots__" in vars(cls)
+
+
+@pytest.mark.parametrize(("role", "bad", "message"), REFUSED, ids=lambda v: v if isinstance(v, str) else None)
+def test_each_role_keeps_its_checks(role: str, bad: dict, message: str) -> None:
+    cls = ROLES[role][1]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cls(**({**URLS, **bad} if role == "proxy" else bad))
