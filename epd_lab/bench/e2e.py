@@ -199,9 +199,9 @@ def open_floor_model(setup: Setup) -> torch.nn.Module:
 def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: torch.nn.Module | None = None,
                media: Media | None = None) -> dict:
     """The floor: TTFT and TPOT of the same model in this process, one request at a time (`model`, else
-    `open_floor_model`); by URL (`media`) each request's images are fetched inside its TTFT. Also holds the reference answer to the clusters' checked request (``reference``), one
-    request's prompt length (``prompt_tokens``) and the size of its embeddings (``image_tokens``,
-    ``embedding_bytes``)."""
+    `open_floor_model`); by URL (`media`) each request's images are fetched inside its TTFT. Also holds the
+    reference answer to the clusters' checked request (``reference``), one request's prompt length
+    (``prompt_tokens``) and the size of its embeddings (``image_tokens``, ``embedding_bytes``)."""
     model = open_floor_model(setup) if model is None else model
     # the text around the images as the proxy renders the chat request: the floor prefills it too
     prompt, _ = messages_to_prompt(_messages([b""] * setup.images))
@@ -353,7 +353,8 @@ def cluster_for(setup: Setup, backend: str = "mooncake", pipelined: bool = False
 
 
 def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setup = Setup(),
-        reference: str | None = None, concurrency: tuple[int, ...] = CONCURRENCY, media: Media | None = None) -> list[dict]:
+        reference: str | None = None, concurrency: tuple[int, ...] = CONCURRENCY,
+        media: Media | None = None) -> list[dict]:
     """E→P→D through `cluster`'s proxy at each concurrency level, the images carried as `media` says (default:
     data: URIs). Each row's ``answer_ok`` says whether the checked request's answer equals `reference` (None: not
     checked)."""
@@ -496,13 +497,13 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
     log(f"  {setup.model} on {device} ({_gpu_name(device) or 'no GPU'}), {resolve_dtype(setup.dtype, setup.device)}, "
         f"images x side per request: {', '.join(f'{p.images} x {p.image_size}²' for p in points)}, by {setup.media}")
     with Media(setup.media) as media:
-        return _run(backends, requests, max_tokens, log, pipelined, setup, concurrency, points, checkpoint, media)
+        return _run(backends, requests, max_tokens, log, pipelined, setup, concurrency, points, checkpoint, media,
+                    device)
 
 
 def _run(backends: tuple[str, ...], requests: int, max_tokens: int, log, pipelined: bool, setup: Setup,
          concurrency: tuple[int, ...], points: list[Setup], checkpoint: Callable[[dict], None] | None,
-         media: Media) -> dict:
-    device = resolve_device(setup.device)
+         media: Media, device: torch.device) -> dict:
     model = open_floor_model(setup)
     floors = [monolithic(requests, max_tokens, point, model, media) for point in points]
     del model

@@ -73,8 +73,8 @@ def _server_ttft(row: dict[str, Any]) -> float:
 
 
 def split_pays(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per (run, model, image_size, images, backend), against that run's floor: ``ttft_over_floor_ms`` and ``ttft_ratio`` at concurrency 1, and
-    ``throughput_ratio``: the split's requests/s at its highest level over the floor's (the floor serves one
+    """Per (run, model, image_size, images, backend), against that run's floor: ``ttft_over_floor_ms`` and
+    ``ttft_ratio`` at concurrency 1, and ``throughput_ratio``: the split's requests/s at its highest level over the floor's (the floor serves one
     request at a time, so its rate is the same at any level). A ratio above 1 is where the split pays.
     ``server_ttft_ms``: the part of ``ttft_ms`` inside the servers; ``client_ms`` the rest (the client's JSON
     and upload of the images, which the floor does not pay)."""
@@ -88,7 +88,8 @@ def split_pays(frame: pd.DataFrame) -> pd.DataFrame:
         top = rows[rows["concurrency"] == rows["concurrency"].max()].iloc[0]
         ttft = float(lone["ttft_p50_ms"].iloc[0]) if len(lone) else float("nan")
         server = float(lone["server_ttft_p50_ms"].iloc[0]) if len(lone) else float("nan")
-        out.append({"run": run, "created": rows["created"].iloc[0], "model": model, "image_size": size, "images": images, "backend": backend,
+        out.append({"run": run, "created": rows["created"].iloc[0], "model": model, "image_size": size,
+                    "images": images, "backend": backend,
                     "floor_ttft_ms": base["ttft_p50_ms"], "ttft_ms": ttft,
                     "ttft_over_floor_ms": ttft - base["ttft_p50_ms"], "ttft_ratio": ttft / base["ttft_p50_ms"],
                     "server_ttft_ms": server, "client_ms": ttft - server,
