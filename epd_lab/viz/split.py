@@ -74,8 +74,9 @@ def _server_ttft(row: dict[str, Any]) -> float:
 
 def split_pays(frame: pd.DataFrame) -> pd.DataFrame:
     """Per (run, model, image_size, images, backend), against that run's floor: ``ttft_over_floor_ms`` and
-    ``ttft_ratio`` at concurrency 1, and ``throughput_ratio``: the split's requests/s at its highest level over the floor's (the floor serves one
-    request at a time, so its rate is the same at any level). A ratio above 1 is where the split pays.
+    ``ttft_ratio`` at concurrency 1, and ``throughput_ratio``: the split's requests/s at its highest level over
+    the floor's (the floor serves one request at a time, so its rate is the same at any level). A ratio above 1
+    is where the split pays.
     ``server_ttft_ms``: the part of ``ttft_ms`` inside the servers; ``client_ms`` the rest (the client's JSON
     and upload of the images, which the floor does not pay)."""
     key = ["run", "model", "image_size", "images"]
