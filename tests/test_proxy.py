@@ -454,11 +454,16 @@ def test_a_busy_backend_passes_the_request_on_and_503_comes_back_with_retry_afte
 
 
 def test_backend_errors(rig: Rig) -> None:
-    """A backend's 5xx becomes 502 and its 400 stays 400, each with the backend's detail."""
+    """A backend's 5xx becomes 502 and its 400 stays 400, each with the backend's detail. Both are answers: the
+    request is not offered to the next prefill (only a 503, a refused connection, a stall or a connection closed
+    unanswered pass it on)."""
     broken, picky, d = rig.prefill("broken", status=500), rig.prefill("picky", status=400), rig.decode()
+    spare = rig.prefill("spare")
+    url, _ = rig.proxy([broken.url, spare.url], [d.url])  # round robin offers broken first
     with pytest.raises(openai.InternalServerError, match="broken failed on purpose") as info:
-        rig.client(rig.proxy([broken.url], [d.url])[0]).completions.create(model=MODEL_ID, prompt="x")
-    assert info.value.status_code == 502
+        rig.client(url).completions.create(model=MODEL_ID, prompt="x")
+    assert info.value.status_code == 502 and spare.requests == []
+    assert "epd_proxy_retries_total{" not in httpx.get(url + "/metrics").text
     with pytest.raises(openai.BadRequestError, match="picky failed on purpose"):
         rig.client(rig.proxy([picky.url], [d.url])[0]).completions.create(model=MODEL_ID, prompt="x")
     p = rig.prefill()

@@ -154,8 +154,13 @@ def _aborts(cluster: Cluster) -> int:
 
 
 def _metric(cluster: Cluster, line: str) -> float | None:
-    """The value of the proxy's metric line that starts with `line` (name and labels), None if absent."""
-    text = httpx.get(cluster.proxy_url + "/metrics", timeout=5).text
+    """The value of the cluster's proxy's metric line that starts with `line` (name and labels), None if absent."""
+    return _proxy_metric(cluster.proxy_url, line)
+
+
+def _proxy_metric(url: str, line: str) -> float | None:
+    """The value of the metric line that starts with `line` (name and labels) at proxy `url`, None if absent."""
+    text = httpx.get(url + "/metrics", timeout=5).text
     found = re.search("^" + re.escape(line) + r" (\S+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else None
 
@@ -228,10 +233,10 @@ def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai
     assert len(frame) == len(spans) and set(frame.stage) == stages
 
 
-def _start_proxy(prefills: list[str], decodes: list[str]) -> tuple[subprocess.Popen, str]:
-    """``python -m epd_lab.servers.proxy`` as a process; (process, URL)."""
+def _start_proxy(prefills: list[str], decodes: list[str], *options: str) -> tuple[subprocess.Popen, str]:
+    """``python -m epd_lab.servers.proxy`` as a process, with more `options`; (process, URL)."""
     cmd = [sys.executable, "-m", "epd_lab.servers.proxy", "--port", "0", "--prefill", ",".join(prefills),
-           "--decode", ",".join(decodes), "--timeout", str(TIMEOUT)]
+           "--decode", ",".join(decodes), "--timeout", str(TIMEOUT), *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)  # noqa: PLW1509
     deadline = time.monotonic() + 30
     while not select.select([proc.stdout], [], [], 0.1)[0]:
@@ -386,25 +391,48 @@ def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: 
     # blocks_back: prefill 1 holds nothing for the request it was passed over for
 
 
-def test_killed_prefill_is_a_502_and_the_other_keeps_serving(cluster: Cluster, client: openai.OpenAI,
-                                                             model: Any) -> None:
-    """Prefill 1 frozen, then killed once the proxy's request is on it: that client gets a 502 error object at once;
-    the other request, and every one after, is served by prefill 0 (prefill 1 marked down)."""
+def test_killed_prefill_passes_its_request_on_or_is_a_502_when_alone(cluster: Cluster, client: openai.OpenAI,
+                                                                     model: Any) -> None:
+    """Prefill 1 frozen, then killed once a request is on it from the cluster's proxy and one from a second proxy
+    whose only prefill it is. The cluster's proxy sees the connection closed unanswered, marks prefill 1 down and
+    passes the request to prefill 0: both its clients get the monolithic answer, the retry is counted, and every
+    request after is served by prefill 0. The lone proxy has no other prefill: its client (streamed, pipelined:
+    the serial way finds no other prefill either) gets a 502 naming the closed connection (not the timeout's
+    504), and the abort it sends the dead prefill finds nobody."""
     victim, victim_url = cluster.procs[PREFILLS][1], cluster.prefill_urls[1]
     inflight = f'epd_proxy_backend_inflight{{role="prefill",url="{victim_url}"}}'
-    os.kill(victim.pid, signal.SIGSTOP)
+    retried = 'epd_proxy_retries_total{role="prefill",reason="disconnected"}'
+    lone, lone_url = _start_proxy([victim_url], cluster.decode_urls, "--pipelined")
     try:
-        futures = _concurrently(client, 2, "doomed")
-        wait_for(lambda: _metric(cluster, inflight) == 1, SLACK, "no request reached the frozen prefill")
+        retried_before = _metric(cluster, retried) or 0
+        health = httpx.get(lone_url + "/health", timeout=10).json()  # probes: the lone proxy learns the kv_url
+        assert health["prefill"][0]["health"]["kv_url"]  # so its streamed request goes the pipelined way
+        with (openai.OpenAI(base_url=lone_url + "/v1", api_key="none", max_retries=0, timeout=60) as lone_client,
+              concurrent.futures.ThreadPoolExecutor(3) as pool):
+            messages = [_messages(f"doomed {i}", [(128, 96)], seed=i) for i in range(2)]
+            os.kill(victim.pid, signal.SIGSTOP)
+            try:  # round robin sends one of the two to prefill 1; the lone proxy has only it
+                futures = [pool.submit(_chat, client, m) for m in messages]
+                alone = pool.submit(_chat, lone_client, _messages("alone", [], seed=7), stream=True)
+                wait_for(lambda: _metric(cluster, inflight) == 1 and _proxy_metric(lone_url, inflight) == 1, SLACK,
+                         "no request reached the frozen prefill")
+            finally:
+                victim.kill()  # SIGKILL ends a stopped process too
+                victim.wait(10)
+            answers = [f.result(60)[1] for f in futures]
+            error = alone.exception(TIMEOUT + SLACK)  # bounded: the proxy's own timeout would give a 504
+        assert answers == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
+        assert _metric(cluster, retried) == retried_before + 1
+        assert _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 0
+        assert isinstance(error, openai.InternalServerError) and error.status_code == 502, error
+        assert f"prefill {victim_url} closed the connection before answering" in str(error)
+        assert _proxy_metric(lone_url, retried) == 1  # passed on, with no prefill left to take it
+        wait_for(lambda: _proxy_metric(lone_url, 'epd_proxy_prefill_aborts_total{result="unreachable"}') == 1,
+                 SLACK, "the lone proxy sent the dead prefill no abort")
     finally:
-        victim.kill()
-        victim.wait(10)
-    start = time.monotonic()
-    errors = [f.exception(TIMEOUT + 30) for f in futures]
-    failed = [e for e in errors if e is not None]
-    assert len(failed) == 1 and isinstance(failed[0], openai.InternalServerError), errors
-    assert failed[0].status_code == 502 and f"prefill {victim_url}" in str(failed[0])
-    assert time.monotonic() - start < SLACK
+        lone.terminate()
+        lone.wait(10)
+        lone.stdout.close()
     messages = [_messages(f"one prefill left {i}", [(100, 100)] * (i % 2), seed=i) for i in range(3)]
     assert [_chat(client, m)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
     health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now

@@ -30,6 +30,11 @@ wakes, as it may take the request up then), a decode stream already begun ends w
 deadline (``--timeout``) bounds a request's answer however many backends it is offered to, so a request reaches
 its client within seconds of a freeze, and never later than the timeout.
 
+Dead prefills: one that closes or resets the connection before answering (killed) is marked down, sent an abort
+in the background, and the request goes on to the next prefill, each tried once. Not decode: one that died may
+have taken the prefill's KV already (the producer hands it to the first ask), so its client gets 502.
+``epd_proxy_retries_total{role,reason}`` counts each pass to the next backend.
+
 Failures are OpenAI error objects ``{"error": {"message", "type", "code"}}``: 400 for bad input (including a
 backend's 400/413/422, whose ``detail`` is passed on: an image that does not decode is the client's error),
 503 when no backend of a role is reachable, 504 when a backend passes ``--timeout``, 502 for any other
@@ -136,6 +141,9 @@ class ProxySettings(ServerSettings):
 JSON_HEADERS = {"content-type": "application/json"}
 # what a failed exchange with a backend raises: aiohttp's errors, and its timeouts (asyncio's TimeoutError)
 EXCHANGE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# the connection closed or reset before any byte of an answer (aiohttp retries an idempotent request on these):
+# the backend died, or a kept-alive connection to it was stale
+UNANSWERED_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 def _detail(raw: bytes, reason: str | None) -> str:
@@ -167,9 +175,18 @@ class _Stalled(Exception):
     """The backend was found stalled while an exchange waited on it."""
 
 
+# the codes of a prefill that never answered a request, which the next prefill may take
+PASSED_OVER = frozenset({"backend_stalled", "backend_disconnected"})
+
+
 def _stalled_error(backend: Backend) -> GatewayTimeout:
     return GatewayTimeout(f"{backend.role} {backend.url} stopped making progress (no answer to {STALL_MISSES} "
                           f"/health probes in a row)", code="backend_stalled")
+
+
+def _disconnected_error(backend: Backend, exc: BaseException) -> BadGateway:
+    return BadGateway(f"{backend.role} {backend.url} closed the connection before answering "
+                      f"({type(exc).__name__}: {exc})", code="backend_disconnected")
 
 
 def _transport_error(backend: Backend, exc: BaseException) -> ServingError:
@@ -219,6 +236,7 @@ class Proxy:
         self.recorder = Recorder(node=f"proxy:{settings.port}")
         self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
         self.prefill_aborts: collections.Counter[str] = collections.Counter()  # by result
+        self.retries: collections.Counter[tuple[str, str]] = collections.Counter()  # passed on, by (role, reason)
         self.latency_sum: collections.Counter[str] = collections.Counter()  # seconds, by span stage
         self.latency_count: collections.Counter[str] = collections.Counter()
         self.started = int(time.time())
@@ -330,9 +348,10 @@ class Proxy:
                     headers: dict[str, str] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
         """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
         refused, answer 503 (at capacity: it did not take the request) or the backend is found stalled before
-        it answered. `lost` collects a backend the request reached whose answer was lost (timed out, cut, stalled,
-        this caller cancelled): it may still be working on it. `headers` go with the JSON content type (a
-        deadline).
+        it answered; a prefill also when it closed the connection before answering (it died; marked down). Each
+        backend is tried once; each pass is counted in ``retries``. `lost` collects a backend the request reached
+        whose answer was lost (timed out, cut, stalled, closed, this caller cancelled): it may still be working on
+        it. `headers` go with the JSON content type (a deadline).
 
         Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
         counts it down and reads the body, then releases the response (or closes it, to stop the backend).
@@ -343,7 +362,7 @@ class Proxy:
         # one bound for the answer, however many backends are tried: one passed over as stalled after 2.5 s does
         # not give the next a whole --timeout more
         deadline = time.monotonic() + self.settings.timeout
-        busy: ServingError | None = None  # the last 503 or stall: what the client gets when no backend takes it
+        busy: ServingError | None = None  # the last 503, stall or close: what the client gets when none takes it
         while (backend := await self._choose(pool, tried, only)) is not None:
             tried.add(backend.url)
             backend.inflight += 1
@@ -356,12 +375,23 @@ class Proxy:
                                                   max(0.0, deadline - time.monotonic()))
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                     backend.liveness.refused()  # the request never reached it: the next one may take it
+                    self.retries[pool.role, "refused"] += 1
+                    continue
+                except UNANSWERED_ERRORS as exc:
+                    backend.liveness.refused()  # down until a probe answers (a live one's next probe, 0.5 s)
+                    if pool.role != "prefill":  # a decode may have taken the prefill's KV already: not resent
+                        raise _disconnected_error(backend, exc) from None
+                    if lost is not None:  # if it lives after all, it may still hold the request
+                        lost.append(backend)
+                    busy = _disconnected_error(backend, exc)
+                    self.retries[pool.role, "disconnected"] += 1
                     continue
                 except (*EXCHANGE_ERRORS, _Stalled, asyncio.CancelledError) as exc:
                     if lost is not None:
                         lost.append(backend)
                     if isinstance(exc, _Stalled):  # it may wake and serve it later; the next one serves it now
                         busy = _stalled_error(backend)
+                        self.retries[pool.role, "stalled"] += 1
                         continue
                     if isinstance(exc, asyncio.CancelledError):
                         raise
@@ -378,6 +408,7 @@ class Proxy:
                                            response.headers.get("Retry-After"))
                     if response.status == 503:  # refused at once, so it holds nothing: the next one may take it
                         busy = error
+                        self.retries[pool.role, "busy"] += 1
                         continue
                     raise error
                 backend.served += 1
@@ -392,16 +423,20 @@ class Proxy:
         urls = ", ".join(b.url for b in pool.backends)
         raise Unavailable(f"no {pool.role} server is reachable ({urls})", code="no_backend")
 
-    async def _prefill(self, job: Job, prompt: str, images: list[str],
-                       only: Backend | None = None) -> tuple[Backend, PrefillResponse]:
+    async def _prefill(self, job: Job, prompt: str, images: list[str], only: Backend | None = None,
+                       passed: ServingError | None = None) -> tuple[Backend, PrefillResponse]:
+        """Prefill `job` on a prefill of the pool (`only`: that one); `passed`: why the pipelined way's prefill did
+        not take it, raised instead of 503 ``no_backend`` when no other is left."""
         lost: list[Backend] = []
         try:
             backend, raw = await self._call(self.prefills, "/v1/prefill", {
                 "request_id": job.rid, "prompt": prompt, "images": images,
                 "kv_transfer_params": {"do_remote_decode": True}}, only=only, lost=lost,
                 headers=self._prefill_deadline(job))
-        except BaseException:  # cancellation too: a prefill whose answer was lost may still finish the request
+        except BaseException as exc:  # cancellation too: a prefill whose answer was lost may still finish it
             await asyncio.shield(self._abort_lost(lost, job.rid))  # and hold its KV: aborted, it frees it at once
+            if passed is not None and isinstance(exc, Unavailable) and exc.code == "no_backend":
+                raise passed from None
             raise
         await self._abort_lost(lost, job.rid)  # those passed over while stalled
         try:
@@ -433,12 +468,14 @@ class Proxy:
 
     async def _abort_lost(self, lost: list[Backend], rid: str) -> None:
         """Abort `rid` on every prefill in `lost` (its answer lost, or passed over while stalled): at once where
-        it answers, else in the background until it wakes."""
+        it answers, else in the background: until it wakes (stalled), or once (down: it closed the connection
+        unanswered, most likely dead, and the request's answer need not wait on it)."""
+        now = time.monotonic()
         for backend in lost:
             if backend.stall.is_set():
-                task = asyncio.create_task(self._abort_when_awake(backend, rid))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self._abort_when_awake(backend, rid))
+            elif not backend.up(now):
+                self._spawn(self._abort(backend, rid))
             else:
                 await self._abort(backend, rid)
 
@@ -448,6 +485,12 @@ class Proxy:
         deadline = time.monotonic() + self.settings.timeout
         while await self._abort(backend, rid) == "unreachable" and time.monotonic() < deadline:
             await asyncio.sleep(PROBE_INTERVAL)
+
+    def _spawn(self, aw: Awaitable[Any]) -> None:
+        """Run `aw` in the background, held against the GC until it ends (`close` cancels it)."""
+        task = asyncio.ensure_future(aw)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def predicted_wait(self) -> tuple[float, float] | None:
         """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
@@ -532,11 +575,12 @@ class Proxy:
                 "seed": job.seed, "stream": True, "kv_transfer_params": kv_transfer_params}
 
     async def _pipelined(self, job: Job, prompt: str,
-                         images: list[str]) -> tuple[Backend, PrefillResponse, asyncio.Task] | None:
+                         images: list[str]) -> tuple[Backend, PrefillResponse, asyncio.Task | None] | None:
         """Ask decode and prefill at once: the prefill chosen up front, decode told only its side channel
         (vLLM's kv_transfer_params, SGLang's bootstrap address), so that decode allocates and sends its metadata
-        while prefill runs. None when the chosen prefill does not tell its side channel, or refused the
-        connection: the caller goes the serial way. Raises `ServingError` as `_prefill` does."""
+        while prefill runs. None when the chosen prefill does not tell its side channel: the caller goes the serial
+        way. When it did not take the request (refused, busy, stalled, closed the connection unanswered), the
+        serial way is taken here (decode asked once prefill answered). Raises `ServingError` as `_prefill` does."""
         backend = await self._choose(self.prefills, set())
         if backend is not None and not backend.probed:
             await self._probe(backend)  # learns its kv_url, once
@@ -548,11 +592,13 @@ class Proxy:
             _, prefill = await self._prefill(job, prompt, images, only=backend)
         except BaseException as exc:
             await _discard(decode)
-            if isinstance(exc, Unavailable) or getattr(exc, "code", None) == "backend_stalled":
-                return None  # refused, at capacity or stalled before it answered: the serial way tries the others
-            await asyncio.shield(self._abort(backend, job.rid))  # decode may wait for it: answered at once
-            raise
-        return backend, prefill, decode
+            if not isinstance(exc, ServingError) or not (isinstance(exc, Unavailable) or exc.code in PASSED_OVER):
+                await asyncio.shield(self._abort(backend, job.rid))  # decode may wait for it: answered at once
+                raise
+            passed = exc  # it never took the request: the serial way tries the others
+        else:
+            return backend, prefill, decode
+        return *await self._prefill(job, prompt, images, passed=passed), None
 
     # ---- requests ----
     async def complete(self, request: Request, kind: str) -> Response:
@@ -644,7 +690,8 @@ class Proxy:
         return report
 
     def metric_families(self) -> list[Metric]:
-        """The proxy's ``/metrics`` families: aborted streams, prefill aborts, backends, latency summaries."""
+        """The proxy's ``/metrics`` families: aborted streams, prefill aborts, retries, backends, latency
+        summaries."""
         now = time.monotonic()
         backends = self.prefills.backends + self.decodes.backends
         families = [
@@ -652,6 +699,11 @@ class Proxy:
                       self.streams_aborted, "reason"),
             Metric.of("prefill_aborts_total", "counter", "/v1/abort calls to prefills, by result",
                       self.prefill_aborts, "result"),
+            Metric("retries_total", "counter", "requests passed on from a backend that did not take them, to the next "
+                   "one if any is left, by role and reason (refused: connection refused; busy: 503; stalled; "
+                   "disconnected: closed the connection before answering, prefill only)",
+                   tuple(("", {"role": role, "reason": reason}, n)
+                         for (role, reason), n in sorted(self.retries.items()))),
             Metric.of("refused_total", "counter", "requests refused: 503s by their code (backend_unavailable: every "
                       "backend refused, its deadline not met), context_length_exceeded (400, before forwarding)",
                       self.refused, "reason"),
