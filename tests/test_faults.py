@@ -198,7 +198,7 @@ def test_emulated_hosts_pass_bytes_until_the_link_is_cut():
 
 
 @pytest.mark.skipif(not NETNS[0], reason=f"no network namespaces: {NETNS[1]}")
-def test_a_hosts_uplink_is_shaped_and_unshaped_while_it_runs():
+def test_a_hosts_uplink_and_downlink_are_shaped_and_unshaped_while_it_runs():
     with netns.Hosts(["a"]) as hosts:
         def qdisc() -> str:
             return subprocess.run(["ip", "netns", "exec", hosts.netns("a"), "tc", "qdisc", "show", "dev", "eth0"],
@@ -211,3 +211,10 @@ def test_a_hosts_uplink_is_shaped_and_unshaped_while_it_runs():
         hosts.shape("a", None)
         assert "tbf" not in qdisc()
         hosts.shape("a", None)  # nothing to lift: fine
+        hosts.shape("a", 30, downlink=True)  # what it receives: tbf on the bridge's end of its veth
+        down = subprocess.run(["tc", "qdisc", "show", "dev", hosts.veth("a")], capture_output=True, text=True,
+                              check=True).stdout
+        assert "rate 30Mbit" in down and "tbf" not in qdisc()
+        hosts.shape("a", None, downlink=True)
+        assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", hosts.veth("a")], capture_output=True,
+                                           text=True, check=True).stdout

@@ -2,8 +2,9 @@
 "host", joined to the bridge by a veth pair, all in one /24 (this namespace is .1 on the bridge). A process
 started with ``ip netns exec <ns>`` and bound to its host's address reaches the others only over its veth:
 `cut` takes that link down (a pulled cable, mid-transfer if timed so), `restore` brings it back, `rate_mbit`
-shapes what each host receives with ``tc qdisc ... tbf``, and `shape` what one host sends (its uplink, set and
-changed while it runs: a rate sweep needs no restart). This kernel has no ``netem``: no delay or loss emulation.
+shapes what each host receives with ``tc qdisc ... tbf``, and `shape` what one host sends (its uplink) or receives
+(its downlink), set and changed while it runs: a rate sweep needs no restart. This kernel has no ``netem``: no
+delay or loss emulation.
 `ray_nodes` runs a Ray cluster on such hosts, a node per namespace (`epd_lab.launch_ray`, docs/ray.md).
 
 Needs root (CAP_NET_ADMIN); `available()` says whether ``ip netns add`` works here.
@@ -79,15 +80,17 @@ class Hosts:
     def address(self, name: str) -> str:
         return f"{self.subnet}.{self.names.index(name) + 2}"
 
-    def shape(self, name: str, rate_mbit: float | None, burst_bytes: int = 4096) -> None:
-        """Limit what host `name` sends to `rate_mbit` (tbf on its own end of the link, in its namespace), or
-        lift the limit (None). A small `burst_bytes` keeps a transfer's time near bytes / rate: tbf lets a
-        whole burst through at line rate (it must hold one full frame, 1514 bytes)."""
-        ns = ["ip", "netns", "exec", self.netns(name), "tc", "qdisc"]
+    def shape(self, name: str, rate_mbit: float | None, burst_bytes: int = 4096, downlink: bool = False) -> None:
+        """Limit what host `name` sends to `rate_mbit` (tbf on its own end of the link, in its namespace), or with
+        `downlink` what it receives (tbf on the bridge's end), or lift that limit (None). A small `burst_bytes`
+        keeps a transfer's time near bytes / rate: tbf lets a whole burst through at line rate (it must hold one
+        full frame, 1514 bytes)."""
+        where = ["tc", "qdisc"] if downlink else ["ip", "netns", "exec", self.netns(name), "tc", "qdisc"]
+        dev = self.veth(name) if downlink else "eth0"
         if rate_mbit is None:
-            subprocess.run([*ns, "del", "dev", "eth0", "root"], capture_output=True, timeout=10)  # none: fine
+            subprocess.run([*where, "del", "dev", dev, "root"], capture_output=True, timeout=10)  # none: fine
             return
-        subprocess.run([*ns, "replace", "dev", "eth0", "root", "tbf", "rate", f"{rate_mbit}mbit", "burst",
+        subprocess.run([*where, "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst",
                         str(burst_bytes), "latency", "200ms"], check=True, capture_output=True, timeout=10)
 
     def cut(self, name: str) -> None:
