@@ -62,8 +62,8 @@ def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
         assert health.status_code == 200 and [r["served"] for r in health.json()["replicas"]] == [3, 3]
         assert "epd_front_backend_served_total" in httpx.get(cluster.proxy_url + "/metrics", timeout=10).text
         # a replica's own 400 passes through: the image is the client's error
-        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm9wZQ=="}},
-                                            {"type": "text", "text": "hi"}]}]
+        not_png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm9wZQ=="}}
+        bad = [{"role": "user", "content": [not_png, {"type": "text", "text": "hi"}]}]
         with pytest.raises(openai.BadRequestError):
             _chat(cluster.proxy_url, bad, False)
 
