@@ -10,11 +10,12 @@ import openai
 import pytest
 
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import configure_torch, load_model
+from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate
 from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.reference import monolithic_chat
+from epd_lab.servers.text import completion_prompt, detokenize
 from epd_lab.serving import from_argv
 
 MAX_TOKENS = 8
@@ -58,8 +59,15 @@ def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
                 (n_images, stream)
         served = [_chats_served(url) for url in cluster.monolithic_urls]
         assert served == [3, 3]  # round-robin: every other request
+        # text completions too, whole and streamed
+        client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        reference = detokenize(monolithic_generate(model, build_input_ids(completion_prompt("once upon"), []), None,
+                                                   None, MAX_TOKENS))
+        kwargs = dict(model="epd-lab-tiny-qwen2-vl", prompt="once upon", max_tokens=MAX_TOKENS, temperature=0)
+        assert client.completions.create(**kwargs).choices[0].text == reference
+        assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == reference
         health = httpx.get(cluster.proxy_url + "/health", timeout=10)
-        assert health.status_code == 200 and [r["served"] for r in health.json()["replicas"]] == [3, 3]
+        assert health.status_code == 200 and [r["served"] for r in health.json()["replicas"]] == [4, 4]
         assert "epd_front_backend_served_total" in httpx.get(cluster.proxy_url + "/metrics", timeout=10).text
         # a replica's own 400 passes through: the image is the client's error
         not_png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm9wZQ=="}}
