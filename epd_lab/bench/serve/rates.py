@@ -10,7 +10,9 @@ no request hits an encoder's embedding cache; every topology gets the same reque
 (`point_row`) and ``OUT/sweep.json`` the settings. A later call into the same folder replaces the rows of the
 topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in
 each JSON let goodput be recomputed for
-any other SLOs afterwards (`epd_lab.viz.goodput`).
+any other SLOs afterwards (`epd_lab.viz.goodput`). On several GPUs, ``--devices monolithic1=cuda:1`` (or
+``encoder=cuda:1``) places a role or a process over ``--device`` for every topology of the call: one placement per
+call, each into its own ``--out`` (two placements of ``1e1p1d`` would share ``OUT/1e1p1d/``; docs/gpu.md).
 """
 from __future__ import annotations
 
