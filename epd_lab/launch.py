@@ -132,9 +132,9 @@ class Topology:
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
                                     "prefill answered, which gave the lower TTFT on 2 vCPUs "
                                     "(docs/serving.md, bench e2e)")
-    monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor "
-                                     "E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, decode or "
-                                     "proxy")
+    monolithic: bool = option(False, "one process serving the whole model behind OpenAI's API (per replica), the "
+                                     "floor E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, "
+                                     "decode or proxy")
     replicas: int = option(1, "monolithic servers (with --monolithic); more than one: behind a round-robin front "
                               "(epd_lab.servers.front) whose URL is the cluster's proxy_url; one per GPU: "
                               "--settings 'monolithic1={\"device\": \"cuda:1\"}'")
