@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("proxy", help="the OpenAI-compatible proxy in front of prefills and decodes", add_help=False)
     sub.add_parser("monolithic", help="the whole model in one process behind OpenAI's chat API (the floor)",
                    add_help=False)
+    sub.add_parser("front", help="round-robin over monolithic replicas: each request passed whole to one",
+                   add_help=False)
     sub.add_parser("sweep", help="run a papermill notebook over a parameter grid, collect sweep.csv", add_help=False)
     sub.add_parser("demo", help="transfer engine, E→P, E→P→D on loopback; ends with an HTML report", add_help=False)
     sub.add_parser("campaign", help="reliability campaign: load, soak, faults or fuzz, with a JSON + HTML report",
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         from epd_lab import sweep
 
         return sweep.main(rest)
-    if args.cmd in ("encoder", "prefill-server", "decode-server", "proxy", "monolithic"):
+    if args.cmd in ("encoder", "prefill-server", "decode-server", "proxy", "monolithic", "front"):
         import importlib
 
         module = importlib.import_module(f"epd_lab.servers.{args.cmd.removesuffix('-server')}")

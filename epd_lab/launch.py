@@ -7,7 +7,10 @@
 Each role is a plain process with a CLI (`python -m epd_lab.servers.encoder ...`), started with port 0:
 it prints one JSON line with its URL once it serves, and the cluster then waits for its /health. Its command
 line is its settings dataclass written back (`epd_lab.serving.to_argv`): the `Topology` fills the shared
-options, ``Topology(settings={"decode": {"max_batch": 4}})`` any other one of a role.
+options, ``Topology(settings={"decode": {"max_batch": 4}})`` any other one of a role, and a process name's entry
+(``{"encoder1": {"device": "cuda:1"}}``, names from `Topology.process_names`) one of that process, over its role's.
+``Topology(monolithic=True, replicas=2)`` starts two monolithic servers behind a round-robin front
+(`epd_lab.servers.front`), whose URL is `Cluster.proxy_url`.
 Every process's output goes to a log file kept by the cluster (`cluster.logs`).
 
 ``Topology(placement="ray")`` (or ``ray_address=``, ``epd-lab launch --ray ADDRESS``) starts the same command
@@ -35,6 +38,7 @@ from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.servers.decode import DecodeSettings
+from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings
@@ -94,14 +98,22 @@ ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
     "proxy": ("epd_lab.servers.proxy", ProxySettings, ("timeout", "pipelined")),
     "monolithic": ("epd_lab.servers.monolithic", MonolithicSettings,
                    ("model", "device", "dtype", "runtime", "timeout", "kv_blocks", "media_roots")),
+    "front": ("epd_lab.servers.front", FrontSettings, ("timeout",)),
 }
+
+
+def role_of(process: str) -> str:
+    """The role of a process name: ``prefill1`` → ``prefill``, ``front`` → ``front``."""
+    return process.rstrip("0123456789")
 
 
 @dataclass(slots=True)
 class Topology:
     """What to start: how many processes of each role, and the options they share. ``settings`` sets any
-    other option of a role's settings (`EncoderSettings`, `PrefillSettings`, `DecodeSettings`, `ProxySettings`),
-    by role name; a name a role does not have is refused here."""
+    other option of a role's settings (`EncoderSettings`, `PrefillSettings`, `DecodeSettings`, `ProxySettings`,
+    `MonolithicSettings`, `FrontSettings`), by role name, or of one process by its name (`process_names`:
+    ``{"monolithic1": {"device": "cuda:1"}}``), which wins over its role's; a name that is neither, or an option
+    the role does not have, is refused here."""
 
     encoders: int = option(1, "encode servers")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
@@ -120,15 +132,20 @@ class Topology:
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
                                     "prefill answered, which gave the lower TTFT on 2 vCPUs "
                                     "(docs/serving.md, bench e2e)")
-    monolithic: bool = option(False, "one process serving the whole model behind OpenAI's chat API, the floor "
-                                     "E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, decode or "
-                                     "proxy")
+    monolithic: bool = option(False, "one process serving the whole model behind OpenAI's API (per replica), the "
+                                     "floor E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, "
+                                     "decode or proxy")
+    replicas: int = option(1, "monolithic servers (with --monolithic); more than one: behind a round-robin front "
+                              "(epd_lab.servers.front) whose URL is the cluster's proxy_url; one per GPU: "
+                              "--settings 'monolithic1={\"device\": \"cuda:1\"}'")
     kv_blocks: int = option(512, "KV-cache blocks per prefill and decode server")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
     media_roots: tuple[str, ...] = option((tempfile.gettempdir(),), "folders whose files the encoders serve as "
                                           "media items: the workbench writes its images to the temp folder; () "
                                           "for none")
-    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"cli": False})
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"help": (
+        "options of a role's settings, or of one process's (its name wins), as KEY=JSON, repeated: e.g. --settings "
+        "'decode={\"max_batch\": 4}' --settings 'encoder1={\"device\": \"cuda:1\"}'")})
     # the shared secret (`epd_lab.security`), handed to every process as EPD_SECRET in its environment, never on a
     # command line; None: each process inherits EPD_SECRET / EPD_SECRET_FILE from this one's environment, if set
     secret: str | None = field(default=None, repr=False, metadata={"cli": False})
@@ -167,7 +184,11 @@ class Topology:
         if self.prefills < 0 or self.decodes < 0:
             raise ValueError("prefills and decodes must be >= 0")
         if self.monolithic and (self.prefills or self.decodes or self.proxy):
-            raise ValueError("a monolithic topology starts one process: no prefills, decodes or proxy")
+            raise ValueError("a monolithic topology starts monolithic servers only: no prefills, decodes or proxy")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas > 1 and not self.monolithic:
+            raise ValueError("replicas are of the monolithic server: set monolithic=True")
         if self.proxy and not (self.prefills and self.decodes):
             raise ValueError("the proxy needs at least one prefill and one decode server")
         if self.ray_address:
@@ -182,22 +203,37 @@ class Topology:
             raise ValueError(f"ray_strategy must be one of {', '.join(STRATEGIES)}, got {self.ray_strategy!r}")
         for key, values in self.ray_options.items():
             check_ray_options(key, values)
-        for role, values in self.settings.items():
-            if role not in ROLES:
-                raise ValueError(f"settings for unknown role {role!r}; roles: {', '.join(ROLES)}")
+        processes = self.process_names()
+        for key, values in self.settings.items():
+            if key not in ROLES and key not in processes:
+                raise ValueError(f"settings for unknown role or process {key!r}; roles: {', '.join(ROLES)}; "
+                                 f"this topology's processes: {', '.join(processes)}")
+            role = key if key in ROLES else role_of(key)
             names = {f.name for f in fields(ROLES[role][1])}
             unknown = set(values) - names
             if unknown:
                 raise ValueError(f"{role} has no setting {', '.join(sorted(unknown))}; "
                                  f"it has {', '.join(sorted(names))}")
 
-    def role_settings(self, role: str, **wiring: Any) -> Any:
+    def process_names(self) -> list[str]:
+        """The processes this topology starts, in start order: ``encoder0``…, ``prefill0``…, ``decode0``…,
+        ``proxy``; monolithic: ``monolithic``, or ``monolithic0``… and ``front`` for several replicas."""
+        if self.monolithic:
+            if self.replicas == 1:
+                return ["monolithic"]
+            return [*(f"monolithic{i}" for i in range(self.replicas)), "front"]
+        return [*(f"encoder{i}" for i in range(self.encoders)), *(f"prefill{i}" for i in range(self.prefills)),
+                *(f"decode{i}" for i in range(self.decodes)), *(["proxy"] if self.proxy else [])]
+
+    def role_settings(self, role: str, process: str | None = None, **wiring: Any) -> Any:
         """The settings a `role` process starts with: this topology's shared options, the `wiring` the cluster
-        knows once earlier roles run (URLs), then ``settings[role]``. `ValueError` when the role refuses them."""
+        knows once earlier roles run (URLs), ``settings[role]``, then ``settings[process]`` (that process's own).
+        `ValueError` when the role refuses them."""
         _, cls, shared = ROLES[role]
         values = {name: getattr(self, name) for name in shared}
+        own = self.settings.get(process, {}) if process is not None and process != role else {}
         # one construction, not the shared settings then a replace: dtype "auto" resolves on the role's own device
-        return cls(**{**values, **wiring, **self.settings.get(role, {})})
+        return cls(**{**values, **wiring, **self.settings.get(role, {}), **own})
 
 
 class Cluster:
@@ -213,7 +249,8 @@ class Cluster:
         self.encoder_urls: list[str] = []
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
-        self.proxy_url: str | None = None
+        self.monolithic_urls: list[str] = []
+        self.proxy_url: str | None = None  # the one URL clients call: proxy, front, or the one monolithic server
         self._ray: Any = None  # launch_ray.RayRoles
         _LIVE.add(self)
         try:
@@ -222,8 +259,13 @@ class Cluster:
 
                 self._ray = RayRoles(topology, self.process_names())
             if topology.monolithic:
-                self.proxy_url = self._start("monolithic", "monolithic")
-                self._wait_healthy(self.proxy_url)
+                names = self.process_names()
+                for name in names[:topology.replicas]:
+                    self.monolithic_urls.append(self._start(name, "monolithic"))
+                self.proxy_url = (self.monolithic_urls[0] if topology.replicas == 1 else
+                                  self._start("front", "front", replicas=tuple(self.monolithic_urls)))
+                for url in self.urls():
+                    self._wait_healthy(url)
                 return
             for i in range(topology.encoders):
                 self.encoder_urls.append(self._start(f"encoder{i}", "encoder"))
@@ -244,20 +286,21 @@ class Cluster:
             raise
 
     def process_names(self) -> list[str]:
-        """The processes this topology starts, in `procs` order: ``encoder0``…, ``prefill0``…, ``decode0``…,
-        ``proxy``."""
-        t = self.topology
-        return [*(f"encoder{i}" for i in range(t.encoders)), *(f"prefill{i}" for i in range(t.prefills)),
-                *(f"decode{i}" for i in range(t.decodes)), *(["proxy"] if t.proxy else [])]
+        """The processes this topology starts, in `procs` order (`Topology.process_names`)."""
+        return self.topology.process_names()
 
-    def command(self, role: str, **wiring: Any) -> list[str]:
-        """The command line a `role` process of this cluster starts with (port 0: the OS picks)."""
+    def command(self, role: str, process: str | None = None, **wiring: Any) -> list[str]:
+        """The command line a `role` process of this cluster (`process`: its name, for its own settings) starts
+        with (port 0: the OS picks)."""
         module = ROLES[role][0]
-        return [sys.executable, "-m", module, *to_argv(self.topology.role_settings(role, **wiring))]
+        return [sys.executable, "-m", module, *to_argv(self.topology.role_settings(role, process, **wiring))]
 
     def urls(self) -> list[str]:
-        """Every server's base URL: encoders, prefills, decodes, proxy."""
-        return [*self.encoder_urls, *self.prefill_urls, *self.decode_urls, *([self.proxy_url] if self.proxy_url else [])]
+        """Every server's base URL, in `procs` order: encoders, prefills, decodes, proxy; or monolithic servers
+        and their front."""
+        # one monolithic server is its own proxy_url: listed once
+        front = [self.proxy_url] if self.proxy_url and self.proxy_url not in self.monolithic_urls else []
+        return [*self.encoder_urls, *self.prefill_urls, *self.decode_urls, *self.monolithic_urls, *front]
 
     def _start(self, name: str, role: str, **wiring: Any) -> str:
         log = self.log_dir / f"{name}.log"
@@ -265,12 +308,12 @@ class Cluster:
         timeout = 6 * self.topology.timeout
         trace = {"EPD_TRACE": "1" if self.topology.trace else "0"}
         if self._ray is not None:
-            device = getattr(self.topology.role_settings(role, **wiring), "device", "cpu")
-            proc = self._ray.spawn(name, role, self.command(role, **wiring), trace, device)
+            device = getattr(self.topology.role_settings(role, name, **wiring), "device", "cpu")
+            proc = self._ray.spawn(name, role, self.command(role, name, **wiring), trace, device)
             self.procs.append(proc)
             return proc.await_url(timeout)
         netns, host = self.topology.hosts.get(name, ("", None))
-        cmd = self.command(role, **wiring, **({"host": host} if host else {}))
+        cmd = self.command(role, name, **wiring, **({"host": host} if host else {}))
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         proc = procs.spawn(cmd, log, {**self._environment(), **trace})
@@ -350,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     topo = from_argv(Topology, argv, "epd-lab launch", main.__doc__)
     with Cluster(topo) as cluster:
         print(json.dumps({"encoders": cluster.encoder_urls, "prefills": cluster.prefill_urls,
-                          "decodes": cluster.decode_urls, "proxy": cluster.proxy_url, "backend": topo.backend,
+                          "decodes": cluster.decode_urls, "monolithic": cluster.monolithic_urls,
+                          "proxy": cluster.proxy_url, "backend": topo.backend,
                           "logs": [str(p) for p in cluster.logs]}), flush=True)
         try:
             while all(cluster.alive()):

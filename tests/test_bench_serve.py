@@ -19,7 +19,7 @@ from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.bench.serve.metrics import (RequestOutput, calculate_metrics, is_good, outputs_from_result,
                                          parse_goodput, percentile_key)
 from epd_lab.bench.serve.run import ServeConfig
-from epd_lab.bench.serve.topologies import launch, topology
+from epd_lab.bench.serve.topologies import launch, parse_devices, topology
 from epd_lab.launch import Topology
 from epd_lab.noise import random_png
 from epd_lab.viz import pareto_front
@@ -228,6 +228,19 @@ def test_topologies_by_name():
         Topology(monolithic=True, proxy=True, prefills=1, decodes=1)
 
 
+def test_replicas_and_devices_by_name():
+    replicas = topology("2xmonolithic", device="cuda:0", devices=parse_devices("monolithic1=cuda:1"))
+    assert (replicas.monolithic, replicas.replicas, replicas.device) == (True, 2, "cuda:0")
+    assert replicas.settings == {"monolithic": {"media_private_hosts": False}, "monolithic1": {"device": "cuda:1"}}
+    e_apart = topology("1e1p1d", device="cuda:0", devices={"encoder": "cuda:1"})
+    assert e_apart.role_settings("encoder", "encoder0").device == "cuda:1"
+    assert e_apart.role_settings("prefill", "prefill0").device == "cuda:0"
+    with pytest.raises(ValueError, match="unknown role or process 'monolithic1'"):
+        topology("1e1p1d", devices={"monolithic1": "cuda:1"})
+    with pytest.raises(ValueError, match="not NAME=DEVICE"):
+        parse_devices("encoder0")
+
+
 # ---- short real runs: 1E1P1D and the monolithic floor, by data URI and by URL ----
 
 @pytest.fixture(scope="module")
@@ -266,6 +279,14 @@ def test_the_monolithic_floor_answers_as_the_split_does(requests, epd_answers):
     assert result["completed"] == 4
     assert result["generated_texts"] == epd_answers["data-uri"]["generated_texts"]
     assert result["epd_lab"]["server"]["critical_path_ms"]["prefill"] > 0
+
+
+def test_two_monolithic_replicas_answer_as_the_split_does(requests, epd_answers):
+    with launch("2xmonolithic", media_url=True) as cluster:
+        result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media="url", progress=False))
+        served = [r["served"] for r in httpx.get(cluster.proxy_url + "/health", timeout=10).json()["replicas"]]
+    assert result["completed"] == 4 and min(served) > 0  # both replicas took requests
+    assert result["generated_texts"] == epd_answers["data-uri"]["generated_texts"]
 
 
 def test_encoders_refuse_the_bench_urls_unless_their_policy_allows_loopback(requests):

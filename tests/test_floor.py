@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.launch import ROLES, Cluster, Topology
 from epd_lab.servers.decode import DecodeSettings
+from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.prefill import PrefillSettings
@@ -44,6 +45,9 @@ NON_DEFAULT = [
                   policy="least_loaded", retry_after=0.5, model="m", pipelined=True),
     Topology(encoders=3, backend="zmq_to_scheduler", prefills=1, decodes=2, proxy=True, trace=False),
     MonolithicSettings(kv_blocks=32, block_size=8, max_batch=2, media_roots=("/tmp",), media_private_hosts=True),
+    FrontSettings(replicas=("http://127.0.0.1:6", "http://127.0.0.1:7"), policy="least_loaded", retry_after=0.5,
+                  timeout=3.0, model="m"),
+    Topology(monolithic=True, replicas=2, settings={"monolithic1": {"device": "cuda:1"}, "front": {"timeout": 5}}),
 ]
 
 
@@ -51,8 +55,8 @@ NON_DEFAULT = [
 def test_settings_survive_their_command_line(settings) -> None:
     argv = to_argv(settings)
     assert from_argv(type(settings), argv) == settings
-    # only what differs from the defaults is written
-    assert len([a for a in argv if a.startswith("--")]) == sum(
+    # only what differs from the defaults is written (a mapping's flag once per key)
+    assert len({a for a in argv if a.startswith("--")}) == sum(
         getattr(settings, f.name) != (f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
         for f in dataclasses.fields(settings) if f.metadata.get("cli", True))
 
@@ -238,7 +242,8 @@ def test_every_role_serves_its_openapi_schema(role) -> None:
     assert {"/health", "/metrics", "/v1/spans", "/v1/clock"} <= set(r.json()["paths"])
 
 
-@pytest.mark.parametrize("command", ["encoder", "prefill-server", "decode-server", "proxy", "monolithic", "launch"])
+@pytest.mark.parametrize("command", ["encoder", "prefill-server", "decode-server", "proxy", "monolithic", "front",
+                                     "launch"])
 def test_every_role_has_its_command_line(command, capsys) -> None:
     """``epd-lab <role> --help`` reaches the role's settings parser (the CLI imports the right module)."""
     from epd_lab import cli

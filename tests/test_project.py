@@ -71,7 +71,8 @@ def test_the_local_launcher_does_not_import_ray():
 
 
 def test_the_proxy_does_not_import_torch():
-    """The proxy holds no model and stays torch-free: its messages' field types come from
-    `epd_lab.wire_types`, shared with `ep.messages` (which imports torch)."""
-    code = "import sys, epd_lab.servers.proxy; assert 'torch' not in sys.modules, 'torch imported'"
+    """The proxy and the replicas' front hold no model and stay torch-free: the proxy's messages' field types come
+    from `epd_lab.wire_types`, shared with `ep.messages` (which imports torch)."""
+    code = ("import sys, epd_lab.servers.proxy, epd_lab.servers.front; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

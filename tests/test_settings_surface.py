@@ -1,6 +1,6 @@
 """The roles' command lines are a public interface: every flag each role's settings expose, with its default, and
 the messages its checks refuse a value with, written out literally (taken from the settings before they shared
-their fields through `epd_lab.serving.role_settings`), so that a flag dropped, renamed or given another default
+their fields through `ServerSettings` and the placement bases), so that a flag dropped, renamed or given another default
 fails here.
 """
 from __future__ import annotations
@@ -29,10 +29,13 @@ SURFACE: dict[str, dict[str, object]] = {
     "proxy": {"--prefill": REQUIRED, "--decode": REQUIRED, "--host": "127.0.0.1", "--port": 0,
               "--policy": "round_robin", "--timeout": 30.0, "--retry-after": 5.0, "--model": MODEL_ID,
               "--pipelined": False},
+    "front": {"--replica": REQUIRED, "--host": "127.0.0.1", "--port": 0, "--policy": "round_robin",
+              "--timeout": 30.0, "--retry-after": 5.0, "--model": MODEL_ID},
     "monolithic": {"--host": "127.0.0.1", "--port": 0, **PLACEMENT, "--timeout": 10.0, "--kv-blocks": 512,
                    "--block-size": 16, "--max-batch": 16, "--media-roots": (), "--media-private-hosts": False},
 }
-URLS = {"prefills": ("http://p:1",), "decodes": ("http://d:1",)}  # the proxy's required settings
+# the required settings: the proxy's and the front's URLs
+REQUIRED_BY = {"proxy": {"prefills": ("http://p:1",), "decodes": ("http://d:1",)}, "front": {"replicas": ("http://m:1",)}}
 # (role, a value its checks refuse, the message): one per check, word for word
 REFUSED = [
     *[(role, {"device": "gpu"}, "device must be cpu, cuda or cuda:N, got 'gpu'")
@@ -59,6 +62,10 @@ REFUSED = [
     ("proxy", {"decodes": ("d:1",)}, "decode URL 'd:1' must start with http:// or https://"),
     ("proxy", {"policy": "x"}, "unknown policy 'x'; choose one of"),
     ("proxy", {"retry_after": -1}, "retry_after must be >= 0, got -1"),
+    ("front", {"replicas": ()}, "at least one replica URL is needed"),
+    ("front", {"replicas": ("m:1",)}, "replica URL 'm:1' must start with http:// or https://"),
+    ("front", {"policy": "x"}, "unknown policy 'x'; choose one of"),
+    ("front", {"retry_after": -1}, "retry_after must be >= 0, got -1"),
 ]
 
 
@@ -83,4 +90,4 @@ def test_each_role_keeps_its_flags_and_defaults(role: str) -> None:
 def test_each_role_keeps_its_checks(role: str, bad: dict, message: str) -> None:
     cls = ROLES[role][1]
     with pytest.raises(ValueError, match=re.escape(message)):
-        cls(**({**URLS, **bad} if role == "proxy" else bad))
+        cls(**{**REQUIRED_BY.get(role, {}), **bad})

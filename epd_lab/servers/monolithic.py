@@ -7,7 +7,8 @@ cache's blocks, one request at a time; `DecodeScheduler` steps every admitted re
 as the decode server does. So the floor overlaps one prefill with the decode batch, as an engine without chunked
 prefill does, and spends its two threads where E→P→D spreads over processes.
 
-Routes: ``POST /v1/chat/completions`` (streamed or not; greedy at temperature 0, else sampled), ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed or not; greedy at temperature 0, else
+sampled), ``GET /v1/models``,
 ``/health``, ``/metrics``, ``/v1/spans``, ``/v1/clock``. Spans per request: ``proxy_parse``, ``load`` (media read and
 headers parsed), ``vit`` (pixels decoded, preprocessed, encoded), ``prefill``, ``ttft``, ``decode_step``s, ``e2e``.
 
@@ -156,19 +157,19 @@ class MonolithicServer:
 
 def create_app(settings: MonolithicSettings) -> FastAPI:
     """The monolithic server's app; the model loads in its lifespan."""
-    app = role_app("monolithic", lambda: MonolithicServer(settings), ("/v1/chat/completions", "/v1/models"),
-                   error_body=error_body)
+    app = role_app("monolithic", lambda: MonolithicServer(settings),
+                   ("/v1/chat/completions", "/v1/completions", "/v1/models"), error_body=error_body)
 
     @app.get("/v1/models")
     async def list_models() -> Any:
         return json_response({"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "epd_lab",
                                                           "root": MODEL_ID}]})
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def complete(request: Request, kind: str) -> Response:
+        """A chat (`kind` "chat") or text completion (`kind` "text"), whole or streamed."""
         server: MonolithicServer = app.state.server
         t0 = time.monotonic_ns()
-        job, prompt, items = parse_request(decode_body(await read_body(request)), "chat", t0)
+        job, prompt, items = parse_request(decode_body(await read_body(request)), kind, t0)
         server.recorder.add(Span(job.rid, -1, "proxy_parse", server.recorder.node, t0, time.monotonic_ns()))
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -190,6 +191,14 @@ def create_app(settings: MonolithicSettings) -> FastAPI:
         server.served += 1
         return json_response(completion(job, MODEL_ID, detokenize(tokens), "length", len(tokens)))
 
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await complete(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(request, "text")
+
     return app
 
 
@@ -205,7 +214,8 @@ async def _events(server: MonolithicServer, job: Job, gen: Generation, queue: as
     """OpenAI's SSE events of a streamed request: the role chunk, text deltas, the finish chunk, usage, [DONE]."""
     detok, count = Detokenizer(), 0
     try:
-        yield chunk(job, MODEL_ID, "", role=True)
+        if job.kind == "chat":  # the role chunk is chat's only
+            yield chunk(job, MODEL_ID, "", role=True)
         try:
             async for token in _tokens(queue):
                 count += 1
@@ -217,7 +227,7 @@ async def _events(server: MonolithicServer, job: Job, gen: Generation, queue: as
             return
         if tail := detok.flush():
             yield chunk(job, MODEL_ID, tail)
-        yield chunk(job, MODEL_ID, None, "length")
+        yield chunk(job, MODEL_ID, None if job.kind == "chat" else "", "length")
         if job.include_usage:
             yield chunk(job, MODEL_ID, None, usage=usage(job, count))
         yield b"data: [DONE]\n\n"

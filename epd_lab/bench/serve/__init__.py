@@ -25,7 +25,7 @@ from epd_lab.bench.serve.datasets import (DATASETS, SampleRequest, image_dataset
                                           random_mm)
 from epd_lab.bench.serve.metrics import METRICS, parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark
-from epd_lab.bench.serve.topologies import launch
+from epd_lab.bench.serve.topologies import launch, parse_devices
 from epd_lab.servers.openai_api import MODEL_ID
 
 __all__ = ["ServeConfig", "benchmark", "load_requests", "main", "summary_lines"]
@@ -80,10 +80,14 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="epd-lab bench serve", description=__doc__.splitlines()[0])
     where = ap.add_argument_group("where")
     where.add_argument("--base-url", help="the server's root, e.g. http://127.0.0.1:8000 (or --launch)")
-    where.add_argument("--launch", metavar="TOPOLOGY", help="start an epd_lab cluster on loopback: monolithic, or "
-                       "NeMpKd (1e1p1d, 2e1p1d: encoders, prefills, decodes behind the proxy)")
+    where.add_argument("--launch", metavar="TOPOLOGY", help="start an epd_lab cluster on loopback: monolithic, "
+                       "Nxmonolithic (2xmonolithic: replicas behind a round-robin front), or NeMpKd (1e1p1d, "
+                       "2e1p1d: encoders, prefills, decodes behind the proxy)")
     where.add_argument("--backend", default="mooncake", help="the launched cluster's E→P backend")
     where.add_argument("--device", default="cpu", help="the launched cluster's device")
+    where.add_argument("--devices", type=parse_devices, default={}, metavar="NAME=DEVICE[,...]",
+                       help="roles' or processes' own devices over --device, e.g. monolithic1=cuda:1 or "
+                       "encoder=cuda:1")
     where.add_argument("--instant", action="store_true", help="against a server that answers at once (the "
                        "bench's own cost)")
     where.add_argument("--model", default=MODEL_ID, help="the model field of each request")
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.launch:
             cluster = stack.enter_context(launch(args.launch, backend=args.backend, device=args.device,
-                                                 model=args.launch_model,
+                                                 devices=args.devices, model=args.launch_model,
                                                  media_url=args.media == "url"))
             config.base_url = cluster.proxy_url
         elif args.instant:

@@ -10,7 +10,9 @@ no request hits an encoder's embedding cache; every topology gets the same reque
 (`point_row`) and ``OUT/sweep.json`` the settings. A later call into the same folder replaces the rows of the
 topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in
 each JSON let goodput be recomputed for
-any other SLOs afterwards (`epd_lab.viz.goodput`).
+any other SLOs afterwards (`epd_lab.viz.goodput`). On several GPUs, ``--devices monolithic1=cuda:1`` (or
+``encoder=cuda:1``) places a role or a process over ``--device`` for every topology of the call: one placement per
+call, each into its own ``--out`` (two placements of ``1e1p1d`` would share ``OUT/1e1p1d/``; docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import pandas as pd
 from epd_lab.bench.serve.datasets import image_dataset
 from epd_lab.bench.serve.metrics import parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark
-from epd_lab.bench.serve.topologies import launch, topology
+from epd_lab.bench.serve.topologies import launch, parse_devices, topology
 
 SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -95,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
     ap.add_argument("--backend", default="mooncake")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--devices", type=parse_devices, default={}, metavar="NAME=DEVICE[,...]",
+                    help="roles' or processes' own devices over --device (monolithic1=cuda:1), for every topology "
+                    "of the call: a name one of them does not start is refused")
     ap.add_argument("--launch-model", default=None)
     ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of each prefill, decode or floor")
     ap.add_argument("--seed", type=int, default=0)
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.random_input_len, args.random_output_len)
 
     topologies = args.topologies.split(",")
-    options = {"backend": args.backend, "device": args.device, "model": args.launch_model,
+    options = {"backend": args.backend, "device": args.device, "devices": args.devices, "model": args.launch_model,
                "media_url": args.media == "url", "kv_blocks": args.kv_blocks}
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "topologies", "goodput")}
     rate_sweep(topologies, rates, make_requests, config, args.out, options, settings)

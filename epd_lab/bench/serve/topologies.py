@@ -1,30 +1,62 @@
 """The clusters `epd-lab bench serve --launch` and the rate sweep start: the monolithic floor, or E→P→D as NeMpKd.
 
-``monolithic`` is one process (`epd_lab.servers.monolithic`); ``1e1p1d`` is 1 encoder, 1 prefill, 1 decode and the
-proxy; ``2e1p1d`` two encoders, and so on. With `media_url` the model roles fetch http(s) media from loopback
-(``media_private_hosts``): the bench's media server listens on 127.0.0.1, which their policy refuses otherwise.
+``monolithic`` is one process (`epd_lab.servers.monolithic`); ``2xmonolithic`` two of them behind the round-robin
+front (`epd_lab.servers.front`); ``1e1p1d`` is 1 encoder, 1 prefill, 1 decode and the proxy; ``2e1p1d`` two
+encoders, and so on. With `media_url` the model roles fetch http(s) media from loopback (``media_private_hosts``):
+the bench's media server listens on 127.0.0.1, which their policy refuses otherwise.
+
+`devices` places roles or single processes over `device` (``--devices monolithic1=cuda:1`` or
+``encoder=cuda:1,prefill0=cuda:0``): a process's entry wins over its role's; a name the topology does not start
+is refused (`Topology`'s check), before any process starts.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from epd_lab.launch import Cluster, Topology
 
 _SPLIT = re.compile(r"(\d+)e(\d+)p(\d+)d")
+_REPLICAS = re.compile(r"(\d+)xmonolithic")
+
+
+def parse_devices(text: str) -> dict[str, str]:
+    """``NAME=DEVICE[,NAME=DEVICE...]`` (a role or process name, and a device) as a dict; `ValueError` if
+    malformed."""
+    devices = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, device = (s.strip() for s in item.partition("="))
+        if not (sep and name and device):
+            raise ValueError(f"{item!r} is not NAME=DEVICE (e.g. monolithic1=cuda:1)")
+        devices[name] = device
+    return devices
 
 
 def topology(name: str, backend: str = "mooncake", device: str = "cpu", model: str | None = None,
-             media_url: bool = False, kv_blocks: int = 1024) -> Topology:
-    """The `Topology` a name stands for; `ValueError` for an unknown name."""
+             media_url: bool = False, kv_blocks: int = 1024, devices: Mapping[str, str] | None = None) -> Topology:
+    """The `Topology` a name stands for; `ValueError` for an unknown name, or a `devices` name it does not
+    start."""
     shared = {"device": device, "model": model, "kv_blocks": kv_blocks, "timeout": 60.0}
-    if name == "monolithic":
-        return Topology(monolithic=True, settings={"monolithic": {"media_private_hosts": media_url}}, **shared)
+    replicas = _REPLICAS.fullmatch(name)
+    if name == "monolithic" or replicas:
+        media = {"monolithic": {"media_private_hosts": media_url}}
+        return Topology(monolithic=True, replicas=int(replicas.group(1)) if replicas else 1,
+                        settings=_placed(media, devices), **shared)
     match = _SPLIT.fullmatch(name)
     if match is None:
-        raise ValueError(f"unknown topology {name!r}: monolithic, or NeMpKd such as 1e1p1d")
+        raise ValueError(f"unknown topology {name!r}: monolithic, Nxmonolithic such as 2xmonolithic, or NeMpKd such "
+                         f"as 1e1p1d")
     encoders, prefills, decodes = map(int, match.groups())
     return Topology(encoders=encoders, prefills=prefills, decodes=decodes, proxy=True, backend=backend,
-                    settings={"encoder": {"media_private_hosts": media_url}}, **shared)
+                    settings=_placed({"encoder": {"media_private_hosts": media_url}}, devices), **shared)
+
+
+def _placed(settings: dict[str, dict], devices: Mapping[str, str] | None) -> dict[str, dict]:
+    """`settings` with each of `devices`' names given its ``device``."""
+    placed = {key: dict(values) for key, values in settings.items()}
+    for name, device in (devices or {}).items():
+        placed.setdefault(name, {})["device"] = device
+    return placed
 
 
 def launch(name: str, **options: object) -> Cluster:
