@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from epd_lab import faults as fp
+from epd_lab import failpoints as fp
 from epd_lab.campaign import netns
 from epd_lab.campaign.common import Prompts
 from epd_lab.campaign.faults import Cell, cell_seed, matrix, reproduce, run_cell
@@ -75,7 +75,7 @@ def test_matrix_names_every_role_action_and_step():
 
 PROBE = """
 import sys, time
-from epd_lab.faults import failpoint
+from epd_lab.failpoints import failpoint
 print("before", flush=True)
 failpoint("decode.mid_stream")
 failpoint("decode.mid_stream")  # fires once per arming
@@ -127,7 +127,7 @@ def test_failpoint_unset_costs_nothing():
 
 THREAD_PROBE = """
 import threading, time
-from epd_lab.faults import failpoint
+from epd_lab.failpoints import failpoint
 after = []
 def worker():
     failpoint("prefill.kv_write")

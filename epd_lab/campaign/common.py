@@ -202,14 +202,9 @@ def judge(outcomes: list[Outcome], expected: list[str | None]) -> None:
             o.matches = expected[o.prompt] is not None and o.text == expected[o.prompt]
 
 
-def process_names(cluster: Cluster) -> list[str]:
-    """The cluster's processes by name (``encoder0``, ``prefill1``, ``proxy`` ...), in `cluster.procs` order."""
-    return [log.stem for log in cluster.logs]
-
-
 def role_urls(cluster: Cluster) -> dict[str, str]:
     """Process name → base URL."""
-    return dict(zip(process_names(cluster), cluster.urls()))
+    return dict(zip(cluster.process_names(), cluster.urls()))
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -292,7 +287,7 @@ class Sampler:
 
     def __init__(self, cluster: Cluster, t0: float, interval: float = 0.25) -> None:
         self.cluster, self.t0, self.interval = cluster, t0, interval
-        self.names = process_names(cluster)
+        self.names = cluster.process_names()
         self.urls = role_urls(cluster)
         self.pids = {name: p.pid for name, p in zip(self.names, cluster.procs)}
         self.rows: list[dict[str, Any]] = []

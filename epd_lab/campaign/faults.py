@@ -2,7 +2,7 @@
 prefill, decode) × an action (``kill``: SIGKILL; ``freeze``: SIGSTOP for `fault_s`, then SIGCONT; ``slow``: a
 100 ms SIGSTOP / 100 ms SIGCONT duty cycle for `fault_s`) × a protocol step (`STEPS`).
 
-The step is hit exactly with a failpoint (`epd_lab.faults`): the cluster runs with ``EPD_FAILPOINTS=@<dir>``,
+The step is hit exactly with a failpoint (`epd_lab.failpoints`): the cluster runs with ``EPD_FAILPOINTS=@<dir>``,
 the step's point is armed in one process (the first of the role the point belongs to), in-flight requests
 are sent, and that process stops itself at the step. Then the action: on that process when the victim's role
 is the point's, else on the victim's replica holding the most work at that moment (its /metrics), the
@@ -33,9 +33,9 @@ from typing import Any, Iterator
 
 from epd_lab.campaign.netns import Hosts, available
 from epd_lab.campaign.common import (Outcome, Progress, Prompts, Sampler, chat, client_session,
-                                     counts, judge, machine, percentiles, process_names, refusals, target,
+                                     counts, judge, machine, percentiles, refusals, target,
                                      wait_idle)
-from epd_lab.faults import POINTS, arm, disarm, is_stopped, wait_stopped
+from epd_lab.failpoints import POINTS, arm, disarm, is_stopped, wait_stopped
 from epd_lab.launch import Cluster, Topology
 
 ROLES = ("encoder", "prefill", "decode")
@@ -190,7 +190,7 @@ def run_cell(cell: Cell, *, seed: int, prompts: Prompts, multi: Prompts, infligh
             topology = dataclasses.replace(topology, transport="tcp", hosts=placement)
         with _failpoint_env(fp_dir):
             cluster = stack.enter_context(Cluster(topology))
-        names = process_names(cluster)
+        names = cluster.process_names()
         pids = {n: p.pid for n, p in zip(names, cluster.procs)}
         loop = _Loop(inflight + 2 * concurrency)
         url = cluster.proxy_url

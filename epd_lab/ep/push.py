@@ -7,7 +7,7 @@ import threading
 import zmq
 
 from epd_lab import security
-from epd_lab.faults import failpoint
+from epd_lab.failpoints import failpoint
 
 NOTIFY_MAX_BYTES = 1 << 20  # a metadata-only notification (mooncake backend) is far smaller: the receiver's bound
 

@@ -64,7 +64,7 @@ from epd_lab.ep.messages import (
 from epd_lab import security
 from epd_lab.ep.messages import MAX_ZMQ_BYTES
 from epd_lab.ep.push import NOTIFY_MAX_BYTES
-from epd_lab.faults import failpoint
+from epd_lab.failpoints import failpoint
 from epd_lab.http_client import HTTPError, KeepAliveClient
 from epd_lab.serving import PROBE_INTERVAL, PROBE_TIMEOUT, Liveness
 from epd_lab.trace import Recorder, clock_id

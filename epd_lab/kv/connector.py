@@ -72,7 +72,7 @@ from epd_lab.kv.messages import (
 )
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.kv.runs import BlockCopies, block_copies
-from epd_lab.faults import failpoint
+from epd_lab.failpoints import failpoint
 from epd_lab.transfer.engine import parse_session_id
 
 log = logging.getLogger(__name__)

@@ -66,7 +66,7 @@ from fastapi.responses import Response
 
 from epd_lab import models
 from epd_lab.ep.messages import DTYPES
-from epd_lab.faults import failpoint
+from epd_lab.failpoints import failpoint
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.models.runtime import open_runtime

@@ -93,7 +93,7 @@ from epd_lab.ep.messages import (
     zmq_url,
 )
 from epd_lab.ep.push import PushSockets
-from epd_lab.faults import failpoint
+from epd_lab.failpoints import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                              Metric, NotFound, ServingError, Ticket, Unavailable, decode_body, engine_metrics,
                              json_response, option, read_body, read_struct, role_app, serve_main)
