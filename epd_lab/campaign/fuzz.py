@@ -748,11 +748,13 @@ def fuzz(cluster: Any, *, inputs_per_server: int, frames_per_socket: int, seed: 
     legit_before = _legit_chat(cluster.proxy_url, timeout) if cluster.proxy_url else (None, "no proxy")
     say(f"fuzz: {len(roles)} servers, seed {seed}, legit chat before: {legit_before[1][:60]}")
 
-    # the slices of the budget: HTTP 60 %, frames 35 %, the guarded engine the rest
+    # the slices of the budget: HTTP 60 %, frames 35 %, the guarded engine the rest; the servers' HTTP shares are
+    # counted from here, after the legit chat, so that a slow host's set-up does not eat the first server's share
+    t_http = time.monotonic()
     http_end = t0 + 0.6 * time_budget_s
     servers: dict[str, Any] = {}
     for i, (name, url, _) in enumerate(roles):
-        share = t0 + (http_end - t0) * (i + 1) / len(roles)
+        share = t_http + max(0.0, http_end - t_http) * (i + 1) / len(roles)
         spec = httpx.get(url + "/openapi.json", timeout=timeout, headers=_auth())
         if spec.status_code != 200:
             servers[name] = {"url": url, "inputs": 0, "outcomes": {"openapi_5xx": 1}, "failures": [
