@@ -12,6 +12,10 @@
 #               request rate for $RATES_TOPOLOGIES (default monolithic,1e1p1d,2e1p1d; one per call fits the budget) at
 #               $RATES (req/s), $RATES_PROMPTS requests each, $RATES_IMAGES x $RATES_RESOLUTION, into
 #               $OUT/goodput-h200-<model>-<images>x<side>/ (a later call adds its topologies to the same folder)
+#     ab        before/after, side by side: `bench e2e` of $AB_MODEL (qwen2-vl-2b), mooncake only, $SIZES x $IMAGES at
+#               $CONCURRENCY, for this tree ("head") and for $AB_BASE (another commit's tree inside this one, e.g.
+#               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times:
+#               $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own monolithic row)
 #     runtime   epd-lab bench runtime --device cuda --models $RT_MODELS (default qwen2-vl-2b,qwen2-vl-7b): the model
 #               runtimes $RT_RUNTIMES (default hf,fast) in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)
 #
@@ -94,6 +98,24 @@ for stage in "$@"; do
                 --goodput ${RATES_SLOS:-ttft:300 tpot:30} --out "$dir" 2>&1 | stamp
             say "rates: exit ${PIPESTATUS[0]}"
             ;;
+        ab)
+            [ -d "${AB_BASE:-}" ] || { say "ab: AB_BASE is not a directory"; exit 2; }
+            (cd "$AB_BASE" && python3 setup.py -q build_ext --inplace > /tmp/build-base.log 2>&1) ||
+                { tail -20 /tmp/build-base.log | stamp; exit 1; }
+            for round in $(seq "${AB_ROUNDS:-2}"); do
+                for side in base head; do
+                    tree=$ROOT
+                    [ "$side" = base ] && tree=$(cd "$AB_BASE" && pwd)
+                    say "ab round $round: $side ($tree)"
+                    (cd "$tree" && PYTHONPATH=$tree:/tmp/site timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e \
+                        --device cuda --model "${AB_MODEL:-qwen2-vl-2b}" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
+                        --media "${MEDIA:-data-uri}" --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" \
+                        --kv-tokens 4096 --backends mooncake \
+                        --json "$OUT/e2e-cuda-${AB_MODEL:-qwen2-vl-2b}-ab-$side-r$round.json") 2>&1 | stamp
+                    say "ab $side r$round: exit ${PIPESTATUS[0]}"
+                done
+            done
+            ;;
         runtime)
             say "bench runtime --models ${RT_MODELS:=qwen2-vl-2b,qwen2-vl-7b}"
             timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench runtime --device cuda --models "$RT_MODELS" \
@@ -112,7 +134,7 @@ for stage in "$@"; do
                 say "notebook skipped: papermill, plotly or ipykernel is not installed here"
             fi
             ;;
-        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, rates, runtime, notebook)"; exit 2 ;;
+        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, ab, rates, runtime, notebook)"; exit 2 ;;
     esac
 done
 say "done"

@@ -42,6 +42,7 @@ import uuid
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import msgspec
 import torch
@@ -367,9 +368,17 @@ class EmbeddingReceiver:
                 rkey = self.engine.register(base, total)
             try:
                 failpoint("prefill.between_encode_and_send")
-                self._parallel(plans, lambda p: self._send(rid, p, base + offsets[p.part_idx],
-                                                           responses[p.part_idx], rkey, sent))
-                messages = self._wait(rid, plans, futures, deadline)
+                # the notifies are awaited, not the /send answers: an answer comes after its notify, one loop
+                # and one HTTP response later; a /send that fails fails its part's wait at once
+                sends = [self._io.submit(self._send, rid, p, base + offsets[p.part_idx], responses[p.part_idx],
+                                         rkey, sent) for p in plans]
+                for plan, send in zip(plans, sends):
+                    send.add_done_callback(partial(_fail_part, futures[part_req_id(rid, plan.part_idx)]))
+                try:
+                    messages = self._wait(rid, plans, futures, deadline)
+                except BaseException:  # every /send settled first: the caller then knows what each encoder holds
+                    concurrent.futures.wait(sends, max(0.0, deadline - time.monotonic()))
+                    raise
             finally:
                 self.engine.deregister(base)  # no write can land once this returns
             with self.recorder.span("reassemble", rid, nbytes=total):
@@ -584,6 +593,14 @@ def _health_answers(url: str) -> bool:
         return False
     finally:
         conn.close()
+
+
+def _fail_part(part: Future, send: Future) -> None:
+    """A part's /send failed: its wait ends with that error (unless its notify, or another error, came first)."""
+    exc = send.exception()
+    if exc is not None:
+        with contextlib.suppress(InvalidStateError):
+            part.set_exception(exc)
 
 
 def _tensor_from_bytes(msg: EmbeddingNotify, raw, copy: bool = False) -> torch.Tensor:

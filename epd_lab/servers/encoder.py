@@ -46,8 +46,8 @@ The encoder's own `Recorder` keeps the full spans.
 
 Threads: the event loop only routes and keeps the state. Whatever costs more than microseconds runs elsewhere,
 in as few hops as the work allows: /encode parses its body (megabytes with data: URIs), reads, base64-decodes,
-hashes and opens the media in one thread; the worker decodes and runs the ViT; /send writes and notifies in one
-thread; the zmq backends build and push their message in one thread.
+hashes and opens the media in one thread, which hands them to the worker; the worker decodes and runs the ViT;
+/send's write and notify run in one sender thread as soon as the ViT ends; the zmq backends build and push their message in one thread.
 
 Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang), under a `MediaPolicy`:
 local paths only inside ``--media-roots`` (none by default), http(s) only to public addresses unless
@@ -208,6 +208,7 @@ class MMEncoder:
                        if settings.backend == "mooncake" else None)
         self.pushers = PushSockets(settings.timeout)
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-vit")
+        self.sender = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="epd-send")
         self.held: dict[str, _Held] = {}
         self.receive_urls: dict[str, _ReceiveUrls] = {}
         self.encoder_idx: int | None = None  # the latest /encode's encoder_idx: this server's place in its list
@@ -232,24 +233,27 @@ class MMEncoder:
         try:
             body = await body
             try:  # one thread hop for the body and the media: megabytes of JSON and base64 with data: URIs
-                req, modality, items, spans = await asyncio.to_thread(self._read_request, body, t_in)
+                req, modality, items, future = await asyncio.to_thread(self._read_request, body, t_in)
             except MediaError as exc:
                 raise BadRequest(str(exc)) from None
-            if req.encoder_idx is not None:
-                self.encoder_idx = req.encoder_idx
-            sizes = [item.image.size for item in items]
-            n_tokens = sum(models.num_image_tokens(size) for size in sizes)
-            resp = EncodeResponse(req.req_id, req.part_idx, n_tokens * self.embedding_dim * self.itemsize, n_tokens,
-                                  self.embedding_dim, self.settings.dtype,
-                                  [list(models.image_grid(s)) for s in sizes])
-            if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
-                raise Conflict(f"req_id {req.req_id!r} is already held here, waiting for /send")
-            if req.req_id in self.released_ids:  # its /release overtook it (a cut link, a freeze): hold nothing
-                raise Conflict(f"req_id {req.req_id!r} was released before its /encode was read")
-            if self.settings.backend == "mooncake":
-                self._check_held_bytes(resp.embedding_size)
-            future = self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, spans)
-            failpoint("encoder.before_encode_reply")
+            try:
+                if req.encoder_idx is not None:
+                    self.encoder_idx = req.encoder_idx
+                sizes = [item.image.size for item in items]
+                n_tokens = sum(models.num_image_tokens(size) for size in sizes)
+                resp = EncodeResponse(req.req_id, req.part_idx, n_tokens * self.embedding_dim * self.itemsize,
+                                      n_tokens, self.embedding_dim, self.settings.dtype,
+                                      [list(models.image_grid(s)) for s in sizes])
+                if req.req_id in self.held:  # checked after the load: another /encode may have come meanwhile
+                    raise Conflict(f"req_id {req.req_id!r} is already held here, waiting for /send")
+                if req.req_id in self.released_ids:  # its /release overtook it (a cut link, a freeze): hold nothing
+                    raise Conflict(f"req_id {req.req_id!r} was released before its /encode was read")
+                if self.settings.backend == "mooncake":
+                    self._check_held_bytes(resp.embedding_size)
+                failpoint("encoder.before_encode_reply")
+            except BaseException:
+                future.cancel()  # not started yet: it never runs (started: its embedding is dropped)
+                raise
             if self.settings.backend == "mooncake":
                 self.held[req.req_id] = _Held(resp, modality, req.prefill_host, req.embedding_port, future,
                                               time.monotonic(), ticket)
@@ -294,10 +298,12 @@ class MMEncoder:
         return {"req_id": req.req_id, "released": held is not None}
 
     def _read_request(self, body: bytes | bytearray,
-                      t_in: int | None) -> tuple[EncodeRequest, Modality, list[_Item], list[Span]]:
-        """In a thread: the request, checked, and its media items, read, hashed and opened from their headers;
-        its spans so far: ``intake`` (from `t_in`, when given: admission, the body, the hop here, its decoding)
-        and ``load``. A bad item raises `MediaError` naming it."""
+                      t_in: int | None) -> tuple[EncodeRequest, Modality, list[_Item], concurrent.futures.Future]:
+        """In a thread: the request, checked, and its media items, read, hashed and opened from their headers,
+        then handed to the worker from here (not through the event loop: one thread hop less before the ViT;
+        the caller cancels the future when it refuses the part). The worker gets the spans so far: ``intake``
+        (from `t_in`, when given: admission, the body, the hop here, its decoding) and ``load``. A bad item
+        raises `MediaError` naming it."""
         req = decode_body(body, EncodeRequest)
         modality = self._check_encode(req)
         t0 = time.monotonic_ns()
@@ -311,8 +317,8 @@ class MMEncoder:
             except MediaError as exc:
                 raise _item_error(idx, exc) from None
             nbytes += len(raw)
-        return req, modality, items, [*spans, Span(req.req_id, req.part_idx, "load", node, t0, time.monotonic_ns(),
-                                                   nbytes)]
+        spans.append(Span(req.req_id, req.part_idx, "load", node, t0, time.monotonic_ns(), nbytes))
+        return req, modality, items, self.worker.submit(self._run_vit, req.req_id, req.part_idx, items, spans)
 
     def _check_encode(self, req: EncodeRequest) -> Modality:
         """The request's modality, once the request is known to be servable (a 400 otherwise)."""
@@ -446,25 +452,44 @@ class MMEncoder:
         urls = [zmq_url(req.prefill_host or held.prefill_host, port)]
         notify = EmbeddingNotify(answer.req_id, answer.part_idx, held.modality.name,
                                  [answer.embedding_len, answer.embedding_dim], answer.dtype, answer.grid_thw)
+        what = f"the ViT of {req.req_id!r}"
+        sent = concurrent.futures.Future()
+        # the write starts from the ViT's completion, in a sender thread, with no hop through this loop
+        held.future.add_done_callback(
+            lambda vit: self.sender.submit(self._write_and_notify, req, vit, notify, urls, what, sent))
         try:
-            embedding, notify.spans = await self._bounded(asyncio.wrap_future(held.future),
-                                                          f"the ViT of {req.req_id!r}")
-        except ServingError as exc:
-            raise await asyncio.to_thread(self._push_error, urls, notify, "notify", exc) from None
-        path = await asyncio.to_thread(self._write_and_notify, req, embedding, notify, urls)
+            path = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(sent)), self.settings.timeout)
+        except asyncio.TimeoutError:
+            if not sent.cancel():  # the ViT ended meanwhile and its write runs: bounded by the engine's timeout
+                path = await asyncio.wrap_future(sent)
+            else:  # the ViT never ended: nothing will be written, and the receiver hears why
+                exc = GatewayTimeout(f"{what} did not come within {self.settings.timeout} s")
+                raise await asyncio.to_thread(self._push_error, urls, notify, "notify", exc) from None
         self.bytes_sent += answer.embedding_size
         return SendResponse(req.req_id, req.part_idx, answer.embedding_size, path)
 
-    def _write_and_notify(self, req: SendRequest, embedding: torch.Tensor, notify: EmbeddingNotify,
-                          urls: list[str]) -> str:
-        """In a thread: write, then notify (with the error if the write failed); one hop for both, as the
-        notify is what the receiver waits for. Returns the path taken."""
+    def _write_and_notify(self, req: SendRequest, vit: concurrent.futures.Future, notify: EmbeddingNotify,
+                          urls: list[str], what: str, sent: concurrent.futures.Future) -> None:
+        """In a sender thread, once the ViT ended: write, then notify (with the error if the ViT or the write
+        failed); one hop for both, as the notify is what the receiver waits for. `sent` gets the path taken, or
+        the error; nothing runs when /send gave up on it (`sent` cancelled)."""
+        if not sent.set_running_or_notify_cancel():
+            return
         try:
+            try:
+                embedding, notify.spans = vit.result()
+            except Exception as exc:  # answered and told, like any ViT error
+                raise _vit_error(exc, what) from None
             path = self._write(req, embedding, notify.spans)
         except ServingError as exc:
-            raise self._push_error(urls, notify, "notify", exc) from None
-        self._push_all(urls, notify, "notify")
-        return path
+            sent.set_exception(self._push_error(urls, notify, "notify", exc))
+            return
+        try:
+            self._push_all(urls, notify, "notify")
+        except Exception as exc:  # the caller raises it
+            sent.set_exception(exc)
+            return
+        sent.set_result(path)
 
     def _write(self, req: SendRequest, embedding: torch.Tensor, spans: list[Span]) -> str:
         """One-sided write of `embedding` (registered for the write only); returns the path taken."""
@@ -530,12 +555,8 @@ class MMEncoder:
             return await asyncio.wait_for(aw, self.settings.timeout)
         except asyncio.TimeoutError:
             raise GatewayTimeout(f"{what} did not come within {self.settings.timeout} s") from None
-        except ServingError:
-            raise
-        except MediaError as exc:  # the client's image, found corrupt only when decoded
-            raise BadRequest(str(exc)) from None
-        except Exception as exc:  # whatever the ViT raised: the caller answers it and tells the receiver
-            raise ServingError(f"{what} failed: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:
+            raise _vit_error(exc, what) from None
 
     def sweep(self) -> None:
         """Release held embeddings and receive URLs older than the TTL."""
@@ -584,10 +605,21 @@ class MMEncoder:
     def close(self) -> None:
         """Stop the worker, close the sockets and the engine."""
         self.worker.shutdown(wait=True, cancel_futures=True)
+        self.sender.shutdown(wait=True, cancel_futures=True)
         self.held.clear()
         self.pushers.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _vit_error(exc: BaseException, what: str) -> ServingError:
+    """What answers a failed ViT: an image the worker could not decode is a 400 naming the item, as at /encode;
+    any other error a 500 with its message."""
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, MediaError):  # the client's image, found corrupt only when decoded
+        return BadRequest(str(exc))
+    return ServingError(f"{what} failed: {type(exc).__name__}: {exc}")
 
 
 def _item_error(idx: int, exc: MediaError) -> MediaError:
