@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from epd_lab import security
-from epd_lab.servers.openai_api import MODEL_ID, error_body
+from epd_lab.servers.openai_api import MODEL_ID, error_body, model_list
 from epd_lab.servers.proxy import EXCHANGE_ERRORS, JSON_HEADERS
 from epd_lab.servers.routing import POLICIES, Backend, Pool
 from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, BadGateway, GatewayTimeout, Metric,
@@ -274,8 +274,7 @@ def create_app(settings: FrontSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Any:
-        return json_response({"object": "list", "data": [{"id": settings.model, "object": "model",
-                                                          "owned_by": "epd_lab"}]})
+        return json_response(model_list(settings.model))
 
     return app
 

@@ -90,7 +90,8 @@ from fastapi.responses import Response
 
 from epd_lab import security
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
-from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
+from epd_lab.servers.openai_api import (MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request,
+                                        usage)
 from epd_lab.servers.routing import POLICIES, Backend, Pool
 from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
 from epd_lab.serving import (CLIENT_KEEPALIVE_S, DEADLINE_HEADER, PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES,
@@ -894,9 +895,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return json_response({"object": "list", "data": [{"id": settings.model, "object": "model",
-                                                          "created": app.state.server.started,
-                                                          "owned_by": "epd_lab"}]})
+        return json_response(model_list(settings.model, created=app.state.server.started))
 
     return app
 
