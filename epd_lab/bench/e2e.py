@@ -496,51 +496,44 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
     points = [replace(setup, image_size=size, images=images) for size, images in grid] or [setup]
     log(f"  {setup.model} on {device} ({_gpu_name(device) or 'no GPU'}), {resolve_dtype(setup.dtype, setup.device)}, "
         f"images x side per request: {', '.join(f'{p.images} x {p.image_size}²' for p in points)}, by {setup.media}")
-    with Media(setup.media) as media:
-        return _run(backends, requests, max_tokens, log, pipelined, setup, concurrency, points, checkpoint, media,
-                    device)
+    with Media(setup.media) as media:  # its server, if any, lives for the whole run
+        model = open_floor_model(setup)
+        floors = [monolithic(requests, max_tokens, point, model, media) for point in points]
+        del model
+        _release(device)
+        references = [floor.pop("reference") for floor in floors]
+        for floor in floors:
+            log(_fmt(floor) + f"  ({floor['image_tokens']} image tokens, {floor['embedding_bytes']} bytes)")
+        room = capacity(floors, max_tokens, max(concurrency), setup.kv_tokens)
+        rows, kv = list(floors), None
 
+        def result(complete: bool, log=log) -> dict:
+            summary = [_summarize(floor, [r for r in rows[len(floors):] if _point(point).items() <= r.items()], log)
+                       for floor, point in zip(floors, points)]
+            return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
+                    "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
+                    "media": setup.media, "media_fetches": None if media.server is None else media.server.requests,
+                    "max_tokens": max_tokens, "concurrency": list(concurrency), "kv_blocks": room.kv_blocks,
+                    "max_held_bytes": room.max_held_bytes,
+                    "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
+                    "rows": rows, "kv_transfer": kv}
 
-def _run(backends: tuple[str, ...], requests: int, max_tokens: int, log, pipelined: bool, setup: Setup,
-         concurrency: tuple[int, ...], points: list[Setup], checkpoint: Callable[[dict], None] | None,
-         media: Media, device: torch.device) -> dict:
-    model = open_floor_model(setup)
-    floors = [monolithic(requests, max_tokens, point, model, media) for point in points]
-    del model
-    _release(device)
-    references = [floor.pop("reference") for floor in floors]
-    for floor in floors:
-        log(_fmt(floor) + f"  ({floor['image_tokens']} image tokens, {floor['embedding_bytes']} bytes)")
-    room = capacity(floors, max_tokens, max(concurrency), setup.kv_tokens)
-    rows, kv = list(floors), None
-
-    def result(complete: bool, log=log) -> dict:
-        summary = [_summarize(floor, [r for r in rows[len(floors):] if _point(point).items() <= r.items()], log)
-                   for floor, point in zip(floors, points)]
-        return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
-                "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
-                "media": setup.media, "media_fetches": None if media.server is None else media.server.requests,
-                "max_tokens": max_tokens,
-                "concurrency": list(concurrency), "kv_blocks": room.kv_blocks, "max_held_bytes": room.max_held_bytes,
-                "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
-                "rows": rows, "kv_transfer": kv}
-
-    for backend in backends:
-        for piped in (False, True) if pipelined else (False,):
-            with cluster_for(setup, backend, piped, room) as cluster:
-                for point, reference in zip(points, references):
-                    rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency, media)
-                    if checkpoint is not None:
-                        checkpoint(result(False, log=lambda *_: None))
-                if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
-                    kv = kv_transfer(cluster, requests, setup.kv_tokens)
-    if kv is None:
-        with cluster_for(setup, room=room) as cluster:
-            kv = kv_transfer(cluster, requests, setup.kv_tokens)
-    log(f"  kv_transfer: {kv['prompt_tokens']} tokens, {kv['blocks']} blocks, {kv['bytes']} bytes, "
-        f"p50 {kv['ms']['p50']:.3f} ms (p90 {kv['ms']['p90']:.3f}), {kv['gbps']['p50']:.2f} GB/s")
-    return result(True)
+        for backend in backends:
+            for piped in (False, True) if pipelined else (False,):
+                with cluster_for(setup, backend, piped, room) as cluster:
+                    for point, reference in zip(points, references):
+                        rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency, media)
+                        if checkpoint is not None:
+                            checkpoint(result(False, log=lambda *_: None))
+                    if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
+                        kv = kv_transfer(cluster, requests, setup.kv_tokens)
+        if kv is None:
+            with cluster_for(setup, room=room) as cluster:
+                kv = kv_transfer(cluster, requests, setup.kv_tokens)
+        log(f"  kv_transfer: {kv['prompt_tokens']} tokens, {kv['blocks']} blocks, {kv['bytes']} bytes, "
+            f"p50 {kv['ms']['p50']:.3f} ms (p90 {kv['ms']['p90']:.3f}), {kv['gbps']['p50']:.2f} GB/s")
+        return result(True)
 
 
 def _summarize(floor: dict, rows: list[dict], log=print) -> dict:

@@ -8,8 +8,8 @@ model); the front adds one loopback HTTP hop and nothing else, so that 2x monoli
 serve it.
 
 Why its own module and not a mode of the proxy: the proxy is an orchestrator of two calls (prefill, then decode
-with the KV's handle) with admission, deadlines and KV aborts; a pass-through shares only the pool, the probes and
-the error shapes, which it takes from `routing`, `serving` and the proxy's module.
+with the KV's handle) with admission, deadlines and KV aborts; a pass-through shares only the pool, the probes, the
+POST passed on to the next replica (`routing.PoolClient`) and the error shapes (`serving`).
 
 Choice and liveness as the proxy's: a replica that refuses its connection is skipped for ``--retry-after``
 seconds and the request goes on to the next (it never reached the first); a replica answering 503 (it did not
@@ -28,7 +28,6 @@ Run: ``python -m epd_lab.servers.front --port 0 --replica URL,URL`` prints ``{"u
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import sys
 import time
@@ -40,12 +39,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from epd_lab import security
-from epd_lab.servers.openai_api import MODEL_ID, error_body
-from epd_lab.servers.proxy import EXCHANGE_ERRORS, JSON_HEADERS
-from epd_lab.servers.routing import POLICIES, Backend, Pool
-from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, BadGateway, GatewayTimeout, Metric,
-                             ServingError, Unavailable, json_response, option, read_body, role_app, serve_main)
+from epd_lab.servers.openai_api import MODEL_ID, error_body, model_list
+from epd_lab.servers.routing import EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient
+from epd_lab.serving import (BadGateway, GatewayTimeout, Metric, ServingError, json_response, option, read_body,
+                             role_app, serve_main)
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder
@@ -84,116 +81,38 @@ def _failed(backend: Backend, exc: BaseException) -> ServingError:
     return BadGateway(f"replica {backend.url} failed: {type(exc).__name__}: {exc}")
 
 
+class _Answered(Exception):
+    """A replica's own non-200 answer, which goes back to the client as it gave it."""
+
+    def __init__(self, backend: Backend, response: aiohttp.ClientResponse, raw: bytes) -> None:
+        super().__init__(f"replica {backend.url} answered {response.status}")
+        self.response = Response(raw, response.status, media_type=response.content_type,
+                                 headers={h: response.headers[h] for h in PASSED_HEADERS if h in response.headers})
+
+
 class Front:
     """The front's state: the replicas' pool and the HTTP client to them."""
 
     def __init__(self, settings: FrontSettings) -> None:
         self.settings = settings
         self.pool = Pool("monolithic", settings.replicas, settings.policy, settings.retry_after)
+        self.client = PoolClient((self.pool,), settings.timeout, failed=_failed, answered=_Answered, noun="replica")
         self.recorder = Recorder(node=f"front:{settings.port}")
-        self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """The HTTP client to the replicas, made on first use (on the event loop), with the proxy's options."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.timeout,
-                                              sock_read=self.settings.timeout),
-                skip_auto_headers=("User-Agent",), headers=security.bearer_header(security.load_secret()))
-        return self._session
 
     async def run(self) -> None:
-        """For the server's life: probe every replica's /health each `PROBE_INTERVAL`, one probe in flight each."""
-        probes: dict[str, asyncio.Task] = {}
-        try:
-            while True:
-                for backend in self.pool.backends:
-                    if backend.url not in probes or probes[backend.url].done():
-                        probes[backend.url] = asyncio.create_task(self._probe(backend))
-                await asyncio.sleep(PROBE_INTERVAL)
-        finally:
-            for task in probes.values():
-                task.cancel()
+        """For the server's life: probe every replica (`PoolClient.probe_forever`)."""
+        await self.client.probe_forever()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    async def _probe(self, backend: Backend) -> dict[str, Any] | None:
-        """GET the replica's /health: its JSON when it answers 200, else None; the pool records the probe."""
-        try:
-            async with self.session.get(backend.url + "/health", timeout=aiohttp.ClientTimeout(
-                    total=min(self.settings.timeout, PROBE_TIMEOUT))) as response:
-                status, raw = response.status, await response.read()
-        except EXCHANGE_ERRORS:
-            status, raw = 0, b""
-        Pool.probed(backend, status == 200)
-        if status != 200:
-            return None
-        with contextlib.suppress(msgspec.DecodeError):
-            body = msgspec.json.decode(raw)
-            return body if isinstance(body, dict) else {}
-        return {}
-
-    async def _choose(self, tried: set[str]) -> Backend | None:
-        """The next replica by the policy; when every untried one is down, each is probed once first."""
-        backend = self.pool.choose(tried)
-        if backend is None:
-            await asyncio.gather(*(self._probe(b) for b in self.pool.backends if b.url not in tried))
-            backend = self.pool.choose(tried)
-        return backend
-
-    async def _send(self, path: str, body: bytes) -> tuple[Backend, aiohttp.ClientResponse] | Response:
-        """POST `body` to one replica, going on while they refuse the connection or answer 503: its 200 response
-        (body unread, counted in flight: the caller finishes it), or a replica's other error answer as it gave
-        it. `Unavailable` when no replica took it."""
-        tried: set[str] = set()
-        busy: Response | None = None  # the last 503: what the client gets when no replica takes the request
-        while (backend := await self._choose(tried)) is not None:
-            tried.add(backend.url)
-            backend.inflight += 1
-            taken = False
-            try:
-                try:
-                    response = await self.session.post(backend.url + path, data=body, headers=JSON_HEADERS)
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                    backend.liveness.refused()  # the request never reached it: the next one may take it
-                    continue
-                except EXCHANGE_ERRORS as exc:
-                    raise _failed(backend, exc) from None
-                backend.liveness.heard()
-                if response.status == 200:
-                    backend.served += 1
-                    backend.streams.add(response)  # cut if the replica is found stalled
-                    taken = True
-                    return backend, response
-                try:
-                    raw = await response.read()
-                except EXCHANGE_ERRORS as exc:
-                    raise _failed(backend, exc) from None
-                finally:
-                    response.release()
-            finally:
-                if not taken:
-                    backend.inflight -= 1
-            answer = Response(raw, response.status, media_type=response.content_type,
-                              headers={h: response.headers[h] for h in PASSED_HEADERS if h in response.headers})
-            if response.status != 503:  # the replica's own verdict on the request (a bad image: 400)
-                return answer
-            busy = answer
-        if busy is not None:
-            return busy
-        raise Unavailable(f"no monolithic replica is reachable ({', '.join(b.url for b in self.pool.backends)})",
-                          code="no_backend")
+        await self.client.close()
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Pass one completion request to a replica and its answer back."""
-        sent = await self._send(path, bytes(await read_body(request)))
-        if isinstance(sent, Response):
-            return sent
-        backend, response = sent
+        """Pass one completion request to a replica and its answer back: its 200 answer, or a replica's other
+        answer as it gave it (its 503 only when no replica took the request). `Unavailable` when none answered."""
+        try:
+            backend, response = await self.client.post(self.pool, path, bytes(await read_body(request)))
+        except _Answered as answered:
+            return answered.response
         if response.content_type == "text/event-stream":
             relay = _Relay(backend, response)
             return ClosingStreamingResponse(relay.events(), relay.close, media_type="text/event-stream",
@@ -210,7 +129,7 @@ class Front:
 
     async def health(self) -> dict[str, Any]:
         """Probe every replica; ``status`` "ok" (200) while at least one answers, else "unavailable" (503)."""
-        answers = await asyncio.gather(*(self._probe(b) for b in self.pool.backends))
+        answers = await asyncio.gather(*(self.client.probe(b) for b in self.pool.backends))
         replicas = [{"url": b.url, "healthy": answer is not None, "inflight": b.inflight, "served": b.served,
                      "health": answer} for b, answer in zip(self.pool.backends, answers, strict=True)]
         ok = any(r["healthy"] for r in replicas)
@@ -274,8 +193,7 @@ def create_app(settings: FrontSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Any:
-        return json_response({"object": "list", "data": [{"id": settings.model, "object": "model",
-                                                          "owned_by": "epd_lab"}]})
+        return json_response(model_list(settings.model))
 
     return app
 

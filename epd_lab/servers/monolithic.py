@@ -33,7 +33,7 @@ from epd_lab.ep.media import MAX_MEDIA_BYTES, MediaError, MediaPolicy, fetch_med
 from epd_lab.ep.messages import DTYPES
 from epd_lab.kv import BlockManager, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.models.runtime import open_runtime
-from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
+from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request, usage
 from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation, sampling_probs
 from epd_lab.servers.text import Detokenizer, detokenize
 from epd_lab.serving import (BadRequest, Metric, ServingError, Unavailable, decode_body, json_response, option,
@@ -162,8 +162,7 @@ def create_app(settings: MonolithicSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Any:
-        return json_response({"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "epd_lab",
-                                                          "root": MODEL_ID}]})
+        return json_response(model_list(MODEL_ID, root=MODEL_ID))
 
     async def complete(request: Request, kind: str) -> Response:
         """A chat (`kind` "chat") or text completion (`kind` "text"), whole or streamed."""

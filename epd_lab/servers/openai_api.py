@@ -1,8 +1,8 @@
 """OpenAI's request and response shapes, as the proxy reads and writes them.
 
 `parse_request` turns a ``/v1/chat/completions`` or ``/v1/completions`` body into a `Job` (prompt rendering is
-`epd_lab.servers.text`'s); `completion`, `chunk` and `usage` build the answers; `error_body` is an error object
-``{"error": {"message", "type", "code"}}`` for any `ServingError`.
+`epd_lab.servers.text`'s); `completion`, `chunk` and `usage` build the answers, `model_list` the ``/v1/models``
+one; `error_body` is an error object ``{"error": {"message", "type", "code"}}`` for any `ServingError`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from epd_lab.servers.text import PromptError, completion_prompt, messages_to_pro
 from epd_lab.serving import BadRequest, ServingError
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MODEL_ID", "UNSUPPORTED", "Job", "chunk", "completion", "error_body",
-           "parse_request", "usage"]
+           "model_list", "parse_request", "usage"]
 
 MODEL_ID = "epd-lab-tiny-qwen2-vl"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat too
@@ -108,6 +108,12 @@ def parse_request(body: Any, kind: str, t0: int) -> tuple[Job, str, list[str]]:
                max_tokens=max_tokens, temperature=temperature, seed=sampling.seed, stream=stream,
                include_usage=stream and sampling.stream_options is not None and sampling.stream_options.include_usage)
     return job, prompt, images
+
+
+def model_list(model: str, **fields: Any) -> dict[str, Any]:
+    """The ``GET /v1/models`` answer: the one model a server serves, with the server's own `fields` (``created``,
+    ``root``)."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "epd_lab", **fields}]}
 
 
 def usage(job: Job, completion_tokens: int) -> dict[str, int]:

@@ -14,9 +14,9 @@ One request, as vLLM's disaggregated proxy does it:
    (its first is the prefill's token, which reached it in ``kv_transfer_params``); they reach the client as
    detokenized text, streamed as they come when the client streams.
 
-This module is the orchestration; OpenAI's shapes are `epd_lab.servers.openai_api`'s, the backend pools
-`epd_lab.servers.routing`'s, the backends' bodies `epd_lab.servers.messages`'s. Backends are called through
-aiohttp (kept-alive connections).
+This module is the orchestration; OpenAI's shapes are `epd_lab.servers.openai_api`'s, the backend pools and the
+client that calls them (probes, choice, a POST passed on to the next backend) `epd_lab.servers.routing`'s, the
+backends' bodies `epd_lab.servers.messages`'s. Backends are called through aiohttp (kept-alive connections).
 
 Choice (``--policy``): ``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts
 them; ties in round-robin order). A backend that refuses connections is marked down and skipped for
@@ -81,22 +81,21 @@ import dataclasses
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from epd_lab import security
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
-from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, parse_request, usage
-from epd_lab.servers.routing import POLICIES, Backend, Pool
+from epd_lab.servers.openai_api import (MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request,
+                                        usage)
+from epd_lab.servers.routing import EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, Stalled, progressing
 from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
-from epd_lab.serving import (CLIENT_KEEPALIVE_S, DEADLINE_HEADER, PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES,
-                             BadGateway, BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge,
-                             ServingError, Unavailable, deadline_budget, decode_body, json_response, option, read_body,
-                             role_app, serve_main)
+from epd_lab.serving import (DEADLINE_HEADER, PROBE_INTERVAL, STALL_MISSES, BadGateway, BadRequest, ClientClosed,
+                             GatewayTimeout, Metric, PayloadTooLarge, ServingError, Unavailable, deadline_budget,
+                             decode_body, json_response, option, read_body, role_app, serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT
 from epd_lab.serving.body import SMALL_BODY_BYTES
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive
@@ -107,7 +106,6 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
 DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
 QUANTILES = (0.5, 0.9, 0.99)
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -138,14 +136,6 @@ class ProxySettings(ServerSettings):
         check_at_least(self, 0, "retry_after")
 
 
-JSON_HEADERS = {"content-type": "application/json"}
-# what a failed exchange with a backend raises: aiohttp's errors, and its timeouts (asyncio's TimeoutError)
-EXCHANGE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-# the connection closed or reset before any byte of an answer (aiohttp retries an idempotent request on these):
-# the backend died, or a kept-alive connection to it was stale
-UNANSWERED_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-
-
 def _detail(raw: bytes, reason: str | None) -> str:
     """A backend's error detail: its JSON ``detail``, else the start of its body."""
     with contextlib.suppress(msgspec.DecodeError):
@@ -155,10 +145,11 @@ def _detail(raw: bytes, reason: str | None) -> str:
     return raw[:500].decode(errors="replace") or reason or ""
 
 
-def _backend_error(backend: Backend, status: int, detail: str, retry_after: str | None = None) -> ServingError:
-    """A backend's non-200 answer as the client's error (its input errors stay 4xx; its 503, with its
-    ``Retry-After``, stays a 503)."""
-    message = f"{backend.role} {backend.url} answered {status}: {detail}"
+def _backend_error(backend: Backend, response: aiohttp.ClientResponse, raw: bytes) -> ServingError:
+    """A backend's non-200 answer (`raw`, its body) as the client's error (its input errors stay 4xx; its 503,
+    with its ``Retry-After``, stays a 503)."""
+    status, retry_after = response.status, response.headers.get("Retry-After")
+    message = f"{backend.role} {backend.url} answered {status}: {_detail(raw, response.reason)}"
     if status in (400, 422):
         return BadRequest(message)
     if status == 413:
@@ -169,10 +160,6 @@ def _backend_error(backend: Backend, status: int, detail: str, retry_after: str 
         seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
         return Unavailable(message, code="backend_unavailable", retry_after=seconds)
     return BadGateway(message)
-
-
-class _Stalled(Exception):
-    """The backend was found stalled while an exchange waited on it."""
 
 
 # the codes of a prefill that never answered a request, which the next prefill may take
@@ -199,24 +186,6 @@ def _transport_error(backend: Backend, exc: BaseException) -> ServingError:
     return BadGateway(f"{what} failed: {type(exc).__name__}: {exc}")
 
 
-async def _progressing(backend: Backend, aw: Awaitable[T], timeout: float | None = None) -> T:
-    """`aw`'s result, unless `backend` is found stalled first (then `aw` is cancelled and `_Stalled` raised) or
-    `timeout` seconds pass (`asyncio.TimeoutError`)."""
-    task = asyncio.ensure_future(aw)
-    stall = asyncio.ensure_future(backend.stall.wait())
-    try:
-        done, _ = await asyncio.wait((task, stall), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stall.cancel()
-        if not task.done():
-            task.cancel()  # stalled, timed out, or this caller cancelled
-    if task in done:
-        return task.result()
-    if stall in done:
-        raise _Stalled()
-    raise asyncio.TimeoutError()
-
-
 def _decode_json(backend: Backend, raw: bytes, typ: type[Any]) -> Any:
     try:
         return msgspec.json.decode(raw, type=typ)
@@ -232,11 +201,13 @@ class Proxy:
         self.settings = settings
         self.prefills = Pool("prefill", settings.prefills, settings.policy, settings.retry_after)
         self.decodes = Pool("decode", settings.decodes, settings.policy, settings.retry_after)
-        self._session: aiohttp.ClientSession | None = None
+        # a prefill that closed the connection unanswered is passed over (`_post`); a decode is not
+        self.client = PoolClient((self.prefills, self.decodes), settings.timeout, failed=_transport_error,
+                                 answered=_backend_error, stalled=_stalled_error, disconnected=_disconnected_error)
         self.recorder = Recorder(node=f"proxy:{settings.port}")
         self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
         self.prefill_aborts: collections.Counter[str] = collections.Counter()  # by result
-        self.retries: collections.Counter[tuple[str, str]] = collections.Counter()  # passed on, by (role, reason)
+        self.retries = self.client.retries  # passed on to the next backend, by (role, reason)
         self.latency_sum: collections.Counter[str] = collections.Counter()  # seconds, by span stage
         self.latency_count: collections.Counter[str] = collections.Counter()
         self.started = int(time.time())
@@ -246,83 +217,27 @@ class Proxy:
         self.pending = 0  # requests admitted here and not yet answered by a prefill
         self.intake_s = 0.0  # seconds from a request's arrival to its parsed body (weighted mean)
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """The HTTP client to the backends, made on first use (it must be made on the event loop): aiohttp, at
-        half httpx's round trip (`data/bench/http.json`); kept-alive connections, TCP_NODELAY; `timeout` is an
-        idle timeout (connecting, and each read)."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.timeout,
-                                              sock_read=self.settings.timeout),
-                skip_auto_headers=("User-Agent",), headers=security.bearer_header(security.load_secret()))
-        return self._session
-
     async def run(self) -> None:
-        """For the server's life (the floor runs it): probe every backend's /health each `PROBE_INTERVAL`, one
-        probe in flight per backend (a frozen one is not piled with probes)."""
-        probes: dict[str, asyncio.Task] = {}
-        try:
-            while True:
-                for backend in self.prefills.backends + self.decodes.backends:
-                    if backend.url not in probes or probes[backend.url].done():
-                        probes[backend.url] = asyncio.create_task(self._probe(backend))
-                await asyncio.sleep(PROBE_INTERVAL)
-        finally:
-            for task in probes.values():
-                task.cancel()
+        """For the server's life (the floor runs it): probe every backend (`PoolClient.probe_forever`)."""
+        await self.client.probe_forever()
 
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
-        if self._session is not None:
-            await self._session.close()
+        await self.client.close()
 
     async def _short(self, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes] | None:
-        """A short exchange (a probe, an abort): (status, body), or None when the backend does not answer
-        within `PROBE_TIMEOUT`."""
-        try:
-            async with self.session.request(method, url, data=body, headers=JSON_HEADERS if body else None,
-                                            timeout=aiohttp.ClientTimeout(total=min(self.settings.timeout,
-                                                                                    PROBE_TIMEOUT))) as response:
-                return response.status, await response.read()
-        except EXCHANGE_ERRORS:
-            return None
+        """`PoolClient.short`: (status, body), or None when the backend does not answer within `PROBE_TIMEOUT`."""
+        return await self.client.short(method, url, body)
 
     # ---- backends ----
     async def _probe(self, backend: Backend) -> dict[str, Any] | None:
-        """GET the backend's /health; its JSON (or {}) when it answers 200, else None. Updates the circuit."""
-        answer = await self._short("GET", backend.url + "/health")
-        Pool.probed(backend, answer is not None and answer[0] == 200)
-        if answer is None or answer[0] != 200:
-            return None
-        backend.probed = True
-        body: dict[str, Any] = {}
-        with contextlib.suppress(msgspec.DecodeError):
-            decoded = msgspec.json.decode(answer[1])
-            body = decoded if isinstance(decoded, dict) else {}
-        if backend.role == "prefill" and isinstance(body.get("kv_url"), str):
-            backend.kv_url = body["kv_url"]
-        if backend.role == "prefill" and isinstance(body.get("max_prompt_tokens"), int):
-            backend.max_prompt_tokens = body["max_prompt_tokens"]
-        admission = body.get("admission")
-        if backend.role == "prefill" and isinstance(admission, dict):
-            backend.workers, backend.service_s = admission.get("workers"), admission.get("service_s")
-            backend.rate = admission.get("rate_per_s")
-        return body
+        """GET the backend's /health (`PoolClient.probe`); its JSON (or {}) when it answers 200, else None."""
+        return await self.client.probe(backend)
 
     async def _choose(self, pool: Pool, tried: set[str], only: Backend | None = None) -> Backend | None:
-        """The next backend to try (`only`: that one, once); when all untried ones are down, probe them once
-        first."""
-        if only is not None:
-            return None if only.url in tried else only
-        backend = pool.choose(tried)
-        if backend is None:
-            down = [b for b in pool.backends if b.url not in tried]
-            await asyncio.gather(*(self._probe(b) for b in down))
-            backend = pool.choose(tried)
-        return backend
+        """The next backend to try (`PoolClient.choose`)."""
+        return await self.client.choose(pool, tried, only)
 
     async def _call(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
                     lost: list[Backend] | None = None,
@@ -331,10 +246,10 @@ class Proxy:
         and the backend's ``inflight`` counted down again."""
         backend, response = await self._post(pool, path, body, only, lost, headers)
         try:
-            raw = await _progressing(backend, response.read())
+            raw = await progressing(backend, response.read())
             backend.liveness.heard()
             return backend, raw
-        except (*EXCHANGE_ERRORS, _Stalled, asyncio.CancelledError) as exc:
+        except (*EXCHANGE_ERRORS, Stalled, asyncio.CancelledError) as exc:
             if lost is not None:
                 lost.append(backend)
             if isinstance(exc, asyncio.CancelledError):
@@ -346,82 +261,17 @@ class Proxy:
     async def _post(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
                     lost: list[Backend] | None = None,
                     headers: dict[str, str] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
-        """POST `body` to a backend of `pool` (`only` that one), going on to the next while connections are
-        refused, answer 503 (at capacity: it did not take the request) or the backend is found stalled before
-        it answered; a prefill also when it closed the connection before answering (it died; marked down). Each
-        backend is tried once; each pass is counted in ``retries``. `lost` collects a backend the request reached
-        whose answer was lost (timed out, cut, stalled, closed, this caller cancelled): it may still be working on
-        it. `headers` go with the JSON content type (a deadline).
+        """POST `body` to a backend of `pool` (`only` that one) through `PoolClient.post`: passed on while
+        connections are refused, answer 503 or the backend is found stalled before it answered; a prefill also
+        when it closed the connection before answering (it died; marked down). `lost` and `headers` as there.
 
         Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
         counts it down and reads the body, then releases the response (or closes it, to stop the backend).
         Raises `ServingError`.
         """
-        payload = msgspec.json.encode(body)  # msgspec: the body carries the images' data: URIs (~0.2 MB each)
-        tried: set[str] = set()
-        # one bound for the answer, however many backends are tried: one passed over as stalled after 2.5 s does
-        # not give the next a whole --timeout more
-        deadline = time.monotonic() + self.settings.timeout
-        busy: ServingError | None = None  # the last 503, stall or close: what the client gets when none takes it
-        while (backend := await self._choose(pool, tried, only)) is not None:
-            tried.add(backend.url)
-            backend.inflight += 1
-            ok = False
-            try:
-                try:
-                    post = self.session.post(backend.url + path, data=payload,
-                                             headers={**JSON_HEADERS, **(headers or {})})
-                    response = await _progressing(backend, post,
-                                                  max(0.0, deadline - time.monotonic()))
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                    backend.liveness.refused()  # the request never reached it: the next one may take it
-                    self.retries[pool.role, "refused"] += 1
-                    continue
-                except UNANSWERED_ERRORS as exc:
-                    backend.liveness.refused()  # down until a probe answers (a live one's next probe, 0.5 s)
-                    if pool.role != "prefill":  # a decode may have taken the prefill's KV already: not resent
-                        raise _disconnected_error(backend, exc) from None
-                    if lost is not None:  # if it lives after all, it may still hold the request
-                        lost.append(backend)
-                    busy = _disconnected_error(backend, exc)
-                    self.retries[pool.role, "disconnected"] += 1
-                    continue
-                except (*EXCHANGE_ERRORS, _Stalled, asyncio.CancelledError) as exc:
-                    if lost is not None:
-                        lost.append(backend)
-                    if isinstance(exc, _Stalled):  # it may wake and serve it later; the next one serves it now
-                        busy = _stalled_error(backend)
-                        self.retries[pool.role, "stalled"] += 1
-                        continue
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    raise _transport_error(backend, exc) from None
-                backend.liveness.heard()  # it answered: busy maybe, not frozen
-                if response.status != 200:
-                    try:
-                        raw = await response.read()
-                    except EXCHANGE_ERRORS as exc:
-                        raise _transport_error(backend, exc) from None
-                    finally:
-                        response.release()
-                    error = _backend_error(backend, response.status, _detail(raw, response.reason),
-                                           response.headers.get("Retry-After"))
-                    if response.status == 503:  # refused at once, so it holds nothing: the next one may take it
-                        busy = error
-                        self.retries[pool.role, "busy"] += 1
-                        continue
-                    raise error
-                backend.served += 1
-                backend.streams.add(response)  # cut if the backend is found stalled
-                ok = True
-                return backend, response
-            finally:
-                if not ok:
-                    backend.inflight -= 1
-        if busy is not None:
-            raise busy
-        urls = ", ".join(b.url for b in pool.backends)
-        raise Unavailable(f"no {pool.role} server is reachable ({urls})", code="no_backend")
+        # msgspec: the body carries the images' data: URIs (~0.2 MB each)
+        return await self.client.post(pool, path, msgspec.json.encode(body), only=only, lost=lost, headers=headers,
+                                      resend=pool is self.prefills)
 
     async def _prefill(self, job: Job, prompt: str, images: list[str], only: Backend | None = None,
                        passed: ServingError | None = None) -> tuple[Backend, PrefillResponse]:
@@ -895,9 +745,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return json_response({"object": "list", "data": [{"id": settings.model, "object": "model",
-                                                          "created": app.state.server.started,
-                                                          "owned_by": "epd_lab"}]})
+        return json_response(model_list(settings.model, created=app.state.server.started))
 
     return app
 

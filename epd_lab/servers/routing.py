@@ -1,6 +1,7 @@
-"""Routing for the proxy: the prefill and decode servers it knows, and the policy that chooses among them.
+"""Routing for the proxy and the front: the backends they know, the policy that chooses among them, and the one
+HTTP client that calls them (`PoolClient`).
 
-``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts them; ties in round-robin
+``round_robin``, or ``least_loaded`` (fewest requests in flight as this server counts them; ties in round-robin
 order). A backend that refused a connection is skipped for ``retry_after`` seconds; one that stopped answering
 its ``/health`` probes, and answered nothing else meanwhile, is skipped until it answers again
 (`epd_lab.serving.Liveness`: busy is not frozen).
@@ -8,21 +9,37 @@ its ``/health`` probes, and answered nothing else meanwhile, is skipped until it
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
+import msgspec
 
-from epd_lab.serving import Liveness
+from epd_lab import security
+from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Liveness, ServingError,
+                             Unavailable)
 
-__all__ = ["POLICIES", "Backend", "Pool"]
+__all__ = ["EXCHANGE_ERRORS", "JSON_HEADERS", "POLICIES", "UNANSWERED_ERRORS", "Backend", "Pool", "PoolClient",
+           "Stalled", "progressing"]
 
 POLICIES = ("round_robin", "least_loaded")
+JSON_HEADERS = {"content-type": "application/json"}
+# what a failed exchange with a backend raises: aiohttp's errors, and its timeouts (asyncio's TimeoutError)
+EXCHANGE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# the connection closed or reset before any byte of an answer (aiohttp retries an idempotent request on these):
+# the backend died, or a kept-alive connection to it was stale
+UNANSWERED_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(slots=True)
 class Backend:
-    """One prefill or decode server as the proxy sees it. Touched only from the event loop."""
+    """One backend (a prefill, a decode, a monolithic replica) as the proxy or the front sees it. Touched only from
+    the event loop."""
 
     role: str
     url: str
@@ -42,6 +59,19 @@ class Backend:
 
     def up(self, now: float) -> bool:
         return self.liveness.up(now)
+
+    def learn(self, health: dict[str, Any]) -> None:
+        """Keep what a prefill tells in its /health answer: its KV side channel, its longest prompt, its admission."""
+        if self.role != "prefill":
+            return
+        if isinstance(health.get("kv_url"), str):
+            self.kv_url = health["kv_url"]
+        if isinstance(health.get("max_prompt_tokens"), int):
+            self.max_prompt_tokens = health["max_prompt_tokens"]
+        admission = health.get("admission")
+        if isinstance(admission, dict):
+            self.workers, self.service_s = admission.get("workers"), admission.get("service_s")
+            self.rate = admission.get("rate_per_s")
 
     def finish(self, response: aiohttp.ClientResponse, reuse: bool) -> None:
         """An exchange with it is over: the connection goes back to the pool (`reuse`: read to its end) or is
@@ -90,3 +120,203 @@ class Pool:
             backend.stall.set()
             for response in list(backend.streams):
                 response.close()
+
+
+class Stalled(Exception):
+    """The backend was found stalled while an exchange waited on it."""
+
+
+async def progressing(backend: Backend, aw: Awaitable[T], timeout: float | None = None) -> T:
+    """`aw`'s result, unless `backend` is found stalled first (then `aw` is cancelled and `Stalled` raised) or
+    `timeout` seconds pass (`asyncio.TimeoutError`)."""
+    task = asyncio.ensure_future(aw)
+    stall = asyncio.ensure_future(backend.stall.wait())
+    try:
+        done, _ = await asyncio.wait((task, stall), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stall.cancel()
+        if not task.done():
+            task.cancel()  # stalled, timed out, or this caller cancelled
+    if task in done:
+        return task.result()
+    if stall in done:
+        raise Stalled()
+    raise asyncio.TimeoutError()
+
+
+class PoolClient:
+    """The HTTP client of a server in front of pools of backends (the proxy, the front): every backend's /health
+    probed, the choice among a pool's, and a POST passed on to the next backend while one does not take it.
+
+    What the client is told of a failure is the server's to word: `failed(backend, exc)` for an exchange that
+    failed after connecting; `answered(backend, response, raw)` for a non-200 answer, the exception raised (on
+    503 kept while the next backend is tried: it did not take the request). `stalled(backend)`, where given, has
+    a POST wait on a backend only while it is not found stalled and the answer within one `timeout` however many
+    backends are tried (one passed over as stalled after 2.5 s does not give the next a whole `timeout` more); one
+    found stalled is passed over with that error kept. `disconnected(backend, exc)`, where given, marks down a
+    backend that closed the connection before answering (else that is a failure as any other); its error is
+    raised, or kept while the next is tried (`post`'s `resend`). Each pass to the next backend is counted in
+    `retries` by (role, reason). When no backend takes a request: the last error kept, else 503 ``no_backend``
+    "no {role} {noun} is reachable".
+    """
+
+    def __init__(self, pools: Sequence[Pool], timeout: float, *,
+                 failed: Callable[[Backend, BaseException], ServingError],
+                 answered: Callable[[Backend, aiohttp.ClientResponse, bytes], Exception],
+                 stalled: Callable[[Backend], ServingError] | None = None,
+                 disconnected: Callable[[Backend, BaseException], ServingError] | None = None,
+                 noun: str = "server") -> None:
+        self.pools = tuple(pools)
+        self.timeout = timeout  # idle: connecting, and each read
+        self.failed, self.answered, self.stalled, self.disconnected = failed, answered, stalled, disconnected
+        self.noun = noun
+        self.retries: collections.Counter[tuple[str, str]] = collections.Counter()  # passed on, by (role, reason)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The HTTP client to the backends, made on first use (it must be made on the event loop): aiohttp, at
+        half httpx's round trip (`data/bench/http.json`); kept-alive connections, TCP_NODELAY; `timeout` is an
+        idle timeout (connecting, and each read)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout),
+                skip_auto_headers=("User-Agent",), headers=security.bearer_header(security.load_secret()))
+        return self._session
+
+    async def close(self) -> None:
+        """Close the HTTP client and its kept-alive connections (the server's end)."""
+        if self._session is not None:
+            await self._session.close()
+
+    async def probe_forever(self) -> None:
+        """For the server's life: probe every backend's /health each `PROBE_INTERVAL`, one probe in flight per
+        backend (a frozen one is not piled with probes)."""
+        probes: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                for backend in (b for pool in self.pools for b in pool.backends):
+                    if backend.url not in probes or probes[backend.url].done():
+                        probes[backend.url] = asyncio.create_task(self.probe(backend))
+                await asyncio.sleep(PROBE_INTERVAL)
+        finally:
+            for task in probes.values():
+                task.cancel()
+
+    async def short(self, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes] | None:
+        """A short exchange (a probe, an abort): (status, body), or None when the backend does not answer
+        within `PROBE_TIMEOUT`."""
+        try:
+            async with self.session.request(method, url, data=body, headers=JSON_HEADERS if body else None,
+                                            timeout=aiohttp.ClientTimeout(total=min(self.timeout,
+                                                                                    PROBE_TIMEOUT))) as response:
+                return response.status, await response.read()
+        except EXCHANGE_ERRORS:
+            return None
+
+    async def probe(self, backend: Backend) -> dict[str, Any] | None:
+        """GET the backend's /health: its JSON (or {}) when it answers 200, else None. The pool records the probe
+        and the backend learns what it told (`Backend.learn`)."""
+        answer = await self.short("GET", backend.url + "/health")
+        Pool.probed(backend, answer is not None and answer[0] == 200)
+        if answer is None or answer[0] != 200:
+            return None
+        backend.probed = True
+        body: dict[str, Any] = {}
+        with contextlib.suppress(msgspec.DecodeError):
+            decoded = msgspec.json.decode(answer[1])
+            body = decoded if isinstance(decoded, dict) else {}
+        backend.learn(body)
+        return body
+
+    async def choose(self, pool: Pool, tried: set[str], only: Backend | None = None) -> Backend | None:
+        """The next backend of `pool` to try (`only`: that one, once); when all untried ones are down, each is
+        probed once first."""
+        if only is not None:
+            return None if only.url in tried else only
+        backend = pool.choose(tried)
+        if backend is None:
+            await asyncio.gather(*(self.probe(b) for b in pool.backends if b.url not in tried))
+            backend = pool.choose(tried)
+        return backend
+
+    async def post(self, pool: Pool, path: str, payload: bytes, *, only: Backend | None = None,
+                   lost: list[Backend] | None = None, headers: dict[str, str] | None = None,
+                   resend: bool = False) -> tuple[Backend, aiohttp.ClientResponse]:
+        """POST `payload` (JSON) to a backend of `pool` (`only` that one), going on to the next while connections
+        are refused, it answers 503 (at capacity: it did not take the request), it is found stalled before it
+        answered (with `stalled`), or, with `resend`, it closed the connection before answering (with
+        `disconnected`). Each backend is tried once. `lost` collects a backend the request reached whose answer
+        was lost (timed out, cut, stalled, closed, this caller cancelled): it may still be working on it.
+        `headers` go with the JSON content type (a deadline).
+
+        Returns a 200 response, its body not read yet, with the backend's ``inflight`` counted up: the caller
+        counts it down and reads the body, then releases the response (or closes it, to stop the backend)
+        (`Backend.finish`). Raises what the class docstring says.
+        """
+        tried: set[str] = set()
+        deadline = time.monotonic() + self.timeout  # one bound for the answer, when stalls are watched
+        busy: Exception | None = None  # the last 503, stall or close: what the caller gets when none takes it
+        while (backend := await self.choose(pool, tried, only)) is not None:
+            tried.add(backend.url)
+            backend.inflight += 1
+            ok = False
+            try:
+                try:
+                    post = self.session.post(backend.url + path, data=payload,
+                                             headers={**JSON_HEADERS, **(headers or {})})
+                    if self.stalled is None:
+                        response = await post
+                    else:
+                        response = await progressing(backend, post, max(0.0, deadline - time.monotonic()))
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                    backend.liveness.refused()  # the request never reached it: the next one may take it
+                    self.retries[pool.role, "refused"] += 1
+                    continue
+                except UNANSWERED_ERRORS as exc:
+                    if self.disconnected is None:
+                        raise self.failed(backend, exc) from None
+                    backend.liveness.refused()  # down until a probe answers (a live one's next probe, 0.5 s)
+                    if not resend:  # e.g. a decode, which may have taken the prefill's KV already
+                        raise self.disconnected(backend, exc) from None
+                    if lost is not None:  # if it lives after all, it may still hold the request
+                        lost.append(backend)
+                    busy = self.disconnected(backend, exc)
+                    self.retries[pool.role, "disconnected"] += 1
+                    continue
+                except (*EXCHANGE_ERRORS, Stalled, asyncio.CancelledError) as exc:
+                    if lost is not None:
+                        lost.append(backend)
+                    if isinstance(exc, Stalled) and self.stalled is not None:
+                        busy = self.stalled(backend)  # it may wake and serve it later; the next one serves it now
+                        self.retries[pool.role, "stalled"] += 1
+                        continue
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    raise self.failed(backend, exc) from None
+                backend.liveness.heard()  # it answered: busy maybe, not frozen
+                if response.status != 200:
+                    try:
+                        raw = await response.read()
+                    except EXCHANGE_ERRORS as exc:
+                        raise self.failed(backend, exc) from None
+                    finally:
+                        response.release()
+                    error = self.answered(backend, response, raw)
+                    if response.status == 503:  # refused at once, so it holds nothing: the next one may take it
+                        busy = error
+                        self.retries[pool.role, "busy"] += 1
+                        continue
+                    raise error
+                backend.served += 1
+                backend.streams.add(response)  # cut if the backend is found stalled
+                ok = True
+                return backend, response
+            finally:
+                if not ok:
+                    backend.inflight -= 1
+        if busy is not None:
+            raise busy
+        urls = ", ".join(b.url for b in pool.backends)
+        raise Unavailable(f"no {pool.role} {self.noun} is reachable ({urls})", code="no_backend")
