@@ -246,7 +246,10 @@ class Proxy:
         and the backend's ``inflight`` counted down again."""
         backend, response = await self._post(pool, path, body, only, lost, headers)
         try:
-            raw = await progressing(backend, response.read())
+            if response.content.is_eof():  # the whole body came with the headers: no wait to watch
+                raw = await response.read()
+            else:
+                raw = await progressing(backend, response.read())
             backend.liveness.heard()
             return backend, raw
         except (*EXCHANGE_ERRORS, Stalled, asyncio.CancelledError) as exc:
