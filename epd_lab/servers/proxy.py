@@ -488,8 +488,7 @@ class Proxy:
         finally:
             self.pending -= 1
         try:
-            # a stream's own close finds a client gone (and drops the KV): the check would only delay token 0
-            if not job.stream and await request.is_disconnected():
+            if await request.is_disconnected():
                 raise ClientClosed("the client closed the request before decode began")
             if job.stream:  # the stream starts with prefill's token; decode (asked already, or now) does the rest
                 stream = _TokenStream(self, job, prefill_backend, prefill, decode)
