@@ -35,7 +35,7 @@ from epd_lab.ep import media
 from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.encoder import EmbeddingCache, EncoderSettings
 from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
-from epd_lab.ep.receiver import PartPlan, encode_request, send_request
+from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, PartPlan, ReceiverConfig, encode_request, send_request
 from epd_lab.serving import MAX_BODY_BYTES
 from epd_lab.transfer import TransferEngine
 
@@ -422,6 +422,17 @@ def test_mooncake_truncated_image_is_a_400_at_send_and_an_error_notify(servers, 
     assert elapsed < TIMEOUT  # the error, not the timeout (504)
     assert not buf.any()
     assert server.client.post("/send", json=send_body(meta, receiver, base, port)).status_code == 404
+
+
+def test_receiver_fails_a_truncated_image_with_its_send_answer_s_400(servers):
+    """The receiver waits for the notifies, not the /send answers; the error notify of a truncated image carries
+    no status, so the request fails with its /send answer's 400 (the client's error), not a 502, whichever of
+    the two comes first (a race: several requests, so that both orders occur)."""
+    with EmbeddingReceiver(ReceiverConfig([servers["mooncake"].url], "mooncake", timeout=TIMEOUT)) as rx:
+        for i in range(12):
+            with pytest.raises(EPDError) as raised:
+                rx.receive([data_uri(IMG_B), data_uri(truncated_png((224, 224), 100 + i))], f"trunc-rx-{i}")
+            assert raised.value.status == 400 and "image file is truncated" in str(raised.value), i
 
 
 @pytest.mark.parametrize("backend", ["zmq_to_tokenizer", "zmq_to_scheduler"])

@@ -376,8 +376,14 @@ class EmbeddingReceiver:
                     send.add_done_callback(partial(_fail_part, futures[part_req_id(rid, plan.part_idx)]))
                 try:
                     messages = self._wait(rid, plans, futures, deadline)
-                except BaseException:  # every /send settled first: the caller then knows what each encoder holds
+                except BaseException as exc:
+                    # every /send settled first: the caller then knows what each encoder holds; an error notify
+                    # carries no status, its /send answer does (an image that does not decode: 400)
                     concurrent.futures.wait(sends, max(0.0, deadline - time.monotonic()))
+                    answered = [e for e in (s.exception() for s in sends if s.done())
+                                if isinstance(e, EPDError) and e.status is not None]
+                    if isinstance(exc, EPDError) and exc.status is None and answered:
+                        raise answered[0] from None
                     raise
             finally:
                 self.engine.deregister(base)  # no write can land once this returns
