@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_lab.campaign.common import LEAK_GAUGES, pool_levels, refusal_counts
+from epd_lab.campaign.metrics import LEAK_GAUGES, pool_levels, refusal_counts
 from epd_lab.campaign.report import compact, load_result, rows_path, runs_of
 from epd_lab.campaign.soak import rss_growth
 

@@ -19,7 +19,7 @@ import pytest
 
 from epd_lab import failpoints as fp
 from epd_lab.campaign import netns
-from epd_lab.campaign.common import Prompts
+from epd_lab.campaign.prompts import Prompts
 from epd_lab.campaign.faults import Cell, cell_seed, matrix, reproduce, run_cell
 
 # the servers' timeout in these cells: the bound is 6 s, a freeze lasts 7 s. It must leave a new request routed to

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from epd_lab.campaign.common import image_uri
+from epd_lab.noise import image_uri
 from epd_lab.ep.receiver import ReceiverConfig, resolve_recv_buffer
 from epd_lab.kv import PagedKVCache
 from epd_lab.launch import Cluster, Topology

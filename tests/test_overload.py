@@ -20,8 +20,9 @@ import threading
 import httpx
 import pytest
 
-from epd_lab.campaign.common import Prompts, chat, client_session, judge
+from epd_lab.campaign.client import chat, client_session, judge
 from epd_lab.campaign.load import run_topology
+from epd_lab.campaign.prompts import Prompts
 from epd_lab.launch import Cluster, Topology
 from epd_lab.serving import DEADLINE_HEADER
 

@@ -31,12 +31,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from epd_lab.campaign.client import Outcome, chat, client_session, counts, judge
+from epd_lab.campaign.metrics import Sampler, refusals, wait_idle
 from epd_lab.campaign.netns import Hosts, available
-from epd_lab.campaign.common import (Outcome, Progress, Prompts, Sampler, chat, client_session,
-                                     counts, judge, machine, percentiles, refusals, target,
-                                     wait_idle)
+from epd_lab.campaign.prompts import Prompts
+from epd_lab.campaign.verdict import Progress, percentiles, target
 from epd_lab.failpoints import POINTS, arm, disarm, is_stopped, wait_stopped
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
 
 ROLES = ("encoder", "prefill", "decode")
 ACTIONS = ("kill", "freeze", "slow", "cut")
@@ -366,7 +368,7 @@ def faults(*, cells: tuple[str, ...] = (), inflight: int = 4, concurrency: int =
         progress(f"    {'PASS' if not failed else 'FAIL: ' + '; '.join(failed)}  {result['counts']}"
                  + (f"  refusals {refused}" if refused else ""))
     targets = [{**t, "target": f"{r['cell']}: {t['target']}"} for r in results for t in r["targets"]]
-    return {"leg": "faults", "seed": seed, "machine": machine(),
+    return {"leg": "faults", "seed": seed, "machine": machine_info(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "parameters": {"cells": [c.name for c in chosen], "inflight": inflight, "concurrency": concurrency,
                            "timeout": timeout, "fault_s": window, "time_budget_s": time_budget_s,

@@ -55,6 +55,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import HypothesisWarning
 
 from epd_lab import security
+from epd_lab.campaign.verdict import Progress
 from epd_lab._native import (OP_AUTH, OP_CONTROL, OP_HELLO, OP_WRITE, ST_BADREQ, ST_CONTROL_ERR, ST_OK, ST_REFUSED,
                              WIRE_MAGIC, WIRE_VERSION)
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
@@ -63,8 +64,6 @@ from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
 
 __all__ = ["BODY_TYPES", "WIRE_REQ", "augmented_spec", "fuzz", "fuzz_guarded_engine", "fuzz_http", "fuzz_socket",
            "listening_sockets", "wire_frames", "zmtp_socket_type"]
-
-Progress = Callable[[str], None]
 
 # the struct each POST route decodes from its raw body (their OpenAPI entries have no body schema)
 BODY_TYPES: dict[str, type] = {"/encode": EncodeRequest, "/send": SendRequest,

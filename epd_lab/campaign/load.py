@@ -16,9 +16,12 @@ import random
 import time
 from typing import Any
 
-from epd_lab.campaign.common import (Outcome, Progress, Prompts, Sampler, chat, client_session,
-                                     counts, judge, machine, percentiles, refusals, target, wait_idle)
+from epd_lab.campaign.client import Outcome, chat, client_session, counts, judge
+from epd_lab.campaign.metrics import Sampler, refusals, wait_idle
+from epd_lab.campaign.prompts import Prompts
+from epd_lab.campaign.verdict import Progress, percentiles, target
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
 
 TOPOLOGIES = {"1E1P1D": (1, 1, 1), "2E2P2D": (2, 2, 2)}
 
@@ -114,7 +117,7 @@ def load(*, count: int = 200, concurrency: int = 200, seed: int = 0, time_budget
                                  time_budget_s=max(1.0, left / (len(topologies) - i)), timeout=timeout,
                                  max_tokens=max_tokens, image_size=image_size, progress=progress))
     targets = [{**t, "target": f"{r['topology']}: {t['target']}"} for r in runs for t in r["targets"]]
-    return {"leg": "load", "seed": seed, "machine": machine(),
+    return {"leg": "load", "seed": seed, "machine": machine_info(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "parameters": {"count": count, "concurrency": concurrency, "time_budget_s": time_budget_s,
                            "timeout": timeout, "max_tokens": max_tokens, "image_size": image_size,

@@ -37,10 +37,13 @@ import aiohttp
 import httpx
 
 from epd_lab.bench import write_json
-from epd_lab.campaign.common import (Outcome, Prompts, Sampler, chat, client_session, counts, judge, machine,
-                                     parse_metrics, percentiles, refusals, wait_idle)
+from epd_lab.campaign.client import Outcome, chat, client_session, counts, judge
 from epd_lab.campaign.load import run_topology
+from epd_lab.campaign.metrics import Sampler, parse_metrics, refusals, wait_idle
+from epd_lab.campaign.prompts import Prompts
+from epd_lab.campaign.verdict import percentiles
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
 from epd_lab.serving import DEADLINE_HEADER
 
 PARTS = ("burst", "deadline", "floor", "big_prompt")
@@ -238,7 +241,7 @@ def big_prompt(others: int = 8) -> dict[str, Any]:
 
 def run(parts: tuple[str, ...] = PARTS, log: Any = print) -> dict[str, Any]:
     """Measure `parts`; the JSON's dict."""
-    out: dict[str, Any] = {"bench": "overload", "machine": machine(),
+    out: dict[str, Any] = {"bench": "overload", "machine": machine_info(),
                            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            # the host's other work: its 2 vCPUs may be shared (another checkout's tests)
                            "load_average_at_start": os.getloadavg()}

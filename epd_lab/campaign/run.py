@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 def _fuzz(count: int, frames: int, seed: int, budget: float, progress) -> dict:
     """The fuzz leg (`epd_lab.campaign.fuzz`) against a 1E/1P/1D cluster with its proxy, with issue 11's
     targets read from its report."""
-    from epd_lab.campaign.common import machine, target
     from epd_lab.campaign.fuzz import fuzz
+    from epd_lab.campaign.verdict import target
     from epd_lab.launch import Cluster, Topology
+    from epd_lab.machine import machine_info
 
     progress("  fuzz: starting 1E/1P/1D and the proxy")
     with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True)) as cluster:
@@ -109,5 +110,5 @@ def _fuzz(count: int, frames: int, seed: int, budget: float, progress) -> dict:
     result["passed"] = all(t["passed"] for t in result["targets"])
     result["counts"] = outcomes
     result.setdefault("leg", "fuzz")
-    result.setdefault("machine", machine())
+    result.setdefault("machine", machine_info())
     return result

@@ -14,9 +14,13 @@ import random
 import time
 from typing import Any
 
-from epd_lab.campaign.common import (MODEL_ID, Outcome, Progress, Prompts, Sampler, chat, client_session, counts,
-                                     judge, machine, percentiles, refusals, target, wait_idle)
+from epd_lab.campaign.client import Outcome, chat, client_session, counts, judge
+from epd_lab.campaign.metrics import Sampler, refusals, wait_idle
+from epd_lab.campaign.prompts import Prompts
+from epd_lab.campaign.verdict import Progress, percentiles, target
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
+from epd_lab.servers.openai_api import MODEL_ID
 
 RSS_GROWTH_LIMIT = 0.05
 
@@ -153,7 +157,7 @@ def soak(*, count: int = 10_000, concurrency: int = 16, seed: int = 0, time_budg
            "last_answer_s": t_last, "idle_after_s": idle_s, "leaks_left": left, "idle_levels": idle,
            "rss_growth_second_half": growth, "solo": [o.record() for o in solo], "targets": targets,
            "requests": [o.record() for o in outcomes], "samples": sampler.rows}
-    return {"leg": "soak", "seed": seed, "machine": machine(),
+    return {"leg": "soak", "seed": seed, "machine": machine_info(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "parameters": {"count": count, "concurrency": concurrency, "time_budget_s": time_budget_s,
                            "abort_share": abort_share, "bad_share": bad_share, "timeout": timeout,

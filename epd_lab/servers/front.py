@@ -20,8 +20,8 @@ it took the request is 502 (504 past ``--timeout``), or, once a stream has begun
 event. ``--timeout`` is an idle timeout (connecting, each read), as the proxy's.
 
 Routes: the two above, ``GET /v1/models``, ``/health`` (200 while one replica answers), ``/metrics`` (requests
-and each replica's ``inflight``, ``served_total``, ``up``), ``/v1/spans`` (none of its own: the replicas' spans
-are the request's), ``/v1/clock``.
+and each replica's ``inflight``, ``served_total``, ``up``, ``stalls_total``), ``/v1/spans`` (none of its own:
+the replicas' spans are the request's), ``/v1/clock``.
 
 Run: ``python -m epd_lab.servers.front --port 0 --replica URL,URL`` prints ``{"url": ..., "pid": ...}``.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,10 +39,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from epd_lab.servers.openai_api import MODEL_ID, error_body, model_list
-from epd_lab.servers.routing import EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient
+from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, backend_health,
+                                     backend_metrics)
 from epd_lab.serving import (BadGateway, GatewayTimeout, Metric, ServingError, json_response, option, read_body,
                              role_app, serve_main)
-from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive
+from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder
 
@@ -63,12 +63,7 @@ class FrontSettings(ServerSettings):
 
     def __post_init__(self) -> None:
         ServerSettings.__post_init__(self)
-        object.__setattr__(self, "replicas", tuple(u.rstrip("/") for u in self.replicas))
-        if not self.replicas:
-            raise ValueError("at least one replica URL is needed")
-        for url in self.replicas:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"replica URL {url!r} must start with http:// or https://")
+        check_urls(self, "replicas", "replica")
         check_choice(self, "policy", POLICIES)
         check_positive(self, "timeout")
         check_at_least(self, 0, "retry_after")
@@ -129,23 +124,14 @@ class Front:
 
     async def health(self) -> dict[str, Any]:
         """Probe every replica; ``status`` "ok" (200) while at least one answers, else "unavailable" (503)."""
-        answers = await asyncio.gather(*(self.client.probe(b) for b in self.pool.backends))
-        replicas = [{"url": b.url, "healthy": answer is not None, "inflight": b.inflight, "served": b.served,
-                     "health": answer} for b, answer in zip(self.pool.backends, answers, strict=True)]
+        replicas = await backend_health(self.client, self.pool.backends)
         ok = any(r["healthy"] for r in replicas)
         return {"status": "ok" if ok else "unavailable", "role": "front", "model": self.settings.model,
                 "policy": self.settings.policy, "replicas": replicas}
 
     def metric_families(self) -> list[Metric]:
-        """Per replica: requests in flight, requests it took, whether it is up."""
-        now = time.monotonic()
-        return [Metric(f"backend_{name}", kind, help_, tuple(("", {"url": b.url}, value(b))
-                                                             for b in self.pool.backends))
-                for name, kind, help_, value in (
-                    ("inflight", "gauge", "requests in flight per replica", lambda b: b.inflight),
-                    ("served_total", "counter", "requests each replica took", lambda b: b.served),
-                    ("up", "gauge", "1 unless the replica is skipped (a refused connection, or stalled)",
-                     lambda b: int(b.up(now))))]
+        """Per replica (labelled by its URL): requests in flight, requests it took, whether it is up, its stalls."""
+        return backend_metrics(self.pool.backends, "replica", ("url",))
 
 
 class _Relay:

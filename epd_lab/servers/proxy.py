@@ -91,14 +91,15 @@ from fastapi.responses import Response
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
 from epd_lab.servers.openai_api import (MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request,
                                         usage)
-from epd_lab.servers.routing import EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, Stalled, progressing
+from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, Stalled, backend_health,
+                                     backend_metrics, progressing)
 from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
 from epd_lab.serving import (DEADLINE_HEADER, PROBE_INTERVAL, STALL_MISSES, BadGateway, BadRequest, ClientClosed,
                              GatewayTimeout, Metric, PayloadTooLarge, ServingError, Unavailable, deadline_budget,
                              decode_body, json_response, option, read_body, role_app, serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT
 from epd_lab.serving.body import SMALL_BODY_BYTES
-from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive
+from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span
 
@@ -123,14 +124,8 @@ class ProxySettings(ServerSettings):
 
     def __post_init__(self) -> None:
         ServerSettings.__post_init__(self)
-        object.__setattr__(self, "prefills", tuple(u.rstrip("/") for u in self.prefills))
-        object.__setattr__(self, "decodes", tuple(u.rstrip("/") for u in self.decodes))
-        for role, urls in (("prefill", self.prefills), ("decode", self.decodes)):
-            if not urls:
-                raise ValueError(f"at least one {role} URL is needed")
-            for url in urls:
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"{role} URL {url!r} must start with http:// or https://")
+        check_urls(self, "prefills", "prefill")
+        check_urls(self, "decodes", "decode")
         check_choice(self, "policy", POLICIES)
         check_positive(self, "timeout")
         check_at_least(self, 0, "retry_after")
@@ -530,23 +525,15 @@ class Proxy:
         Each backend's entry holds the proxy's view (``healthy``, ``inflight``, ``served``) and, under
         ``health``, the JSON its own ``/health`` answered (None when it did not answer 200).
         """
-        backends = self.prefills.backends + self.decodes.backends
-        answers = await asyncio.gather(*(self._probe(b) for b in backends))
-        report: dict[str, Any] = {"prefill": [], "decode": []}
-        for backend, answer in zip(backends, answers, strict=True):
-            report[backend.role].append({"url": backend.url, "healthy": answer is not None,
-                                         "inflight": backend.inflight, "served": backend.served,
-                                         "health": answer})  # the backend's own /health, as it answered
-        ok = all(any(e["healthy"] for e in report[role]) for role in ("prefill", "decode"))
-        report |= {"status": "ok" if ok else "unavailable", "model": self.settings.model,
-                   "policy": self.settings.policy}
-        return report
+        prefill, decode = await asyncio.gather(backend_health(self.client, self.prefills.backends),
+                                               backend_health(self.client, self.decodes.backends))
+        ok = all(any(e["healthy"] for e in entries) for entries in (prefill, decode))
+        return {"prefill": prefill, "decode": decode, "status": "ok" if ok else "unavailable",
+                "model": self.settings.model, "policy": self.settings.policy}
 
     def metric_families(self) -> list[Metric]:
         """The proxy's ``/metrics`` families: aborted streams, prefill aborts, retries, backends, latency
         summaries."""
-        now = time.monotonic()
-        backends = self.prefills.backends + self.decodes.backends
         families = [
             Metric.of("streams_aborted_total", "counter", "streams that ended early, by reason",
                       self.streams_aborted, "reason"),
@@ -565,16 +552,8 @@ class Proxy:
                       round((self.predicted_wait() or (0.0, 0.0))[0], 6)),
             Metric.of("decode_token_seconds", "gauge", "decode's time per token as the proxy sees it (weighted "
                       "mean): the part of a deadline kept back from prefill", round(self.decode_token_s, 6)),
+            *backend_metrics(self.prefills.backends + self.decodes.backends, "backend", ("role", "url")),
         ]
-        for name, kind, help_, value in (
-            ("inflight", "gauge", "requests in flight per backend", lambda b: b.inflight),
-            ("served_total", "counter", "requests each backend accepted", lambda b: b.served),
-            ("up", "gauge", "1 unless the backend is skipped (a refused connection, or stalled)",
-             lambda b: int(b.up(now))),
-            ("stalls_total", "counter", "times the backend was found stalled (probes unanswered)", lambda b: b.stalls),
-        ):
-            families.append(Metric(f"backend_{name}", kind, help_,
-                                   tuple(("", {"role": b.role, "url": b.url}, value(b)) for b in backends)))
         spans = self.recorder.spans()
         for stage, help_ in (("ttft", "time to first token (streamed requests)"),
                              ("tpot", "mean time per output token after the first (streamed requests)"),

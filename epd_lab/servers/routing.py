@@ -20,11 +20,11 @@ import aiohttp
 import msgspec
 
 from epd_lab import security
-from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Liveness, ServingError,
+from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Liveness, Metric, ServingError,
                              Unavailable)
 
 __all__ = ["EXCHANGE_ERRORS", "JSON_HEADERS", "POLICIES", "UNANSWERED_ERRORS", "Backend", "Pool", "PoolClient",
-           "Stalled", "progressing"]
+           "Stalled", "backend_health", "backend_metrics", "progressing"]
 
 POLICIES = ("round_robin", "least_loaded")
 JSON_HEADERS = {"content-type": "application/json"}
@@ -320,3 +320,27 @@ class PoolClient:
             raise busy
         urls = ", ".join(b.url for b in pool.backends)
         raise Unavailable(f"no {pool.role} {self.noun} is reachable ({urls})", code="no_backend")
+
+
+async def backend_health(client: PoolClient, backends: Sequence[Backend]) -> list[dict[str, Any]]:
+    """Probe `backends` at once; each one's entry of the server's /health: its view (``healthy``, ``inflight``,
+    ``served``) and, under ``health``, the JSON the backend's own /health answered (None when not 200)."""
+    answers = await asyncio.gather(*(client.probe(b) for b in backends))
+    return [{"url": b.url, "healthy": answer is not None, "inflight": b.inflight, "served": b.served,
+             "health": answer} for b, answer in zip(backends, answers, strict=True)]
+
+
+def backend_metrics(backends: Sequence[Backend], noun: str, labels: tuple[str, ...]) -> list[Metric]:
+    """The per-backend ``/metrics`` families (``backend_inflight``, ``backend_served_total``, ``backend_up``,
+    ``backend_stalls_total``), each sample labelled by the `Backend` fields named in `labels`; `noun` names a
+    backend in the help text."""
+    now = time.monotonic()
+    return [Metric(f"backend_{name}", kind, help_, tuple(("", {k: getattr(b, k) for k in labels}, value(b))
+                                                         for b in backends))
+            for name, kind, help_, value in (
+                ("inflight", "gauge", f"requests in flight per {noun}", lambda b: b.inflight),
+                ("served_total", "counter", f"requests each {noun} accepted", lambda b: b.served),
+                ("up", "gauge", f"1 unless the {noun} is skipped (a refused connection, or stalled)",
+                 lambda b: int(b.up(now))),
+                ("stalls_total", "counter", f"times the {noun} was found stalled (probes unanswered)",
+                 lambda b: b.stalls))]

@@ -161,6 +161,18 @@ def check_choice(settings: Any, name: str, choices: Sequence[str]) -> None:
         raise ValueError(f"unknown {name} {getattr(settings, name)!r}; choose one of {', '.join(choices)}")
 
 
+def check_urls(settings: Any, name: str, noun: str) -> None:
+    """`ValueError` unless field `name` holds at least one URL and each starts with http:// or https://; the URLs
+    are kept without a trailing slash (paths are appended to them). `noun` names them in the message."""
+    urls = tuple(u.rstrip("/") for u in getattr(settings, name))
+    object.__setattr__(settings, name, urls)
+    if not urls:
+        raise ValueError(f"at least one {noun} URL is needed")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{noun} URL {url!r} must start with http:// or https://")
+
+
 # keyword-only: a role's own fields come first in its constructor (the proxy's URLs stay positional)
 @dataclasses.dataclass(slots=True, frozen=True, kw_only=True)
 class ServerSettings:
