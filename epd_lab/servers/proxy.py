@@ -107,6 +107,9 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
 DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
 QUANTILES = (0.5, 0.9, 0.99)
+# decode gives up on a request's KV this long before the request's deadline (`_decode_body`), so that its 504
+# crosses decode → proxy → client within the deadline even on a loaded host
+KV_ANSWER_S = 0.2
 T = TypeVar("T")
 
 
@@ -467,9 +470,9 @@ class Proxy:
         return result
 
     async def _abort_lost(self, lost: list[Backend], rid: str) -> None:
-        """Abort `rid` on every prefill in `lost` (its answer lost, or passed over while stalled): at once where
-        it answers, else in the background: until it wakes (stalled), or once (down: it closed the connection
-        unanswered, most likely dead, and the request's answer need not wait on it)."""
+        """Abort `rid` on every prefill in `lost` (its answer lost, passed over while stalled, or its decode
+        failed): at once where it answers, else in the background: until it wakes (stalled), or once (down: it
+        closed the connection unanswered, most likely dead, and the request's answer need not wait on it)."""
         now = time.monotonic()
         for backend in lost:
             if backend.stall.is_set():
@@ -543,7 +546,8 @@ class Proxy:
         """The ``X-EPD-Deadline-Ms`` for a job's prefill: what is left of its deadline, less what its decode is
         expected to take (this proxy's measured time per token × its tokens, at most half of what is left, so a
         long generation is never refused for its length alone: its tokens stream, each bounded by --timeout).
-        Decode is sent no deadline: once prefilled, a request is not refused for it (its first token may be out)."""
+        Decode is sent no such deadline: once prefilled, a request is not refused for it (its first token may be
+        out); only its KV's arrival is bounded by the request's deadline (`_decode_body`)."""
         left = job.deadline - time.monotonic()
         reserve = min(self.decode_token_s * max(0, job.max_tokens - 1), left / 2)
         return {DEADLINE_HEADER: f"{max(0.0, left - reserve) * 1000:.0f}"}
@@ -571,8 +575,13 @@ class Proxy:
         return job, prompt, images
 
     def _decode_body(self, job: Job, kv_transfer_params: Any) -> dict[str, Any]:
+        """The body of a job's /v1/decode, built just before it is sent: its KV is due by the job's deadline
+        (``kv_deadline_ms``: a decode waiting on a prefill that died mid-transfer answers 504 within it). Its
+        tokens after are not: they stream, each bounded by --timeout."""
+        kv_left = min(max(0.0, job.deadline - time.monotonic() - KV_ANSWER_S), self.settings.timeout)
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
-                "seed": job.seed, "stream": True, "kv_transfer_params": kv_transfer_params}
+                "seed": job.seed, "stream": True, "kv_transfer_params": kv_transfer_params,
+                "kv_deadline_ms": round(kv_left * 1000)}
 
     async def _pipelined(self, job: Job, prompt: str,
                          images: list[str]) -> tuple[Backend, PrefillResponse, asyncio.Task | None] | None:
@@ -646,7 +655,8 @@ class Proxy:
         except BaseException:  # cancellation included: no decode will ask for the KV, so free it now
             if decode is not None:
                 await _discard(decode)
-            await asyncio.shield(self._abort(prefill_backend, job.rid))
+            # a frozen or dead prefill is aborted in the background: its client's error does not wait on it
+            await asyncio.shield(self._abort_lost([prefill_backend], job.rid))
             raise
         # decode streams to the proxy here too: the idle timeout bounds each token, not the whole generation,
         # and a proxy that gives up closes the stream, which stops decode
