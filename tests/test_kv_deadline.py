@@ -59,6 +59,24 @@ def _chat(c: Cluster, text: str) -> tuple[httpx.Response, float]:
     return response, time.monotonic() - t0
 
 
+def test_a_request_whose_kv_deadline_passed_is_a_504_at_once_holding_nothing(cluster: tuple[Cluster, str]) -> None:
+    """Decode reached with no time left for the KV (the proxy's ``kv_deadline_ms`` 0): 504 at once, without
+    asking the producer, so no blocks are quarantined and the reservation is back."""
+    c, _ = cluster
+    kv_url = httpx.get(c.prefill_urls[0] + "/health", timeout=5).json()["kv_url"]
+    block_size = _decode_health(c)["block_size"]
+    body = {"request_id": "late", "max_tokens": 4, "kv_deadline_ms": 0,
+            "kv_transfer_params": {"remote_url": kv_url, "remote_request_id": "late", "prompt_len": block_size,
+                                   "rope_delta": 0, "first_token": 1, "num_blocks": 1}}
+    t0 = time.monotonic()
+    response = httpx.post(c.decode_urls[0] + "/v1/decode", json=body, timeout=3 * TIMEOUT)
+    assert response.status_code == 504 and "deadline passed before decode could ask" in response.text
+    assert time.monotonic() - t0 < 1.0
+    health = _decode_health(c)
+    assert health["free_blocks"] == health["num_blocks"]
+    assert health["quarantined_blocks"] == 0 and health["reserved_blocks"] == 0
+
+
 def _stopped(procs: list[Any], timeout: float) -> Any:
     """The first of `procs` to stop itself at its failpoint within `timeout` s, or None."""
     deadline = time.monotonic() + timeout

@@ -205,6 +205,11 @@ class DecodeServer:
         `ServingError`. Returns the blocks (the caller owns them now: `admit` them, or `release` them), the spans
         and the parameters complete (a pipelined request's learnt from the producer)."""
         p = req.kv_transfer_params
+        if time.monotonic() >= due:  # nothing asked, so no blocks to quarantine; prefill frees the KV on abort
+            self._count("kv_timeouts")
+            give_back()  # its reservation, as a failed transfer's
+            raise GatewayTimeout(f"request {req.request_id!r}: its deadline passed before decode could ask "
+                                 f"{p.remote_url} for its KV")
         # the reservations fit in the pool, and the quarantined blocks keep theirs: no OutOfBlocks here
         ids = self.blocks.allocate(num_blocks)
         t0 = time.monotonic_ns()
