@@ -24,7 +24,8 @@ from helpers import wait_for
 pytestmark = pytest.mark.timeout(240)
 
 TIMEOUT = 4.0  # the request's deadline (the proxy's --timeout) and every role's timeout
-# what the client may see past the deadline: its own connection and reading (decode gives up 0.2 s before it)
+# what the client may see past the deadline: its own connection and reading (decode gives up 0.2 s before it,
+# `KV_ANSWER_S`, as its ask went out early in the request's life, far more than `KV_ASK_FLOOR_S` before that)
 MARGIN = 0.25
 QUARANTINE = 1.0  # decode's --kv-quarantine: a frozen producer may still write into the blocks it was given
 PREFILLS, DECODE = slice(1, 3), 3  # Cluster.procs: encoder, prefills, decode, proxy
@@ -57,24 +58,6 @@ def _chat(c: Cluster, text: str) -> tuple[httpx.Response, float]:
     t0 = time.monotonic()
     response = httpx.post(c.proxy_url + "/v1/chat/completions", json=body, timeout=3 * TIMEOUT)
     return response, time.monotonic() - t0
-
-
-def test_a_request_whose_kv_deadline_passed_is_a_504_at_once_holding_nothing(cluster: tuple[Cluster, str]) -> None:
-    """Decode reached with no time left for the KV (the proxy's ``kv_deadline_ms`` 0): 504 at once, without
-    asking the producer, so no blocks are quarantined and the reservation is back."""
-    c, _ = cluster
-    kv_url = httpx.get(c.prefill_urls[0] + "/health", timeout=5).json()["kv_url"]
-    block_size = _decode_health(c)["block_size"]
-    body = {"request_id": "late", "max_tokens": 4, "kv_deadline_ms": 0,
-            "kv_transfer_params": {"remote_url": kv_url, "remote_request_id": "late", "prompt_len": block_size,
-                                   "rope_delta": 0, "first_token": 1, "num_blocks": 1}}
-    t0 = time.monotonic()
-    response = httpx.post(c.decode_urls[0] + "/v1/decode", json=body, timeout=3 * TIMEOUT)
-    assert response.status_code == 504 and "deadline passed before decode could ask" in response.text
-    assert time.monotonic() - t0 < 1.0
-    health = _decode_health(c)
-    assert health["free_blocks"] == health["num_blocks"]
-    assert health["quarantined_blocks"] == 0 and health["reserved_blocks"] == 0
 
 
 def _stopped(procs: list[Any], timeout: float) -> Any:

@@ -317,8 +317,6 @@ def test_chat_non_streaming_text_and_images(basic: tuple) -> None:
     # what the backends were sent: the rendered prompt and media; decode got prefill's params unchanged
     (pre,), (dec,) = p.requests, d.requests
     assert pre["prompt"] == prompt and pre["images"] == [PNG_URI, "/tmp/x.png"]
-    # its KV is due by the request's deadline (--timeout, 30 s), less the 0.2 s its error takes to come back
-    assert 25_000 < dec.pop("kv_deadline_ms") <= 29_800
     assert dec == {"request_id": pre["request_id"], "max_tokens": 7, "temperature": 0.0, "seed": 7,
                    "stream": True, "kv_transfer_params": {"remote_url": "tcp://p0:5557",
                                                            "remote_request_id": pre["request_id"],

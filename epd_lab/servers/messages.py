@@ -105,9 +105,6 @@ class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     seed: Seed | None = None  # the sampler's torch.Generator seed (None: random); past 64 bits a 400, not a 500
     stream: bool = False
     return_logits: bool = False  # the non-streaming answer carries each decode step's logits (bit-exact checks)
-    # milliseconds its sender leaves, from when it sent the request, for the KV to arrive (the proxy: what is left
-    # of the request's deadline); None: decode's own deadline. Bounds the wait for a producer that died or froze
-    kv_deadline_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
 
 class DecodeResponse(msgspec.Struct):
