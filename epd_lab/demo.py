@@ -189,7 +189,7 @@ def run_e2e(max_tokens: int = 16) -> dict[str, Any]:
             timeline = httpx.get(f"{cluster.proxy_url}/v1/spans", params={"request_id": response_id}, timeout=10)
             spans = msgspec.convert(timeline.json()["spans"], list[Span])
             same = "".join(pieces) == monolithic_chat(model, messages, max_tokens)
-            rows.append((response_id, len(images), ttft, total, same, _stage_ms(spans)))
+            rows.append((response_id, len(sizes), ttft, total, same, _stage_ms(spans)))
             all_spans += spans
     stages = ("http_encode", "vit", "transfer", "prefill", "kv_transfer", "decode_step", "ttft")
     print(f"\n{'images':>6s} {'tokens':>6s} {'TTFT ms':>8s} {'total ms':>9s} {'same as generate':>17s}   "

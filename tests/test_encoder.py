@@ -28,7 +28,6 @@ import msgspec
 import pytest
 import torch
 import zmq
-from PIL import Image
 
 from epd_lab import models
 from epd_lab.ep import media

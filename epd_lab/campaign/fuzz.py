@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import io
 import json
 import os
 import random

@@ -6,7 +6,8 @@
    refusal. Target: >= 99% served with the right answer, 0 lost, every refusal within 0.5 s.
 2. ``deadline``: 1,000 concurrent on 1E/1P/1D, each with ``X-EPD-Deadline-Ms: 10000``, twice on one cluster
    (the first burst on roles that never saw a queue, the second with the drain rate the first measured): how
-   many were admitted and how many refused (and by whom), the refusals' latency, the admitted ones' latency
+   many were admitted and how many refused (and by whom), the refusals' latency (all, and split: the proxy's,
+   from the headers, and those after it, by the prefill), the admitted ones' latency
    against the deadline, the processes' peak RSS and the pools back at idle. Target: what cannot finish is
    refused within 0.5 s, what is admitted finishes within the deadline, memory stays bounded.
 3. ``floor``: the same client's 1,000 concurrent requests (the same bodies and deadline header) against a server
@@ -115,6 +116,10 @@ def _deadline_result(n: int, outcomes: list[Outcome], prompts: Prompts, rows: li
             table[row["process"]] = max(table.get(row["process"], 0.0), row["value"])
     late = [o for o in ok if o.latency_s > deadline_s]
     slow_refusals = [o for o in refused if o.latency_s > 0.5]
+    # who refused decides where the time went: the proxy judges from the headers (its refusals sit at the
+    # client's own floor, part 3), a prefill after the proxy read and forwarded the body, or while it waited
+    by_proxy = [o for o in refused if o.error.startswith("proxy overloaded")]
+    past_proxy = [o for o in refused if not o.error.startswith("proxy overloaded")]
     by_whom = {"proxy, before the body": sum(o.error.startswith("proxy overloaded") for o in refused),
                "prefill, on arrival": sum("does not fit the request's deadline" in o.error
                                           and o.error.startswith("prefill") for o in refused),
@@ -126,6 +131,8 @@ def _deadline_result(n: int, outcomes: list[Outcome], prompts: Prompts, rows: li
             "admitted_latency_s": percentiles([o.latency_s for o in ok]), "admitted_past_deadline": len(late),
             "refusal_latency_s": percentiles([o.latency_s for o in refused]),
             "refusals_past_0_5_s": len(slow_refusals), "refused_by": by_whom,
+            "refusal_latency_by": {"proxy": percentiles([o.latency_s for o in by_proxy]),
+                                   "after the proxy": percentiles([o.latency_s for o in past_proxy])},
             "refusal_detail_example": refused[0].error if refused else None,
             "errors": sorted({o.error[:200] for o in outcomes if o.kind in ("error", "timeout")})[:5],
             "peak_queue_length": queue, "peak_rss_mib": {k: round(v / 2**20, 1) for k, v in rss.items()},

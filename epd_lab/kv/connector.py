@@ -30,7 +30,9 @@ handshake), and `KVProducer.abort`.
 Bounded everywhere, so no request waits forever (vLLM #35943): the producer answers ``TRANS_ERROR`` for a
 request not finished (`request_finished`) within `timeout`, and frees a finished request's blocks once it is
 answered or after `free_timeout` if decode never asks; the consumer raises `KVTransferError` on
-``TRANS_ERROR``, after `timeout` without an answer (producer dead or stuck), or on a reply it cannot decode.
+``TRANS_ERROR``, after `timeout` without an answer (producer dead or stuck), or on a reply it cannot decode; a
+caller may pass a shorter wait (decode: what is left of the request's deadline, so that a producer that died
+mid-transfer fails the request within its deadline, not a whole `timeout` after decode asked).
 
 Abort (what vLLM's proxy does when decode fails): `abort` frees a finished request's blocks at once instead of
 after `free_timeout`, and for `free_timeout` afterwards an ask for that request is answered
@@ -641,33 +643,42 @@ class KVConsumer:
             kv_caches_base_addr=self.cache.base_addrs, block_ids=[list(block_ids)],
             session_id=self.engine.session_id, rkeys=list(self.cache.keys), block_len=self.cache.block_len)
 
-    def query(self, producer_url: str, request_id: str) -> KVPlan:
+    def query(self, producer_url: str, request_id: str, timeout: float | None = None) -> KVPlan:
         """The pipelined handshake's first step: ask the producer how long `request_id`'s prompt is and how many
         blocks its KV takes; returns when prefill has announced it (`KVProducer.announce`). Raises
-        `KVTransferError` otherwise. This project's extension, not in seed 003."""
-        reply = self._round_trip(producer_url, request_id, encode(KVQuery(request_id)))
+        `KVTransferError` otherwise (`KVTransferTimeout` after `timeout` seconds, when given and shorter than
+        this consumer's own). This project's extension, not in seed 003."""
+        reply = self._round_trip(producer_url, request_id, encode(KVQuery(request_id)), timeout)
         if not isinstance(reply, KVPlan) or reply.request_id != request_id:
             raise KVTransferError(f"request {request_id!r}: {type(reply).__name__} from {producer_url} where its "
                                   f"plan was due")
         return reply
 
-    def receive_kv(self, producer_url: str, request_id: str, block_ids: Sequence[int]) -> TransDone:
+    def receive_kv(self, producer_url: str, request_id: str, block_ids: Sequence[int],
+                   timeout: float | None = None) -> TransDone:
         """Have the producer at `producer_url` write `request_id`'s KV into `block_ids`; returns its
         ``TRANS_DONE`` (with prefill's first token and rope delta when prefill gave them). Raises
-        `KVTransferError` otherwise; the blocks stay the caller's to free."""
-        reply = self._round_trip(producer_url, request_id, encode(self.metadata(request_id, block_ids)))
+        `KVTransferError` otherwise (`KVTransferTimeout` after `timeout` seconds, when given and shorter than this
+        consumer's own: what is left of the request's deadline); the blocks stay the caller's to free."""
+        reply = self._round_trip(producer_url, request_id, encode(self.metadata(request_id, block_ids)), timeout)
         if not isinstance(reply, TransDone) or reply.request_ids != [request_id]:
             what = f"TRANS_DONE for {reply.request_ids}" if isinstance(reply, TransDone) else type(reply).__name__
             raise KVTransferError(f"request {request_id!r}: {what} instead")
         return reply
 
-    def _round_trip(self, producer_url: str, request_id: str, payload: bytes) -> TransDone | KVPlan:
+    def _round_trip(self, producer_url: str, request_id: str, payload: bytes,
+                    timeout: float | None) -> TransDone | KVPlan:
+        # a request's deadline may come before the producer's own TRANS_ERROR would: a producer that died or froze
+        # mid-transfer is given up on then, not after this consumer's whole timeout
+        own = self.timeout + REPLY_SLACK_S
+        wait = own if timeout is None else min(own, timeout)
         sock = self._socket(producer_url)
         try:
             sock.send(security.sign(self._secret, security.KV_ASK, payload))
-            if not sock.poll(int((self.timeout + REPLY_SLACK_S) * 1000), zmq.POLLIN):
+            if not sock.poll(max(0, int(wait * 1000)), zmq.POLLIN):
+                within = f"{self.timeout} s" if wait == own else f"the request's deadline ({max(wait, 0.0):.2f} s)"
                 raise KVTransferTimeout(f"request {request_id!r}: no answer from the producer at {producer_url} "
-                                        f"within {self.timeout} s (dead or stuck)")
+                                        f"within {within} (dead or stuck)")
             frame = sock.recv(copy=False)
         except BaseException:
             sock.close()  # its reply may still come: this socket cannot be used again

@@ -8,9 +8,11 @@
    attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV. Every block a request takes comes
    out of its reservation (admission, below), so none finds the pool empty. ``TRANS_ERROR`` → by its reason (no such
    request on the producer 404, aborted 409, producer busy 503, else 502), no answer within ``--timeout``
-   (producer dead or stuck) → 504,
-   with the connector's message. After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds
-   before they go back to the pool: a producer that was only slow may still write into them.
+   (producer dead or stuck), or by the request's deadline when that comes first (``X-EPD-KV-Deadline-Ms``, the
+   proxy's: what is left of the client's deadline; at least `KV_ASK_FLOOR_S` after the ask) → 504, with the
+   connector's message.
+   After a timeout the blocks are quarantined for ``--kv-quarantine`` seconds before they go back to the pool:
+   a producer that was only slow may still write into them.
 2. Generate (`epd_lab.servers.scheduler`): token 0 is prefill's ``first_token``; token i+1 comes from the logits
    of feeding token i at ``prompt_len + rope_delta + i``, greedy at temperature 0, else sampled from
    ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
@@ -80,9 +82,9 @@ from epd_lab.servers.messages import (
     encode,
 )
 from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
-from epd_lab.serving import (Admission, BadGateway, BadRequest, Conflict, Forbidden, GatewayTimeout, Metric, NotFound,
-                             ServingError, Unavailable, deadline_budget, engine_metrics, option, read_struct,
-                             role_app, serve_main)
+from epd_lab.serving import (KV_DEADLINE_HEADER, Admission, BadGateway, BadRequest, Conflict, Forbidden,
+                             GatewayTimeout, Metric, NotFound, ServingError, Unavailable, deadline_budget,
+                             engine_metrics, option, read_struct, role_app, serve_main)
 from epd_lab.serving.placement import PagedKVSettings, use_device
 from epd_lab.serving.settings import check_at_least, check_positive
 from epd_lab.serving.stream import ClosingStreamingResponse
@@ -96,6 +98,13 @@ T = TypeVar("T")
 # there, or freed after its free timeout), the request was aborted, the producer is at one of its bounds
 _TRANS_ERRORS: dict[str, Callable[[str], ServingError]] = {
     "not_found": NotFound, "aborted": Conflict, "busy": lambda detail: Unavailable(detail, retry_after=1)}
+
+
+# A request's KV deadline bounds decode's wait for the producer, but an ask gets at least this long: a live
+# producer answers an ask for finished KV in milliseconds, so a request that reaches decode at its deadline's end
+# is served late rather than failed (as the proxy's decode leg is never refused for its deadline), and one whose
+# producer died fails at most this long after the ask.
+KV_ASK_FLOOR_S = 1.0
 
 
 class _TimedOut(GatewayTimeout):
@@ -169,9 +178,10 @@ class DecodeServer:
                                          self._count, lambda gen: self.release(gen.block_table, gen.released))
 
     # ---- KV ----
-    def plan_kv(self, req: DecodeRequest) -> tuple[int, int, list[Span]]:
+    def plan_kv(self, req: DecodeRequest, due: float | None) -> tuple[int, int, list[Span]]:
         """The prompt's length and blocks (in a worker thread: a pipelined request asks its producer, which
-        answers once prefill knows them) and the spans so far; raises `ServingError`."""
+        answers once prefill knows them, by `due`, its KV deadline: see `_ask_within`) and the spans so far;
+        raises `ServingError`."""
         p = req.kv_transfer_params
         if self.settings.kv_producers and p.remote_url not in self.settings.kv_producers:
             # checked before any socket opens: decode never sends its cache's addresses and keys elsewhere
@@ -181,7 +191,8 @@ class DecodeServer:
         prompt_len, num_blocks = p.prompt_len, p.num_blocks
         if p.pipelined:  # the prompt's size comes from the producer, as soon as prefill knows it
             t0 = time.monotonic_ns()
-            plan = self._kv_call(p, lambda: self.consumer.query(p.remote_url, p.remote_request_id))
+            plan = self._kv_call(p, lambda: self.consumer.query(p.remote_url, p.remote_request_id,
+                                                                 _ask_within(due)))
             spans.append(Span(req.request_id, -1, "kv_query", self.node, t0, time.monotonic_ns()))
             prompt_len, num_blocks = plan.prompt_len, plan.num_blocks
         n = blocks_needed(prompt_len, self.cache.block_size)
@@ -196,11 +207,11 @@ class DecodeServer:
         return blocks_needed(prompt_len + max_tokens - 1, self.cache.block_size)
 
     def fetch_kv(self, req: DecodeRequest, prompt_len: int, num_blocks: int, spans: list[Span],
-                 give_back: Callable[[], None]) -> tuple[list[int], list[Span], KVTransferParams]:
-        """Receive the request's KV (in a worker thread) into `num_blocks` blocks allocated for it, out of its
-        reservation (`give_back` returns that, once the blocks are back); raises `ServingError`. Returns the
-        blocks (the caller owns them now: `admit` them, or `release` them), the spans and the parameters
-        complete (a pipelined request's learnt from the producer)."""
+                 give_back: Callable[[], None], due: float | None) -> tuple[list[int], list[Span], KVTransferParams]:
+        """Receive the request's KV (in a worker thread, by `due`: see `_ask_within`) into `num_blocks` blocks
+        allocated for it, out of its reservation (`give_back` returns that, once the blocks are back); raises
+        `ServingError`. Returns the blocks (the caller owns them now: `admit` them, or `release` them), the spans
+        and the parameters complete (a pipelined request's learnt from the producer)."""
         p = req.kv_transfer_params
         # the reservations fit in the pool, and the quarantined blocks keep theirs: no OutOfBlocks here
         ids = self.blocks.allocate(num_blocks)
@@ -208,7 +219,8 @@ class DecodeServer:
         quarantine = kept = False
         try:
             try:
-                done = self._kv_call(p, lambda: self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids))
+                done = self._kv_call(p, lambda: self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids,
+                                                                         _ask_within(due)))
             except _TimedOut:
                 quarantine = True  # the producer may still write into them
                 raise
@@ -349,6 +361,12 @@ class DecodeServer:
         self.engine.close()
 
 
+def _ask_within(due: float | None) -> float | None:
+    """How long an ask to the producer may wait for its answer: until `due` (a `time.monotonic()`, the request's
+    KV deadline), but at least `KV_ASK_FLOOR_S`; None (no deadline sent): the consumer's own timeout."""
+    return None if due is None else max(due - time.monotonic(), KV_ASK_FLOOR_S)
+
+
 def _line(msg: msgspec.Struct) -> bytes:
     return msgspec.json.encode(msg) + b"\n"
 
@@ -362,12 +380,16 @@ def create_app(settings: DecodeSettings) -> FastAPI:
     async def decode(request: Request) -> Response:
         server: DecodeServer = app.state.server
         # queued, or refused, before its body is read; a waiting request holds no KV (prefill keeps it meanwhile)
+        arrived = time.monotonic()
         budget = deadline_budget(request.headers, server.settings.timeout)
-        due = time.monotonic() + budget
+        due = arrived + budget
+        # its KV is due by the sender's KV deadline, counted from arrival (a little early, never late)
+        kv_due = (arrived + deadline_budget(request.headers, 0.0, KV_DEADLINE_HEADER)
+                  if KV_DEADLINE_HEADER.lower() in request.headers else None)
         ticket = await server.admission.enter(budget)
         streaming = False
         try:
-            response = await _decode(server, request, ticket.leave, due)
+            response = await _decode(server, request, ticket.leave, due, kv_due)
             streaming = isinstance(response, ClosingStreamingResponse)  # admitted until its stream ends
             return response
         finally:
@@ -375,10 +397,10 @@ def create_app(settings: DecodeSettings) -> FastAPI:
                 ticket.leave()
 
     async def _decode(server: DecodeServer, request: Request, _stream_ended: Callable[[], None],
-                      due: float) -> Response:
+                      due: float, kv_due: float | None) -> Response:
         req = await read_struct(request, DecodeRequest)
         loop = asyncio.get_running_loop()
-        prompt_len, num_blocks, spans = await loop.run_in_executor(server.io, server.plan_kv, req)
+        prompt_len, num_blocks, spans = await loop.run_in_executor(server.io, server.plan_kv, req, kv_due)
         # the second admission: its whole reservation fits in the pool, or it waits (holding no KV: prefill keeps
         # it) while that is predicted within its deadline, else 503 now
         kv_ticket = await server.kv_admission.enter(due - time.monotonic(),
@@ -391,7 +413,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
                 pass
 
         try:
-            fetch = server.io.submit(server.fetch_kv, req, prompt_len, num_blocks, spans, give_back)
+            fetch = server.io.submit(server.fetch_kv, req, prompt_len, num_blocks, spans, give_back, kv_due)
         except RuntimeError:  # the pool is shut down (closing)
             kv_ticket.leave()
             raise

@@ -94,9 +94,10 @@ from epd_lab.servers.openai_api import (MODEL_ID, Job, chunk, completion, error_
 from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, Stalled, backend_health,
                                      backend_metrics, progressing)
 from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
-from epd_lab.serving import (DEADLINE_HEADER, PROBE_INTERVAL, STALL_MISSES, BadGateway, BadRequest, ClientClosed,
-                             GatewayTimeout, Metric, PayloadTooLarge, ServingError, Unavailable, deadline_budget,
-                             decode_body, json_response, option, read_body, role_app, serve_main)
+from epd_lab.serving import (DEADLINE_HEADER, KV_DEADLINE_HEADER, PROBE_INTERVAL, STALL_MISSES, BadGateway,
+                             BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, ServingError,
+                             Unavailable, deadline_budget, decode_body, json_response, option, read_body, role_app,
+                             serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT
 from epd_lab.serving.body import SMALL_BODY_BYTES
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls
@@ -107,6 +108,9 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
 DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
 QUANTILES = (0.5, 0.9, 0.99)
+# decode gives up on a request's KV this long before the request's deadline (`_kv_deadline`), so that its 504
+# crosses decode → proxy → client within the deadline even on a loaded host
+KV_ANSWER_S = 0.2
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -315,9 +319,9 @@ class Proxy:
         return result
 
     async def _abort_lost(self, lost: list[Backend], rid: str) -> None:
-        """Abort `rid` on every prefill in `lost` (its answer lost, or passed over while stalled): at once where
-        it answers, else in the background: until it wakes (stalled), or once (down: it closed the connection
-        unanswered, most likely dead, and the request's answer need not wait on it)."""
+        """Abort `rid` on every prefill in `lost` (its answer lost, passed over while stalled, or its decode
+        failed): at once where it answers, else in the background: until it wakes (stalled), or once (down: it
+        closed the connection unanswered, most likely dead, and the request's answer need not wait on it)."""
         now = time.monotonic()
         for backend in lost:
             if backend.stall.is_set():
@@ -391,7 +395,8 @@ class Proxy:
         """The ``X-EPD-Deadline-Ms`` for a job's prefill: what is left of its deadline, less what its decode is
         expected to take (this proxy's measured time per token × its tokens, at most half of what is left, so a
         long generation is never refused for its length alone: its tokens stream, each bounded by --timeout).
-        Decode is sent no deadline: once prefilled, a request is not refused for it (its first token may be out)."""
+        Decode is sent no such deadline: once prefilled, a request is not refused for it (its first token may be
+        out); only its KV's arrival is bounded by the request's deadline (`_kv_deadline`)."""
         left = job.deadline - time.monotonic()
         reserve = min(self.decode_token_s * max(0, job.max_tokens - 1), left / 2)
         return {DEADLINE_HEADER: f"{max(0.0, left - reserve) * 1000:.0f}"}
@@ -422,6 +427,13 @@ class Proxy:
         return {"request_id": job.rid, "max_tokens": job.max_tokens, "temperature": job.temperature,
                 "seed": job.seed, "stream": True, "kv_transfer_params": kv_transfer_params}
 
+    def _kv_deadline(self, job: Job) -> dict[str, str]:
+        """The ``X-EPD-KV-Deadline-Ms`` for a job's /v1/decode, taken just before it is sent: its KV is due by the
+        job's deadline, so a decode waiting on a prefill that died or froze mid-transfer answers 504 within it.
+        Its tokens after are not: they stream, each bounded by --timeout."""
+        kv_left = min(max(0.0, job.deadline - time.monotonic() - KV_ANSWER_S), self.settings.timeout)
+        return {KV_DEADLINE_HEADER: f"{kv_left * 1000:.0f}"}
+
     async def _pipelined(self, job: Job, prompt: str,
                          images: list[str]) -> tuple[Backend, PrefillResponse, asyncio.Task | None] | None:
         """Ask decode and prefill at once: the prefill chosen up front, decode told only its side channel
@@ -435,7 +447,8 @@ class Proxy:
         if backend is None or backend.kv_url is None:
             return None
         kv = {"remote_url": backend.kv_url, "remote_request_id": job.rid}
-        decode = asyncio.create_task(self._post(self.decodes, "/v1/decode", self._decode_body(job, kv)))
+        decode = asyncio.create_task(self._post(self.decodes, "/v1/decode", self._decode_body(job, kv),
+                                                headers=self._kv_deadline(job)))
         try:
             _, prefill = await self._prefill(job, prompt, images, only=backend)
         except BaseException as exc:
@@ -490,11 +503,13 @@ class Proxy:
                 return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache"})
             backend, response = await self._post(self.decodes, "/v1/decode",
-                                                 self._decode_body(job, prefill.kv_transfer_params))
+                                                 self._decode_body(job, prefill.kv_transfer_params),
+                                                 headers=self._kv_deadline(job))
         except BaseException:  # cancellation included: no decode will ask for the KV, so free it now
             if decode is not None:
                 await _discard(decode)
-            await asyncio.shield(self._abort(prefill_backend, job.rid))
+            # a frozen or dead prefill is aborted in the background: its client's error does not wait on it
+            await asyncio.shield(self._abort_lost([prefill_backend], job.rid))
             raise
         # decode streams to the proxy here too: the idle timeout bounds each token, not the whole generation,
         # and a proxy that gives up closes the stream, which stops decode
@@ -607,7 +622,8 @@ class _TokenStream:
             yield (self._event("", role=True) if job.kind == "chat" else b"") + (self._event(text) if text else b"")
             if self.decode is None:
                 self.decode = asyncio.create_task(self.proxy._post(
-                    self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill.kv_transfer_params)))
+                    self.proxy.decodes, "/v1/decode", self.proxy._decode_body(job, self.prefill.kv_transfer_params),
+                    headers=self.proxy._kv_deadline(job)))
             self.backend, self.response = await self.decode
             finish_reason = "length"
             async for msg in _decode_stream(self.backend, self.response, self.prefill.first_token,

@@ -10,7 +10,7 @@
 - `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`);
   `ServerSettings`, every role's base.
 """
-from epd_lab.serving.admission import DEADLINE_HEADER, Admission, Ticket, deadline_budget
+from epd_lab.serving.admission import DEADLINE_HEADER, KV_DEADLINE_HEADER, Admission, Ticket, deadline_budget
 from epd_lab.serving.app import Role, json_response, role_app
 from epd_lab.serving.body import MAX_BODY_BYTES, decode_body, read_body, read_struct
 from epd_lab.serving.errors import (BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
@@ -21,8 +21,8 @@ from epd_lab.serving.settings import from_argv, option, parser, to_argv
 from epd_lab.serving.stack import (CLIENT_KEEPALIVE_S, KEEPALIVE_S, LOOPS, PARSERS, bind_tcp, http_info, http_stack,
                                    run_server, serve_and_announce, serve_main, url_of)
 
-__all__ = ["CLIENT_KEEPALIVE_S", "DEADLINE_HEADER", "KEEPALIVE_S", "LOOPS", "MAX_BODY_BYTES", "PARSERS",
-           "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE",
+__all__ = ["CLIENT_KEEPALIVE_S", "DEADLINE_HEADER", "KEEPALIVE_S", "KV_DEADLINE_HEADER", "LOOPS", "MAX_BODY_BYTES",
+           "PARSERS", "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE",
            "Admission", "BadGateway", "BadRequest", "ClientClosed",
            "Conflict", "Forbidden", "GatewayTimeout", "Liveness", "Metric", "NotFound", "PayloadTooLarge", "Role",
            "ServingError", "Ticket", "Unavailable", "bind_tcp", "deadline_budget", "decode_body", "engine_metrics",

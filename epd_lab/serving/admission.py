@@ -58,9 +58,12 @@ from typing import Any, Mapping
 from epd_lab.serving.errors import BadRequest, Unavailable
 from epd_lab.serving.metrics import Metric
 
-__all__ = ["DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
+__all__ = ["DEADLINE_HEADER", "KV_DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
 
 DEADLINE_HEADER = "X-EPD-Deadline-Ms"  # the milliseconds the sender will still wait for the whole answer
+# to decode: the milliseconds the sender (the proxy) leaves for the request's KV to arrive, what is left of the
+# request's deadline; it bounds decode's wait for a producer that died or froze mid-transfer
+KV_DEADLINE_HEADER = "X-EPD-KV-Deadline-Ms"
 EWMA_WEIGHT = 0.2  # weight of the newest sample in the proxy's weighted means (decode per token, intake)
 SERVICE_WINDOW = 32  # service times the median is taken over (loaded ones too: a window of a whole burst, 256,
 # moved too slowly to guard the deadline; the prefill then admitted what finished late)
@@ -72,10 +75,11 @@ REASONS = ("deadline", "queue_full", "expired")
 MAX_BUDGET_S = 86400.0  # a longer deadline is read as this one (a timer needs a finite time)
 
 
-def deadline_budget(headers: Mapping[str, str], default_s: float) -> float:
-    """Seconds the request's sender will wait for its whole answer: its ``X-EPD-Deadline-Ms`` header (at most a
-    day), else `default_s` (the role's own timeout). `BadRequest` when the header is not a number."""
-    raw = headers.get(DEADLINE_HEADER.lower())
+def deadline_budget(headers: Mapping[str, str], default_s: float, header: str = DEADLINE_HEADER) -> float:
+    """Seconds the request's sender will wait for its whole answer: its ``X-EPD-Deadline-Ms`` header (or
+    `header`; at most a day), else `default_s` (the role's own timeout). `BadRequest` when the header is not a
+    number."""
+    raw = headers.get(header.lower())
     if raw is None:
         return default_s
     try:
@@ -83,7 +87,7 @@ def deadline_budget(headers: Mapping[str, str], default_s: float) -> float:
     except ValueError:
         ms = math.nan
     if math.isnan(ms):
-        raise BadRequest(f"{DEADLINE_HEADER} must be a number of milliseconds, got {raw[:40]!r}")
+        raise BadRequest(f"{header} must be a number of milliseconds, got {raw[:40]!r}")
     return min(ms / 1000.0, MAX_BUDGET_S)
 
 
