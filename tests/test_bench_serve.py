@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import httpx
 import numpy as np
+import pandas
 import pytest
 
 from epd_lab.bench.serve import benchmark
@@ -22,7 +25,7 @@ from epd_lab.bench.serve.run import ServeConfig
 from epd_lab.bench.serve.topologies import launch, parse_devices, topology
 from epd_lab.launch import Topology
 from epd_lab.noise import random_png
-from epd_lab.viz import pareto_front
+from epd_lab.viz import load_rates, pareto_front
 
 
 # ---- metrics, against traces computed by hand ----
@@ -315,3 +318,23 @@ def test_the_command_line_writes_its_result(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", "--num-prompts", "1"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "exactly one of --base-url, --launch, --instant" in refused.stderr
+
+
+def test_load_rates_recomputes_goodput_and_reads_rates_csv_where_a_point_s_json_is_missing(tmp_path):
+    """A committed sweep read point by point: goodput recomputed from the per-request lists with the sweep's own
+    SLOs equals what the sweep wrote in rates.csv. Where a point's JSON is missing (an H200 sweep whose files did
+    not come back) its row comes from rates.csv, and other SLOs cannot be asked of it."""
+    committed = Path(__file__).resolve().parents[1] / "data" / "bench" / "goodput-cpu-tiny-1x224"
+    csv = pandas.read_csv(committed / "rates.csv")
+    table = load_rates(committed)
+    assert len(table) == len(csv) and table["request_goodput"].tolist() == pytest.approx(
+        csv["request_goodput"].tolist())
+    sweep = tmp_path / "sweep"
+    shutil.copytree(committed, sweep)
+    point = csv.iloc[0]
+    (sweep / point["topology"] / f"rate-{point['request_rate']:g}.json").unlink()
+    row = load_rates(sweep).iloc[0]
+    assert (row["request_goodput"], row["p50_ttft_ms"], row["p99_tpot_ms"]) == pytest.approx(
+        (point["request_goodput"], point["median_ttft_ms"], point["p99_tpot_ms"]))
+    with pytest.raises(ValueError, match="cannot be recomputed"):
+        load_rates(sweep, {"ttft": 1.0})

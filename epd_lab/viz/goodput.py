@@ -25,16 +25,26 @@ _COLORS = {"monolithic": "#444444", "1e1p1d": "#1F77B4", "2e1p1d": "#FF7F0E", "1
 def load_rates(out: str | Path, slos: dict[str, float] | None = None, label: str | None = None) -> pd.DataFrame:
     """One row per (topology, rate) of the sweep in `out`, with ``request_goodput`` for `slos` (ms; none: the
     sweep's own) and p50/p99 TTFT, TPOT and E2EL; ``run`` is `label` (default: the folder's name), ``images`` and
-    ``resolution`` what its ``sweep.json`` says each request carried."""
+    ``resolution`` what its ``sweep.json`` says each request carried.
+
+    A point whose JSON is missing (a sweep whose per-point files did not come back) is read from its
+    ``rates.csv`` row: the sweep's own goodput, p50 taken from its medians; asked for other SLOs, it raises
+    `ValueError` (the per-request lists that goodput is recomputed from are in the JSON)."""
     out = Path(out)
     points = pd.read_csv(out / "rates.csv")
     meta = json.loads((out / "sweep.json").read_text())
     rows = []
     for point in points.to_dict("records"):
-        result = json.loads((out / point["topology"] / f"rate={point['request_rate']:g}.json").read_text())
-        wanted = slos if slos is not None else (result.get("goodput") or {})
-        m = calculate_metrics(outputs_from_result(result), result["duration"], wanted, ("ttft", "tpot", "e2el"),
-                              (50, 99))
+        path = out / point["topology"] / f"rate-{point['request_rate']:g}.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            wanted = slos if slos is not None else (result.get("goodput") or {})
+            m = calculate_metrics(outputs_from_result(result), result["duration"], wanted, ("ttft", "tpot", "e2el"),
+                                  (50, 99))
+        elif slos is None or slos == meta.get("goodput"):
+            m = _from_row(point)
+        else:
+            raise ValueError(f"{path} is missing: goodput for other SLOs than the sweep's own cannot be recomputed")
         rows.append({"run": label or out.name, "images": meta.get("image_count"),
                      "resolution": meta.get("image_resolution"), "topology": point["topology"],
                      "request_rate": point["request_rate"],
@@ -42,6 +52,17 @@ def load_rates(out: str | Path, slos: dict[str, float] | None = None, label: str
                      "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"],
                      **{k: m[k] for k in m if k.startswith(("p50_", "p99_"))}})
     return pd.DataFrame(rows)
+
+
+def _from_row(point: dict) -> dict:
+    """A point's metrics as its ``rates.csv`` row has them (``median_*`` is p50)."""
+    m = {k: point[k] for k in ("completed", "failed", "request_throughput", "request_goodput")}
+    for name in ("ttft", "tpot", "e2el"):
+        for stat, key in (("median", "p50"), ("p99", "p99")):
+            column = f"{stat}_{name}_ms"
+            if column in point:
+                m[f"{key}_{name}_ms"] = point[column]
+    return m
 
 
 def _color(topology: str) -> str | None:

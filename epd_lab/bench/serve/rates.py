@@ -6,8 +6,9 @@
 Each topology's cluster starts once (`topologies.launch`), answers warm-up requests sent all at once, then takes
 every rate in turn, lowest first. Each rate's requests come from a seed of their own, and every image is distinct, so
 no request hits an encoder's embedding cache; every topology gets the same requests at a rate. Every point's result
-(`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate=<r>.json``; ``OUT/rates.csv`` has a row per point
-(`point_row`) and ``OUT/sweep.json`` the settings. A later call into the same folder replaces the rows of the
+(`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate-<r>.json`` (no ``=`` in the name: the device tool
+does not carry such names back); ``OUT/rates.csv`` has a row per point (`point_row`) and ``OUT/sweep.json`` the
+settings. A later call into the same folder replaces the rows of the
 topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in
 each JSON let goodput be recomputed for
 any other SLOs afterwards (`epd_lab.viz.goodput`). On several GPUs, ``--devices monolithic1=cuda:1`` (or
@@ -66,7 +67,7 @@ def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests:
             benchmark(make_requests(10_000), replace(base, request_rate=math.inf), server_spans=False, warmup=False)
             for i, rate in enumerate(sorted(rates)):
                 result = benchmark(make_requests(i), replace(base, request_rate=rate))
-                path = out / name / f"rate={rate:g}.json"
+                path = out / name / f"rate-{rate:g}.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, default=float) + "\n")
                 rows.append(point_row(name, rate, result))
