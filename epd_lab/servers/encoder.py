@@ -47,7 +47,8 @@ The encoder's own `Recorder` keeps the full spans.
 Threads: the event loop only routes and keeps the state. Whatever costs more than microseconds runs elsewhere,
 in as few hops as the work allows: /encode parses its body (megabytes with data: URIs), reads, base64-decodes,
 hashes and opens the media in one thread, which hands them to the worker; the worker decodes and runs the ViT;
-/send's write and notify run in one sender thread as soon as the ViT ends; the zmq backends build and push their message in one thread.
+/send's write and notify run in one sender thread as soon as the ViT ends; the zmq backends build and push their
+message in one thread.
 
 Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang), under a `MediaPolicy`:
 local paths only inside ``--media-roots`` (none by default), http(s) only to public addresses unless
@@ -470,11 +471,19 @@ class MMEncoder:
 
     def _write_and_notify(self, req: SendRequest, vit: concurrent.futures.Future, notify: EmbeddingNotify,
                           urls: list[str], what: str, sent: concurrent.futures.Future) -> None:
-        """In a sender thread, once the ViT ended: write, then notify (with the error if the ViT or the write
-        failed); one hop for both, as the notify is what the receiver waits for. `sent` gets the path taken, or
-        the error; nothing runs when /send gave up on it (`sent` cancelled)."""
+        """In a sender thread, once the ViT ended: `_write_then_notify`, its path or error into `sent` (always:
+        /send waits on it); nothing runs when /send gave up on it (`sent` cancelled)."""
         if not sent.set_running_or_notify_cancel():
             return
+        try:
+            sent.set_result(self._write_then_notify(req, vit, notify, urls, what))
+        except BaseException as exc:  # whatever it is, /send answers it
+            sent.set_exception(exc)
+
+    def _write_then_notify(self, req: SendRequest, vit: concurrent.futures.Future, notify: EmbeddingNotify,
+                           urls: list[str], what: str) -> str:
+        """Write the ViT's embedding, then notify (with the error if the ViT or the write failed); one thread for
+        both, as the notify is what the receiver waits for. Returns the path taken."""
         try:
             try:
                 embedding, notify.spans = vit.result()
@@ -482,14 +491,9 @@ class MMEncoder:
                 raise _vit_error(exc, what) from None
             path = self._write(req, embedding, notify.spans)
         except ServingError as exc:
-            sent.set_exception(self._push_error(urls, notify, "notify", exc))
-            return
-        try:
-            self._push_all(urls, notify, "notify")
-        except Exception as exc:  # the caller raises it
-            sent.set_exception(exc)
-            return
-        sent.set_result(path)
+            raise self._push_error(urls, notify, "notify", exc) from None
+        self._push_all(urls, notify, "notify")
+        return path
 
     def _write(self, req: SendRequest, embedding: torch.Tensor, spans: list[Span]) -> str:
         """One-sided write of `embedding` (registered for the write only); returns the path taken."""

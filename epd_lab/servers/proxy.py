@@ -383,8 +383,9 @@ class Proxy:
         if prediction is None:
             return
         wait, service = prediction
-        # the prefill judges the same request `intake_s` later, against what is left of its deadline by then
-        if wait + service + self.intake_s > budget:
+        # the prefill judges the same request `intake_s` later, against what is left of its deadline by then; with
+        # none on its way there, it goes (an idle prefill admits: the only way the prediction is measured again)
+        if wait + service + self.intake_s > budget and self.pending:
             raise Unavailable(f"proxy overloaded: predicted wait {wait:.2f} s at the prefills ({self.pending} "
                               f"requests on their way to them) plus its service ({service:.3f} s) and intake "
                               f"({self.intake_s:.3f} s) does not fit the request's deadline of "

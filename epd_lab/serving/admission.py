@@ -186,7 +186,9 @@ class Admission:
         if not 1 <= units <= self.workers:
             raise BadRequest(f"{self.role}: the request needs {units} {self.unit} of a capacity of {self.workers}")
         wait = self.predicted_wait(units=units)
-        if wait + self.service_s > budget:  # even with a worker free: it could not be answered in time
+        # even with a worker free it could not be answered in time; but an idle role admits: refused, nothing would
+        # ever measure a service time again, and one median above the deadline would refuse every request forever
+        if wait + self.service_s > budget and self.admitted:
             raise self._refuse("deadline", f"overloaded: predicted wait {wait:.2f} s ({len(self._queue)} queued, "
                                            f"{self.running} running on {self.workers} {self.unit}, "
                                            f"{self.rate:.1f} done per s, {self.service_s:.3f} s each) plus its "
