@@ -8,7 +8,7 @@ Prints one JSON object; `--out` writes it.
 Targets (issue 20): of the requests sent after the kill, >= 99% answered right; a request in flight at the kill
 that fails ends within the request timeout.
 
-    .venv/bin/python scripts/ray_node_kill.py --runs 3 --out data/bench/ray-node-kill.json
+    .venv/bin/python scripts/ray_node_kill.py --runs 3 --before 15 --out data/bench/ray-node-kill.json
 """
 from __future__ import annotations
 
