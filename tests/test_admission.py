@@ -258,21 +258,25 @@ def test_a_weighted_waiter_is_refused_when_the_units_ahead_of_it_cannot_come_bac
     run(go())
 
 
-def test_an_idle_role_admits_whatever_its_median_service_says():
-    """A median service time above the deadline refuses a newcomer while others run; an idle role admits it, so
-    that a service time is measured again (refused, an idle role would never measure one, and would refuse every
-    request for good: an encoder whose one part was held past its timeout did, in test_epd)."""
+def test_an_idle_role_judges_a_deadline_by_its_best_case_not_its_median():
+    """A median service time above the deadline refuses a newcomer while others run; an idle role judges by the
+    fastest service it measured lately or assumes (its prior), so that a service time is measured again (by the
+    median, an idle role would never measure one, and would refuse every request for good: an encoder whose one
+    part was held past its timeout did, in test_epd). A deadline below even the best case is still refused."""
     async def go() -> None:
         admission = Admission("encoder", workers=2, max_queued=0, timeout=1.0, prior_s=0.01)
         slow = await admission.enter()
         slow._started -= 5.0  # it was held 5 s: the median service is now 5 s, above the 1 s deadline
         slow.leave()
-        assert admission.service_s >= 5.0
+        assert admission.service_s >= 5.0 and admission.best_case_s == 0.01
         probe = await admission.enter()  # idle: admitted
         with pytest.raises(Unavailable) as info:
-            await admission.enter()  # one runs: the prediction holds
+            await admission.enter()  # one runs: the median holds
         assert info.value.code == "overloaded_deadline"
+        probe._started -= 0.05  # it ran 50 ms
         probe.leave()
         assert admission.measured == 2 and admission.service_s < 5.0  # measured again: the median moves
+        with pytest.raises(Unavailable):
+            await admission.enter(0.001)  # idle, but not even the best case fits 1 ms
 
     run(go())

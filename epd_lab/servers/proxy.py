@@ -348,12 +348,15 @@ class Proxy:
         """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
         /health (workers, measured rate and service time) and what this proxy has on its way to them (`pending`:
         being read, parsed or prefilled): a newcomer starts once the `pending` beyond their workers are through,
-        at their summed rate. None before any prefill told its admission."""
+        at their summed rate; with none pending, at once, in the prefills' best case. None before any prefill told
+        its admission."""
         known = [b for b in self.prefills.backends if b.workers and b.rate and b.service_s and b.up(time.monotonic())]
         if not known:
             return None
         workers = sum(b.workers for b in known)
         rate = sum(b.rate for b in known)
+        if not self.pending:  # none on its way: judged by the prefills' best case, as an idle prefill judges it
+            return 0.0, min(b.service_s if b.best_case_s is None else b.best_case_s for b in known)
         return max(0, self.pending + 1 - workers) / rate, max(b.service_s for b in known)
 
     def gate(self, scope: Any) -> ServingError | None:
@@ -383,9 +386,8 @@ class Proxy:
         if prediction is None:
             return
         wait, service = prediction
-        # the prefill judges the same request `intake_s` later, against what is left of its deadline by then; with
-        # none on its way there, it goes (an idle prefill admits: the only way the prediction is measured again)
-        if wait + service + self.intake_s > budget and self.pending:
+        # the prefill judges the same request `intake_s` later, against what is left of its deadline by then
+        if wait + service + self.intake_s > budget:
             raise Unavailable(f"proxy overloaded: predicted wait {wait:.2f} s at the prefills ({self.pending} "
                               f"requests on their way to them) plus its service ({service:.3f} s) and intake "
                               f"({self.intake_s:.3f} s) does not fit the request's deadline of "

@@ -49,7 +49,8 @@ class Backend:
     kv_url: str | None = None  # a prefill's KV side channel, from its /health: decode can be asked up front
     max_prompt_tokens: int | None = None  # a prefill's longest prompt, from its /health: the proxy checks it first
     workers: int | None = None  # a prefill's admission, from its /health: requests it runs at once ...
-    service_s: float | None = None  # ... its measured service time ...
+    service_s: float | None = None  # ... its measured service time (median; `best_case_s`: idle) ...
+    best_case_s: float | None = None
     rate: float | None = None  # ... and completions per second: the proxy predicts the wait from them
     probed: bool = False  # its /health has answered once
     stalls: int = 0  # times it was found stalled
@@ -71,6 +72,7 @@ class Backend:
         admission = health.get("admission")
         if isinstance(admission, dict):
             self.workers, self.service_s = admission.get("workers"), admission.get("service_s")
+            self.best_case_s = admission.get("best_case_s")
             self.rate = admission.get("rate_per_s")
 
     def finish(self, response: aiohttp.ClientResponse, reuse: bool) -> None:

@@ -154,6 +154,11 @@ class Admission:
         return self.workers / self.loaded_service_s if self.loaded_service_s > 0 else math.inf
 
     @property
+    def best_case_s(self) -> float:
+        """The fastest service measured lately, or the prior if faster: what an idle role judges a deadline by."""
+        return min([self.prior_s, *self._recent])
+
+    @property
     def queued(self) -> int:
         """Requests waiting for a worker."""
         return len(self._queue)
@@ -186,15 +191,16 @@ class Admission:
         if not 1 <= units <= self.workers:
             raise BadRequest(f"{self.role}: the request needs {units} {self.unit} of a capacity of {self.workers}")
         wait = self.predicted_wait(units=units)
-        # even with a worker free it could not be answered in time; but an idle role admits: refused, nothing would
-        # ever measure a service time again, and one median above the deadline would refuse every request forever
-        if wait + self.service_s > budget and self.admitted:
+        # an idle role judges by its best case: by the median, nothing would ever measure a service time again once
+        # one median passed the deadline, and every later request would be refused for good
+        service = self.service_s if self.admitted else self.best_case_s
+        if wait + service > budget:  # even with a worker free: it could not be answered in time
             raise self._refuse("deadline", f"overloaded: predicted wait {wait:.2f} s ({len(self._queue)} queued, "
                                            f"{self.running} running on {self.workers} {self.unit}, "
-                                           f"{self.rate:.1f} done per s, {self.service_s:.3f} s each) plus its "
+                                           f"{self.rate:.1f} done per s, {service:.3f} s each) plus its "
                                            f"service does not fit "
                                            f"the request's deadline of {max(budget, 0.0):.2f} s",
-                               wait + self.service_s - max(budget, 0.0))
+                               wait + service - max(budget, 0.0))
         if self.running + units <= self.workers and not self._queue:
             self.running += units
             return Ticket(self, units)
@@ -270,9 +276,11 @@ class Admission:
                             f"{now - waiter.queued_at:.2f} s)", wait + self.service_s - max(left, 0.0)))
 
     def stats(self) -> dict[str, Any]:
-        """For ``/health``: workers, running, queued, the service time and predicted wait, refusals by reason."""
+        """For ``/health``: workers, running, queued, the service times (median, best case) and predicted wait,
+        refusals by reason."""
         return {"workers": self.workers, "running": self.running, "queued": len(self._queue),
                 "max_queued": self.max_queued, "service_s": round(self.service_s, 4),
+                "best_case_s": round(self.best_case_s, 4),
                 "loaded_service_s": round(self.loaded_service_s, 4), "loaded_measured": self.measured_loaded > 0,
                 "rate_per_s": round(self.rate, 3),
                 "predicted_wait_s": round(self.predicted_wait(), 4), "refused": dict(self.refused)}
