@@ -83,7 +83,8 @@ class _Stop(Exception):
 def _run(strategy: st.SearchStrategy, n: int, seed: int, deadline: float, fn: Callable[[Any], bool | None]) -> int:
     """Draw examples of `strategy` from `seed` (no shrinking, no database: the same seed draws the same sequence)
     and call `fn` on each until it has taken `n` (a call returning False did not take its example: a repeat) or
-    until `deadline` (monotonic); returns how many it took."""
+    until `deadline` (monotonic), which counts only once one was taken: Hypothesis's first draws from a spec can
+    take seconds on a loaded host, and a target must be reached at least once; returns how many it took."""
     calls = 0
 
     @hypothesis_seed(seed)
@@ -92,7 +93,7 @@ def _run(strategy: st.SearchStrategy, n: int, seed: int, deadline: float, fn: Ca
     @given(strategy)
     def run(example: Any) -> None:
         nonlocal calls
-        if calls >= n or time.monotonic() > deadline:
+        if calls >= n or (calls and time.monotonic() > deadline):
             raise _Stop
         if fn(example) is not False:
             calls += 1
