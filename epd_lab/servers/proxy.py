@@ -225,19 +225,7 @@ class Proxy:
             task.cancel()
         await self.client.close()
 
-    async def _short(self, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes] | None:
-        """`PoolClient.short`: (status, body), or None when the backend does not answer within `PROBE_TIMEOUT`."""
-        return await self.client.short(method, url, body)
-
     # ---- backends ----
-    async def _probe(self, backend: Backend) -> dict[str, Any] | None:
-        """GET the backend's /health (`PoolClient.probe`); its JSON (or {}) when it answers 200, else None."""
-        return await self.client.probe(backend)
-
-    async def _choose(self, pool: Pool, tried: set[str], only: Backend | None = None) -> Backend | None:
-        """The next backend to try (`PoolClient.choose`)."""
-        return await self.client.choose(pool, tried, only)
-
     async def _call(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
                     lost: list[Backend] | None = None,
                     headers: dict[str, str] | None = None) -> tuple[Backend, bytes]:
@@ -304,7 +292,7 @@ class Proxy:
         """Have the prefill `backend` drop `rid`'s KV now (no decode will ask for it), or when it finishes the
         request later. Best effort and short: a prefill that does not answer still frees the blocks after its
         own free timeout. Returns the result, as counted in ``prefill_aborts``."""
-        answer = await self._short("POST", backend.url + "/v1/abort", msgspec.json.encode({"request_id": rid}))
+        answer = await self.client.short("POST", backend.url + "/v1/abort", msgspec.json.encode({"request_id": rid}))
         if answer is None:
             result = "unreachable"
         elif answer[0] != 200:  # e.g. 404 from a prefill without /v1/abort
@@ -444,9 +432,9 @@ class Proxy:
         while prefill runs. None when the chosen prefill does not tell its side channel: the caller goes the serial
         way. When it did not take the request (refused, busy, stalled, closed the connection unanswered), the
         serial way is taken here (decode asked once prefill answered). Raises `ServingError` as `_prefill` does."""
-        backend = await self._choose(self.prefills, set())
+        backend = await self.client.choose(self.prefills, set())
         if backend is not None and not backend.probed:
-            await self._probe(backend)  # learns its kv_url, once
+            await self.client.probe(backend)  # learns its kv_url, once
         if backend is None or backend.kv_url is None:
             return None
         kv = {"remote_url": backend.kv_url, "remote_request_id": job.rid}
