@@ -27,9 +27,10 @@ from epd_lab.models import (
     preprocess,
 )
 from epd_lab.kv import blocks_needed
+from epd_lab.models.sampling import sample
 from epd_lab.noise import noise_images
 from epd_lab.servers.decode import DecodeServer, DecodeSettings
-from epd_lab.servers.scheduler import DONE, sampling_probs
+from epd_lab.servers.scheduler import DONE
 from epd_lab.servers.messages import DecodeRequest, KVTransferParams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
@@ -166,12 +167,12 @@ def test_server_scheduler_batches_up_to_max_batch(model, prefills):
 
 
 def _sampled_replay(model, p: PrefillResult, seed: int, temperature: float) -> list[int]:
+    """The request alone, step by step through HF's cache: token i+1 drawn with the noise of (seed, i+1)."""
     runner, cache = DecodeRunner(model), copy.deepcopy(p.past_key_values)
-    generator = torch.Generator().manual_seed(seed)
-    tokens = [int(p.logits.argmax(-1))]
+    tokens = [int(p.logits.argmax(-1))]  # the first token `_request` hands decode
     for i in range(N_TOKENS - 1):
-        probs = sampling_probs(runner.step(tokens[-1], cache, p.next_position + i), temperature)
-        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+        logits = runner.step(tokens[-1], cache, p.next_position + i)
+        tokens.append(int(sample(logits.reshape(1, -1), [temperature], [seed], [i + 1])))
     return tokens
 
 

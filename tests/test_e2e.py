@@ -54,6 +54,26 @@ def test_chat_through_the_proxy_equals_the_monolithic_model(cluster, model, n_im
             time.sleep(0.05)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_seeded_sampled_chat_equals_the_monolithic_model_s_draws(cluster, model, stream):
+    """Prefill draws token 0 and decode the rest with the request's seed (`epd_lab.models.sampling`): the split
+    answers what HF's `generate` with the same sampler draws, and another seed answers something else."""
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(random_png(5, (128, 96)))}},
+                                             {"type": "text", "text": "tell me a story"}]}]
+    client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    texts = []
+    for seed in (1234, 99):
+        kwargs = dict(model="x", messages=messages, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+        if stream:
+            chunks = client.chat.completions.create(stream=True, **kwargs)
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        else:
+            texts.append(client.chat.completions.create(**kwargs).choices[0].message.content)
+        assert texts[-1] == monolithic_chat(model, messages, MAX_TOKENS, temperature=1.0, seed=seed), seed
+    assert texts[0] != texts[1]
+    assert texts[0] != monolithic_chat(model, messages, MAX_TOKENS)  # not the greedy answer
+
+
 def test_bad_image_is_a_400_through_the_proxy(cluster):
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=60)
     bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"nope").decode()}},

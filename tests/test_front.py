@@ -69,6 +69,13 @@ def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
         health = httpx.get(cluster.proxy_url + "/health", timeout=10)
         assert health.status_code == 200 and [r["served"] for r in health.json()["replicas"]] == [4, 4]
         assert "epd_front_backend_served_total" in httpx.get(cluster.proxy_url + "/metrics", timeout=10).text
+        # a seeded draw: each replica draws what HF's generate draws with the servers' sampler
+        messages = _messages(1, 3)
+        want = monolithic_chat(model, messages, MAX_TOKENS, temperature=0.8, seed=5)
+        for _ in cluster.monolithic_urls:
+            sampled = client.chat.completions.create(model="x", messages=messages, max_tokens=MAX_TOKENS,
+                                                     temperature=0.8, seed=5)
+            assert sampled.choices[0].message.content == want
         # a replica's own 400 passes through: the image is the client's error
         not_png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm9wZQ=="}}
         bad = [{"role": "user", "content": [not_png, {"type": "text", "text": "hi"}]}]

@@ -99,17 +99,19 @@ def gpu_model():
     return open_model(None, dtype=torch.bfloat16, device="cuda")
 
 
-def _reference(model: torch.nn.Module, messages: list, max_tokens: int) -> str:
-    """The answer of the roles' runtime used monolithically, in this process, on the same GPU."""
+def _reference(model: torch.nn.Module, messages: list, max_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> str:
+    """The answer of the roles' runtime used monolithically, in this process, on the same GPU (greedy, or drawn
+    with `seed` on the GPU as the servers draw)."""
     with PagedKVCache.from_config(model.config, num_blocks=256, dtype=model.dtype, device="cuda") as cache, \
             open_runtime("fast", model, cache) as runtime:
-        return monolithic_chat(model, messages, max_tokens, runtime=runtime)
+        return monolithic_chat(model, messages, max_tokens, runtime=runtime, temperature=temperature, seed=seed)
 
 
-def _chat(cluster: Cluster, messages: list, max_tokens: int) -> str:
+def _chat(cluster: Cluster, messages: list, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> str:
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
     chunks = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens,
-                                            temperature=0, stream=True)
+                                            temperature=temperature, seed=seed, stream=True)
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
@@ -129,7 +131,8 @@ def _metric(url: str, name: str) -> float:
 def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_buffer):
     """2 encoders, a prefill and a decode on the GPU in bfloat16: embeddings and KV in GPU memory, moved by
     the engine (GPU to GPU over CUDA IPC, or into the receiver's pinned or pageable host buffer); the streamed
-    answers equal the monolithic model's on the same GPU, and every pool is idle after."""
+    answers (greedy, and drawn with a seed) equal the monolithic model's on the same GPU, and every pool is idle
+    after."""
     topology = Topology(encoders=2, prefills=1, decodes=1, proxy=True, device="cuda", timeout=60,
                         settings={"prefill": {"recv_buffer": recv_buffer}})
     with Cluster(topology) as cluster:
@@ -142,6 +145,8 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_b
                        for i in range(n_images)] + [{"type": "text", "text": "what do you see?"}]
             messages = [{"role": "user", "content": content}]
             assert _chat(cluster, messages, 12) == _reference(gpu_model, messages, 12)
+        # a seeded draw: token 0 on the prefill's GPU, the rest on decode's, as the monolithic use draws them
+        assert _chat(cluster, messages, 12, 1.0, 11) == _reference(gpu_model, messages, 12, 1.0, 11)
         # the KV went GPU to GPU; the embeddings too into a GPU buffer, else through pinned staging
         assert _metric(cluster.prefill_urls[0], "engine_cuda_writes_out_total") > 0
         encoders = {name: sum(_metric(url, name) for url in cluster.encoder_urls)
@@ -161,7 +166,7 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_b
 def test_a_real_size_shape_on_the_gpu_answers_as_the_monolithic_model():
     """qwen2-vl-2b at its published size (seeded random weights, built on the GPU by every process alike):
     a 448² image is 256 embeddings of 1536 wide, the KV 28 layers; the split's greedy tokens equal the
-    monolithic use of the same runtime's."""
+    monolithic use of the same runtime's, and so do its tokens drawn with a seed."""
     configure_torch()
     model = open_model("qwen2-vl-2b", dtype=torch.bfloat16, device="cuda")
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri(7, 448)}},
@@ -169,3 +174,4 @@ def test_a_real_size_shape_on_the_gpu_answers_as_the_monolithic_model():
     with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True, device="cuda", model="qwen2-vl-2b",
                           timeout=120)) as cluster:
         assert _chat(cluster, messages, 8) == _reference(model, messages, 8)
+        assert _chat(cluster, messages, 8, 0.7, 3) == _reference(model, messages, 8, 0.7, 3)

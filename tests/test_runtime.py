@@ -270,9 +270,10 @@ def test_bench_runtime_measures_and_checks_bits_on_the_cpu():
     """`bench runtime` on the tiny model, one repeat: every row measured, the fast runtime's bit checks pass."""
     result = bench_runtime.measure("tiny", torch.device("cpu"), torch.float32, ["hf", "fast"], 1, 1,
                                    log=lambda _: None)
+    rows = {"vit_1x448", "vit_4x448", "prefill", "decode_c1", "decode_c16", "ttft"}
     for name in ("hf", "fast"):
-        assert set(result["runtimes"][name]) == {"vit_1x448", "vit_4x448", "prefill", "decode_c1", "decode_c16",
-                                                 "ttft"}
+        assert set(result["runtimes"][name]) == rows | ({"decode_c1_sampled", "decode_c16_sampled"} if name == "fast"
+                                                        else set())
         assert all(row["median_ms"] > 0 and row["gpu_busy_ms"] is None for row in result["runtimes"][name].values())
     bits = result["bits"]
     assert bits["split_logits_equal_monolithic"] and bits["split_embeddings_equal"]
@@ -282,6 +283,8 @@ def test_bench_runtime_measures_and_checks_bits_on_the_cpu():
     summary = bench_runtime.summary([result], {"gpu": None, "commit": None})
     assert summary["tpot_ms_c1"]["tiny"] == result["runtimes"]["fast"]["decode_c1"]["median_ms"]
     assert summary["split_ttft_overhead_ms"] is None  # no bench e2e given
+    assert summary["sampled_over_greedy_wall"]["tiny"]["decode_c16"] == \
+        result["runtimes"]["fast"]["decode_c16_sampled"]["median_ms"] / result["runtimes"]["fast"]["decode_c16"]["median_ms"]
 
 
 def test_bench_runtime_takes_the_split_overhead_from_bench_e2e():

@@ -5,6 +5,8 @@ For each model and runtime, on 448² images and a short text:
 - ``vit_1x448``, ``vit_4x448``: `encode` of one and of four images (one call);
 - ``prefill``: one image's prompt, `prefill` into blocks (embeddings ready);
 - ``decode_c1``: one decode step of one sequence, the token read back (TPOT); ``decode_c16``: sixteen;
+  ``decode_c1_sampled``, ``decode_c16_sampled`` (fast runtime): the same, each token drawn at temperature 1 with
+  a seed on the logits' device (`epd_lab.models.sampling`) instead of the argmax;
 - ``ttft``: preprocess (`models.preprocess` on the model's device) + encode + prefill + the first token read
   back, from a decoded 448² image (the monolithic TTFT); ``preprocess/hf_processor_1x448`` and
   ``preprocess/torch_1x448``: HF's PIL + numpy image processor against `preprocess` (the same bits), beside it.
@@ -40,6 +42,7 @@ from epd_lab.models import build_input_ids, configure_torch, open_model, preproc
 from epd_lab.models.processor import image_processor
 from epd_lab.models.runtime import RUNTIMES, open_runtime
 from epd_lab.models.runtime.vision import VisionTower
+from epd_lab.models.sampling import sample
 from epd_lab.noise import noise_images
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
@@ -204,11 +207,12 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                 out = rt.prefill(ids1, emb1, grid1, table)
                 states.append([int(out.logits.argmax()), out.next_position, out.prompt_len])
 
-            def step(batch: int, rt=rt, states=states) -> None:
+            def step(batch: int, temperature: float = 0.0, rt=rt, states=states) -> None:
                 rows = states[:batch]
                 logits = rt.decode([s[0] for s in rows], [s[1] for s in rows], tables[:batch],
                                    [s[2] + 1 for s in rows])
-                for s, token in zip(rows, logits.argmax(-1).tolist()):  # the tokens read back: TPOT's real cost
+                picks = sample(logits, [temperature] * batch, list(range(batch)), [s[1] for s in rows])
+                for s, token in zip(rows, picks.tolist()):  # the tokens read back: TPOT's real cost
                     s[0] = token
                     s[1] += 1
                     s[2] = s[2] + 1 if s[2] + 2 < MAX_SEQ else prompt_len  # wrap: stay in the blocks
@@ -218,6 +222,9 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
                                       tables[0]).logits.argmax())
 
             calls[name] = {"decode_c1": lambda step=step: step(1), "decode_c16": lambda step=step: step(16)}
+            if name == "fast":  # drawn at temperature 1 where the logits are (`models.sampling`), beside greedy
+                calls[name].update({"decode_c1_sampled": lambda step=step: step(1, 1.0),
+                                    "decode_c16_sampled": lambda step=step: step(16, 1.0)})
             if name != ONE_GRAPH:  # the same vision tower and prefill graph either way
                 calls[name].update({"vit_1x448": lambda rt=rt: rt.encode(pv1, grid1),
                                     "vit_4x448": lambda rt=rt: rt.encode(pv4, grid4),
@@ -311,6 +318,11 @@ def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict
         "vit_4x448": {"gpu_busy_ms": fast(main, "vit_4x448", "gpu_busy_ms"), "hf_batched_gpu_busy_ms": hf_busy,
                       "bit_identical_to_one_by_one": bits.get("vit_4_one_call_equals_one_by_one")},
         "staged_over_one_graph_wall": {r["model"]: one_graph(r["model"]) for r in results},
+        # a seeded draw at temperature 1 on the logits' device instead of the argmax: the step's walls over greedy's
+        "sampled_over_greedy_wall": {r["model"]: {f"decode_c{n}": (fast(r["model"], f"decode_c{n}_sampled") /
+                                                                  fast(r["model"], f"decode_c{n}")
+                                                                  if fast(r["model"], f"decode_c{n}_sampled") else None)
+                                                  for n in (1, 16)} for r in results},
     }
 
 

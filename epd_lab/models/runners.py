@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
-from transformers import DynamicCache, Qwen2VLForConditionalGeneration
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Qwen2VLForConditionalGeneration
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLAttention,
@@ -30,6 +30,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
 
 from epd_lab.models.catalog import model_device
 from epd_lab.models.processor import preprocess
+from epd_lab.models.sampling import sample
 
 
 @dataclass(slots=True)
@@ -281,18 +282,34 @@ def monolithic_prefill(model: Qwen2VLForConditionalGeneration, input_ids: torch.
     return out.logits[:, -1, :]
 
 
+class _SeededDraw(LogitsProcessor):
+    """Makes `model.generate`'s greedy pick the token `epd_lab.models.sampling` draws: the servers' sampler, with
+    HF's forward (its scores are the logits in float32, which hold bfloat16 ones exactly)."""
+
+    def __init__(self, prompt_len: int, temperature: float, seed: int) -> None:
+        self.prompt_len, self.temperature, self.seed = prompt_len, temperature, seed
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt_len
+        token = sample(scores, [self.temperature] * len(scores), [self.seed] * len(scores), [step] * len(scores))
+        return torch.full_like(scores, -torch.inf).scatter_(1, token[:, None], 0.0)
+
+
 @torch.no_grad()
 def monolithic_generate(model: Qwen2VLForConditionalGeneration, input_ids: torch.Tensor,
                         pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
-                        max_new_tokens: int) -> list[int]:
-    """Reference: the `max_new_tokens` greedy tokens of `model.generate` (EOS is off, so exactly that many);
-    inputs are moved to the model's device."""
+                        max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+    """Reference: the `max_new_tokens` tokens of `model.generate` (EOS is off, so exactly that many), greedy, or
+    above temperature 0 drawn as the servers draw (`epd_lab.models.sampling`, token i with the noise of (`seed`,
+    i)); inputs are moved to the model's device."""
     input_ids = _to(input_ids, model_device(model))
+    draw = [_SeededDraw(input_ids.shape[1], temperature, seed)] if temperature > 0 else []
     sequences = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=max_new_tokens,
         do_sample=False,
+        logits_processor=LogitsProcessorList(draw),
         **_vision_kwargs(model, input_ids, pixel_values, image_grid_thw),
     )
     return sequences[0, input_ids.shape[1]:].tolist()

@@ -15,7 +15,8 @@
    a producer that was only slow may still write into them.
 2. Generate (`epd_lab.servers.scheduler`): token 0 is prefill's ``first_token``; token i+1 comes from the logits
    of feeding token i at ``prompt_len + rope_delta + i``, greedy at temperature 0, else sampled from
-   ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
+   ``softmax(logits / temperature)`` with the noise of ``seed`` and i+1 (`epd_lab.models.sampling`: prefill drew
+   token 0 with the same seed, so a seeded answer equals the monolithic model's; no seed: a random one).
 
 Concurrency: ONE scheduler thread owns the runtime's decode; each turn it steps every active request once, in
 batches of at most ``--max-batch`` (one forward each). Batched logits equal single-request ones bit for bit in
@@ -61,7 +62,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import msgspec
-import torch
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -72,6 +72,7 @@ from epd_lab.failpoints import failpoint
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.models.runtime import open_runtime
+from epd_lab.models.sampling import random_seed
 from epd_lab.servers.messages import (
     DecodeRequest,
     DecodeResponse,
@@ -277,15 +278,9 @@ class DecodeServer:
         its KV in them, from `fetch_kv`) and the blocks it adds when the request ends, then calls `give_back`
         (the request's KV reservation)."""
         p = req.kv_transfer_params
-        generator = None
-        if req.temperature > 0:
-            generator = torch.Generator()
-            if req.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(req.seed)
         gen = Generation(req.request_id, block_table, p.prompt_len, p.prompt_len + p.rope_delta, req.max_tokens,
-                         req.temperature, generator, emit, [p.first_token], spans,
+                         req.temperature, random_seed() if req.seed is None else req.seed, emit, [p.first_token],
+                         spans,
                          [] if req.return_logits else None, released=give_back)
         self._count("requests_admitted", tokens_generated=1)
         emit(p.first_token)

@@ -24,7 +24,8 @@ from epd_lab.wire_types import MediaItem, NonNegative
 MAX_TOKENS = 4096  # the tiny model's max_position_embeddings bounds prompt + generated tokens anyway
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
-Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # int64: within what torch.Generator.manual_seed takes
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # int64; None: a random one (`models.sampling`)
+Temperature = Annotated[float, msgspec.Meta(ge=0.0)]  # 0: greedy
 
 
 class PrefillKVParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,6 +41,8 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str
     images: list[MediaItem] = []  # media items: file paths, data: URIs, http(s) URLs
     kv_transfer_params: PrefillKVParams = msgspec.field(default_factory=PrefillKVParams)
+    temperature: Temperature = 0.0  # token 0 is drawn as decode draws the others (`epd_lab.models.sampling`)
+    seed: Seed | None = None
 
 
 class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,8 +104,8 @@ class DecodeRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: NonEmpty
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     kv_transfer_params: KVTransferParams
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
-    seed: Seed | None = None  # the sampler's torch.Generator seed (None: random); past 64 bits a 400, not a 500
+    temperature: Temperature = 0.0
+    seed: Seed | None = None  # past 64 bits a 400, not a 500
     stream: bool = False
     return_logits: bool = False  # the non-streaming answer carries each decode step's logits (bit-exact checks)
 

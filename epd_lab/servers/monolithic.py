@@ -33,8 +33,9 @@ from epd_lab.ep.media import MAX_MEDIA_BYTES, MediaError, MediaPolicy, fetch_med
 from epd_lab.ep.messages import DTYPES
 from epd_lab.kv import BlockManager, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.models.runtime import open_runtime
+from epd_lab.models.sampling import random_seed, sample
 from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request, usage
-from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation, sampling_probs
+from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.servers.text import Detokenizer, detokenize
 from epd_lab.serving import (BadRequest, Metric, ServingError, Unavailable, decode_body, json_response, option,
                              read_body, role_app, serve_main)
@@ -104,14 +105,8 @@ class MonolithicServer:
         try:
             with torch.inference_mode():
                 out = self.runtime.prefill(input_ids, embeds, grid, table)
-            generator = None
-            if job.temperature > 0:
-                generator = torch.Generator()
-                generator.seed() if job.seed is None else generator.manual_seed(job.seed)
-                first = int(torch.multinomial(sampling_probs(out.logits.float().cpu(), job.temperature), 1,
-                                              generator=generator))
-            else:
-                first = int(out.logits.argmax(-1))
+            seed = random_seed() if job.seed is None else job.seed
+            first = int(sample(out.logits[None], [job.temperature], [seed], [0]))
         except BaseException:
             self.blocks.free(table)
             raise
@@ -120,7 +115,7 @@ class MonolithicServer:
         spans = [Span(job.rid, -1, "load", node, t0, t1), Span(job.rid, -1, "vit", node, t1, t2),
                  Span(job.rid, -1, "prefill", node, t2, t3), Span(job.rid, -1, "ttft", node, job.t0, t3)]
         self.recorder.extend(spans if images else spans[2:])
-        gen = Generation(job.rid, table, prompt_len, out.next_position, job.max_tokens, job.temperature, generator,
+        gen = Generation(job.rid, table, prompt_len, out.next_position, job.max_tokens, job.temperature, seed,
                          emit, [first], [])
         emit(first)
         if job.max_tokens == 1:

@@ -9,7 +9,8 @@
    writes the prompt's KV into them as it runs; ``producer.request_finished(request_id, block_ids)`` lets decode
    ask for them over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` /
    ``TRANS_ERROR``, or after ``--kv-free-timeout`` if decode never asks.
-3. The answer carries the first token (greedy argmax of the last logits) and the `KVTransferParams` decode needs.
+3. The answer carries the first token (drawn from the last logits at the request's ``temperature`` and ``seed``
+   as decode draws the others, greedy at 0: `epd_lab.models.sampling`) and the `KVTransferParams` decode needs.
 
 ``POST /v1/abort`` (`AbortRequest` → `AbortResponse`): the proxy gave up on a request (its decode failed, or its
 client left before decode began). ``producer.abort`` frees its blocks now instead of after ``--kv-free-timeout``;
@@ -53,6 +54,7 @@ from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, bloc
 from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
 from epd_lab.models.runtime import PrefillOutput, open_runtime
+from epd_lab.models.sampling import random_seed, sample
 from epd_lab.servers.messages import (
     AbortRequest,
     AbortResponse,
@@ -250,7 +252,9 @@ class PrefillServer:
                     result = self.runtime.prefill(input_ids, embeds, grid, table)
                 except ValueError as exc:  # the prompt and the embeddings disagree
                     raise BadRequest(f"prefill failed: {exc}") from None
-                first_token = int(result.logits.argmax(-1))  # read back: the span ends when the GPU's work did
+                # read back: the span ends when the GPU's work did
+                first_token = int(sample(result.logits[None], [req.temperature],
+                                         [random_seed() if req.seed is None else req.seed], [0]))
             params = kv.keep(result, first_token) if kv.remote else None
         finally:
             kv.drop()  # a no-op once the producer holds the blocks

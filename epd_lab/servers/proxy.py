@@ -7,8 +7,9 @@ the response's), ``GET /v1/clock``, ``GET /health``, ``GET /metrics`` (Prometheu
 One request, as vLLM's disaggregated proxy does it:
 
 1. Render the prompt (`epd_lab.servers.text`: chat template, ``image_url`` parts → media items).
-2. Choose a prefill and ``POST /v1/prefill`` with ``kv_transfer_params = {"do_remote_decode": true}``. The
-   prefill always produces exactly one token (OpenAI's ``max_tokens=1``), so no length is sent.
+2. Choose a prefill and ``POST /v1/prefill`` with ``kv_transfer_params = {"do_remote_decode": true}`` and the
+   client's ``temperature``/``seed`` (token 0 is drawn as the others: `epd_lab.models.sampling`). The prefill
+   always produces exactly one token (OpenAI's ``max_tokens=1``), so no length is sent.
 3. Choose a decode and ``POST /v1/decode`` with the prefill's ``kv_transfer_params`` unchanged and the
    client's ``max_tokens``/``temperature``/``seed``/``stream``. The decode's tokens are the whole completion
    (its first is the prefill's token, which reached it in ``kv_transfer_params``); they reach the client as
@@ -270,8 +271,8 @@ class Proxy:
         lost: list[Backend] = []
         try:
             backend, raw = await self._call(self.prefills, "/v1/prefill", {
-                "request_id": job.rid, "prompt": prompt, "images": images,
-                "kv_transfer_params": {"do_remote_decode": True}}, only=only, lost=lost,
+                "request_id": job.rid, "prompt": prompt, "images": images, "temperature": job.temperature,
+                "seed": job.seed, "kv_transfer_params": {"do_remote_decode": True}}, only=only, lost=lost,
                 headers=self._prefill_deadline(job))
         except BaseException as exc:  # cancellation too: a prefill whose answer was lost may still finish it
             await asyncio.shield(self._abort_lost(lost, job.rid))  # and hold its KV: aborted, it frees it at once

@@ -4,8 +4,9 @@ ONE thread owns the runtime's decode. Each turn it steps every active request on
 `max_batch`: one ``runtime.decode`` per batch, each request's token stored as the next token of its own blocks and
 attending over them where they lie (the fast runtime; `epd_lab.models.runtime`). Token 0 is prefill's first
 token; token i+1 comes from the logits of feeding token i at ``prompt_len + rope_delta + i``, greedy at
-temperature 0 (the argmax taken where the logits are: on a GPU only the B token ids come back), else drawn on the
-host from ``softmax(logits / temperature)`` with the request's seeded ``torch.Generator``.
+temperature 0, else drawn from ``softmax(logits / temperature)`` with the noise of the request's seed and step i+1
+(`epd_lab.models.sampling`, as prefill drew token 0): picked where the logits are, so on a GPU only the B token ids
+come back.
 
 Blocks: a request arrives with its prompt's blocks (the KV transfer wrote them) and gets one more block whenever
 its next token would not fit, as vLLM's scheduler does; when the pool has none left, that request fails with an
@@ -24,16 +25,10 @@ from typing import Any
 
 import torch
 
+from epd_lab.models.sampling import sample
 from epd_lab.trace import Recorder, Span
 
 DONE = object()  # the end marker a request's `emit` gets after its last token
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``softmax(logits / temperature)`` for any temperature > 0: in float64 and shifted by the largest logit
-    first, so that a tiny temperature (1e-198) gives the argmax's one-hot instead of inf/inf = NaN."""
-    scaled = logits.double()
-    return torch.softmax((scaled - scaled.max()) / temperature, dim=-1)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -45,8 +40,8 @@ class Generation:
     seq_len: int  # tokens whose KV is in the blocks
     next_position: int  # mrope position of token 0 (prompt_len + rope_delta)
     max_tokens: int
-    temperature: float
-    generator: torch.Generator | None
+    temperature: float  # 0: greedy
+    seed: int  # the sampling noise's (`epd_lab.models.sampling`; the request's, else a random one)
     emit: Callable[[Any], None]  # thread-safe: an int token, DONE, or an Exception
     tokens: list[int]
     spans: list[Span]
@@ -153,10 +148,11 @@ class DecodeScheduler:
             logits = self.runtime.decode([gen.tokens[-1] for gen in batch],
                                          [gen.next_position + len(gen.tokens) - 1 for gen in batch],
                                          [gen.block_table for gen in batch], [gen.seq_len + 1 for gen in batch])
-            # greedy picks on the logits' device, B ids copied back; only the rows a seeded draw or a request
-            # that keeps its logits needs travel whole (float32 holds float32 and bfloat16 logits exactly)
-            picks = logits.argmax(-1).tolist()
-            wanted = [i for i, gen in enumerate(batch) if gen.generator is not None or gen.logits is not None]
+            # picked on the logits' device, B ids copied back; only the rows of a request that keeps its logits
+            # travel whole (float32 holds float32 and bfloat16 logits exactly)
+            picks = sample(logits, [gen.temperature for gen in batch], [gen.seed for gen in batch],
+                           [len(gen.tokens) for gen in batch]).tolist()
+            wanted = [i for i, gen in enumerate(batch) if gen.logits is not None]
             rows = dict(zip(wanted, logits[wanted].float().cpu())) if wanted else {}
         except Exception as exc:  # noqa: BLE001 - its requests fail, the scheduler keeps going
             self._count(requests_failed=len(batch))
@@ -167,13 +163,7 @@ class DecodeScheduler:
         ended: list[Generation] = []
         for i, gen in enumerate(batch):
             gen.seq_len += 1
-            try:
-                token = picks[i] if gen.generator is None else self._draw(gen, rows[i])
-            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
-                ended.append(gen)
-                self._count("requests_failed")
-                gen.emit(exc)
-                continue
+            token = picks[i]
             gen.tokens.append(token)
             if gen.logits is not None:
                 gen.logits.append(rows[i])
@@ -187,8 +177,3 @@ class DecodeScheduler:
                 self._count("requests_finished")
                 gen.emit(DONE)
         return ended
-
-    @staticmethod
-    def _draw(gen: Generation, logits: torch.Tensor) -> int:
-        """The next token of a sampled request, drawn from its seeded generator over its logits [vocab]."""
-        return int(torch.multinomial(sampling_probs(logits, gen.temperature), 1, generator=gen.generator))
