@@ -41,6 +41,12 @@ def test_temperature_zero_is_the_argmax_and_a_tiny_one_too() -> None:
     assert torch.equal(sample(logits.bfloat16(), [1e-30] * 5, [9] * 5, [0] * 5), logits.bfloat16().argmax(-1))
 
 
+def test_a_greedy_row_beside_drawn_ones_is_its_argmax_ties_included() -> None:
+    logits = torch.tensor([[0.5, 3.0, -1.0, 3.0], [0.0, 0.0, 0.0, 0.0], [1e30, -1e30, 1e30, 2.0]]).repeat(2, 1)
+    got = sample(logits, [0.0] * 3 + [1.0] * 3, [1] * 6, [0] * 6)
+    assert got[:3].tolist() == [1, 0, 0] == logits[:3].argmax(-1).tolist()
+
+
 def test_a_row_draws_the_same_token_in_any_batch() -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 1000, generator=gen)
