@@ -56,6 +56,7 @@ REFUSED = [
     ("prefill", {"workers": 0}, "workers must be >= 1, got 0"),
     ("prefill", {"kv_free_timeout": 0}, "kv_free_timeout must be positive, got 0"),
     ("prefill", {"service_prior": 0}, "service_prior must be positive, got 0"),
+    ("prefill", {"encoders": ("http://e:1", "e:2")}, "encoder URL 'e:2' must start with http:// or https://"),
     ("decode", {"max_active": 0}, "max_active must be >= 1, got 0"),
     ("decode", {"kv_quarantine": -1}, "kv_quarantine must be >= 0, got -1"),
     ("proxy", {"prefills": ()}, "at least one prefill URL is needed"),
@@ -91,3 +92,10 @@ def test_each_role_keeps_its_checks(role: str, bad: dict, message: str) -> None:
     cls = ROLES[role][1]
     with pytest.raises(ValueError, match=re.escape(message)):
         cls(**{**REQUIRED_BY.get(role, {}), **bad})
+
+
+def test_a_prefills_encoder_urls_are_checked_as_every_backend_url() -> None:
+    """None is text-only; given ones are kept without a trailing slash, as the proxy's and the front's."""
+    cls = ROLES["prefill"][1]
+    assert cls().encoders == ()
+    assert cls(encoders=("http://e:1/", "https://e:2")).encoders == ("http://e:1", "https://e:2")

@@ -21,12 +21,14 @@ Every failure reaches the caller as an `EPDError` within the timeout, and the re
 deregistered whatever happened; parts an encoder holds for a /send that will not come are released there
 (``POST /release``) rather than left to its TTL.
 
-Encoders are chosen by health, as the proxy chooses prefills and decodes (`epd_lab.serving.Liveness`): one that
-refuses a connection is left out for ``retry_after``; one that misses two ``/health`` probes in a row (probed each
-`PROBE_INTERVAL` s) is *stalled*, left out until it answers, and the exchanges in flight to it are cut at once. A
-part whose ``/encode`` got no answer (refused, cut, the encoder died or stalled) or a 503 (at capacity: it holds
-nothing) goes to the next encoder that is up; a part already handed over (``/send`` sent, or the zmq backends'
-push awaited) fails the request at once when its encoder stalls, instead of at the deadline.
+Encoders are chosen by health, as the proxy chooses prefills and decodes, over the same `epd_lab.serving.Circuits`
+(which are up, the probe schedule; this module does their I/O, in threads): one that refuses a connection is left
+out for ``retry_after``; one that misses two ``/health`` probes in a row (each encoder probed each `PROBE_INTERVAL`
+s, one probe at a time, each in its own thread) is *stalled*, left out until it answers, and the exchanges in
+flight to it are cut at once. A part whose ``/encode`` got no answer (refused, cut, the encoder died or stalled)
+or a 503 (at capacity: it holds nothing) goes to another encoder that is up, chosen at random; a part already
+handed over (``/send`` sent, or the zmq backends' push awaited) fails the request at once when its encoder
+stalls, instead of at the deadline.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ from epd_lab.ep.messages import MAX_ZMQ_BYTES
 from epd_lab.ep.push import NOTIFY_MAX_BYTES
 from epd_lab.failpoints import failpoint
 from epd_lab.http_client import HTTPError, KeepAliveClient
-from epd_lab.serving import PROBE_INTERVAL, PROBE_TIMEOUT, Liveness
+from epd_lab.serving import PROBE_INTERVAL, PROBE_TIMEOUT, Circuits
 from epd_lab.trace import Recorder, clock_id
 from epd_lab.transfer import TransferEngine, as_array, open_engine
 
@@ -261,7 +263,7 @@ class EmbeddingReceiver:
         self._owner: dict[str, int] = {}  # part id -> the encoder that took it (its /encode answered)
         # parts whose /release got no answer (the encoder stalled), per encoder: sent again once it answers
         self._unreleased: list[dict[str, float]] = [{} for _ in config.encoder_urls]
-        self._liveness = [Liveness(config.retry_after) for _ in config.encoder_urls]
+        self._encoders = Circuits(len(config.encoder_urls), config.retry_after)
         self._lock = threading.Lock()
         self.counters = collections.Counter()
         self._ctx = zmq.Context()
@@ -275,7 +277,9 @@ class EmbeddingReceiver:
         self._closing = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="epd-receiver-zmq", daemon=True)
         self._listener.start()
-        self._monitor = threading.Thread(target=self._probe_encoders, name="epd-receiver-probe", daemon=True)
+        # probes in threads of their own: /encode and /send exchanges waiting on a frozen encoder delay none
+        self._probes = ThreadPoolExecutor(max_workers=len(config.encoder_urls), thread_name_prefix="epd-receiver-probe")
+        self._monitor = threading.Thread(target=self._probe_encoders, name="epd-receiver-monitor", daemon=True)
         self._monitor.start()
 
     # ---- notifications ----
@@ -438,23 +442,24 @@ class EmbeddingReceiver:
     def _up_encoders(self) -> list[int]:
         """The encoders the plans may use: those up (all of them when none is: they are tried again rather than
         failing the request unasked)."""
-        now = time.monotonic()
-        up = [i for i, liveness in enumerate(self._liveness) if liveness.up(now)]
-        return up or list(range(len(self._liveness)))
+        return self._encoders.up() or list(range(len(self._encoders)))
 
     def _probe_encoders(self) -> None:
-        """The monitor thread: each `PROBE_INTERVAL`, probe every encoder's /health; cut what waits on one that
-        is found stalled."""
+        """The monitor thread: the probe schedule's tick each `PROBE_INTERVAL` (`Circuits.probe_due`)."""
         while not self._closing.wait(PROBE_INTERVAL):
-            for i, url in enumerate(self.config.encoder_urls):
-                answered = _health_answers(url)
-                if self._liveness[i].probed(answered):
-                    self._stalled(i)
-                if answered and self._unreleased[i]:
-                    with self._lock:
-                        keys, self._unreleased[i] = list(self._unreleased[i]), {}
-                    for key in keys:
-                        self._io.submit(self._release, key, i)
+            self._encoders.probe_due(partial(self._probes.submit, self._probe))
+
+    def _probe(self, encoder: int) -> None:
+        """Probe `encoder`'s /health: cut what waits on it if this probe finds it stalled; once it answers, tell it
+        again the releases it missed."""
+        answered = _health_answers(self.config.encoder_urls[encoder])
+        if self._encoders.liveness[encoder].probed(answered):
+            self._stalled(encoder)
+        if answered and self._unreleased[encoder]:
+            with self._lock:
+                keys, self._unreleased[encoder] = list(self._unreleased[encoder]), {}
+            for key in keys:
+                self._io.submit(self._release, key, encoder)
 
     def _stalled(self, encoder: int) -> None:
         """Encoder `encoder` stopped making progress: cut its exchanges in flight (an /encode goes on to another
@@ -532,7 +537,7 @@ class EmbeddingReceiver:
             status, content = self._http.post(url, msgspec.json.encode(body))
         except HTTPError as exc:
             if exc.refused:  # left out of the plans for a while: its parts go to the other encoders
-                self._liveness[plan.encoder].refused()
+                self._encoders.liveness[plan.encoder].refused()
             raise EPDError(f"{route} to {url} failed: {exc}", refused=exc.refused, lost=not exc.timed_out) from exc
         if status != 200:
             raise EPDError(f"{route} to {url} answered {status}: {content[:300].decode(errors='replace')}", status)
@@ -573,6 +578,7 @@ class EmbeddingReceiver:
         self._closing.set()
         self._listener.join()
         self._monitor.join()
+        self._probes.shutdown(wait=True, cancel_futures=True)  # before _io: a probe that answers submits releases
         self._pull.close()
         self._ctx.term()
         self._io.shutdown(wait=True, cancel_futures=True)

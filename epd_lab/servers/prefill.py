@@ -68,7 +68,7 @@ from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metr
                              decode_body, engine_metrics, error_for_status, option, read_body, read_struct, role_app,
                              serve_main)
 from epd_lab.serving.placement import PagedKVSettings, synchronize, use_device
-from epd_lab.serving.settings import check_at_least, check_choice, check_positive
+from epd_lab.serving.settings import check_at_least, check_choice, check_positive, check_urls
 from epd_lab.trace import Recorder, Span
 
 KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
@@ -99,7 +99,7 @@ class PrefillSettings(PagedKVSettings):
 
     def __post_init__(self) -> None:
         PagedKVSettings.__post_init__(self)
-        object.__setattr__(self, "encoders", tuple(u.rstrip("/") for u in self.encoders))
+        check_urls(self, "encoders", "encoder", required=False)  # none: text-only prompts
         check_choice(self, "backend", BACKENDS)
         object.__setattr__(self, "recv_buffer", resolve_recv_buffer(self.recv_buffer, self.device))
         check_at_least(self, 0, "max_queued")

@@ -4,7 +4,9 @@ HTTP client that calls them (`PoolClient`).
 ``round_robin``, or ``least_loaded`` (fewest requests in flight as this server counts them; ties in round-robin
 order). A backend that refused a connection is skipped for ``retry_after`` seconds; one that stopped answering
 its ``/health`` probes, and answered nothing else meanwhile, is skipped until it answers again
-(`epd_lab.serving.Liveness`: busy is not frozen).
+(`epd_lab.serving.Liveness`: busy is not frozen). Which backends are up, and when each is probed, is
+`epd_lab.serving.Circuits`, shared with the prefill's receiver (`epd_lab.ep.receiver`); this module does the I/O
+over it, with aiohttp.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import aiohttp
 import msgspec
 
 from epd_lab import security
-from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Liveness, Metric, ServingError,
-                             Unavailable)
+from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Circuits, Liveness, Metric,
+                             ServingError, Unavailable)
 
 __all__ = ["EXCHANGE_ERRORS", "JSON_HEADERS", "POLICIES", "UNANSWERED_ERRORS", "Backend", "Pool", "PoolClient",
            "Stalled", "backend_health", "backend_metrics", "progressing"]
@@ -87,26 +89,24 @@ class Backend:
 
 
 class Pool:
-    """The backends of one role and the policy that chooses among them."""
+    """The backends of one role, their circuits, and the policy that chooses among them."""
 
     def __init__(self, role: str, urls: tuple[str, ...], policy: str, retry_after: float) -> None:
         self.role = role
-        self.backends = [Backend(role, url.rstrip("/"), Liveness(retry_after)) for url in urls]
+        self.circuits = Circuits(len(urls), retry_after)
+        self.backends = [Backend(role, url.rstrip("/"), liveness)
+                         for url, liveness in zip(urls, self.circuits.liveness, strict=True)]
         self.policy = policy
-        self.retry_after = retry_after
         self._next = 0  # round-robin position; also breaks least_loaded ties, so equal loads still rotate
 
     def choose(self, exclude: set[str]) -> Backend | None:
-        """The next backend by the policy among those up and not in `exclude`; None if there is none."""
-        now = time.monotonic()
-        n = len(self.backends)
-        ring = [self.backends[(self._next + i) % n] for i in range(n)]
-        candidates = [b for b in ring if b.url not in exclude and b.up(now)]
-        if not candidates:
+        """The next backend by the policy among those up and not in `exclude` (URLs); None if there is none."""
+        up = self.circuits.up({i for i, b in enumerate(self.backends) if b.url in exclude}, self._next)
+        if not up:
             return None
-        chosen = min(candidates, key=lambda b: b.inflight) if self.policy == "least_loaded" else candidates[0]
-        self._next = (self.backends.index(chosen) + 1) % n
-        return chosen
+        chosen = min(up, key=lambda i: self.backends[i].inflight) if self.policy == "least_loaded" else up[0]
+        self._next = (chosen + 1) % len(self.backends)
+        return self.backends[chosen]
 
     @staticmethod
     def probed(backend: Backend, answered: bool) -> None:
@@ -193,18 +193,16 @@ class PoolClient:
             await self._session.close()
 
     async def probe_forever(self) -> None:
-        """For the server's life: probe every backend's /health each `PROBE_INTERVAL`, one probe in flight per
-        backend (a frozen one is not piled with probes)."""
-        probes: dict[str, asyncio.Task] = {}
+        """For the server's life: probe every backend's /health on the pools' schedule (`Circuits.probe_due`),
+        each probe a task."""
         try:
             while True:
-                for backend in (b for pool in self.pools for b in pool.backends):
-                    if backend.url not in probes or probes[backend.url].done():
-                        probes[backend.url] = asyncio.create_task(self.probe(backend))
+                for pool in self.pools:
+                    pool.circuits.probe_due(lambda i, pool=pool: asyncio.create_task(self.probe(pool.backends[i])))
                 await asyncio.sleep(PROBE_INTERVAL)
         finally:
-            for task in probes.values():
-                task.cancel()
+            for pool in self.pools:
+                pool.circuits.cancel_probes()
 
     async def short(self, method: str, url: str, body: bytes | None = None) -> tuple[int, bytes] | None:
         """A short exchange (a probe, an abort): (status, body), or None when the backend does not answer

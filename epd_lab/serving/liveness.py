@@ -17,13 +17,21 @@ stalled only when nothing at all was heard from it for `STALL_SILENCE` s: a deco
 clients while its ``/health`` queues behind them is busy, not frozen. (The roles keep ``/health`` answering
 within `PROBE_TIMEOUT` while they work, however large the request: big bodies are parsed off the event loop
 and a prompt's length is checked before its ids are built.)
+
+`Circuits` holds a caller's backends' circuits, and is the one definition of what the callers share: which
+backends are up, in the caller's order (the proxy's and the front's round-robin ring, the receiver's encoder
+order), and the probe schedule (each `PROBE_INTERVAL`, every backend whose last probe is over). It does no I/O:
+the proxy and the front (`epd_lab.servers.routing`, asyncio) and the prefill's `EmbeddingReceiver` (threads) do
+the exchanges and probes, and tell each backend's `Liveness` what came of them.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Container
+from typing import Protocol
 
-__all__ = ["PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE", "Liveness"]
+__all__ = ["PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE", "Circuits", "Liveness", "Probe"]
 
 PROBE_INTERVAL = 0.5  # seconds between two probes of a backend (one in flight at a time)
 PROBE_TIMEOUT = 1.0  # seconds a probe waits for /health to answer
@@ -71,3 +79,45 @@ class Liveness:
             self.frozen = True
             return True
         return False
+
+
+class Probe(Protocol):
+    """A probe under way, as its caller runs it: an asyncio task, a thread's future."""
+
+    def done(self) -> bool: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Circuits:
+    """The circuits of one caller's backends, by index (the order of their URLs). Not locked: the schedule is
+    ticked by one task or thread, a backend is probed by one probe at a time, and what races with its probe (a
+    refused connection, something heard) sets one field."""
+
+    def __init__(self, count: int, retry_after: float) -> None:
+        self.liveness = [Liveness(retry_after) for _ in range(count)]  # each backend's, told what its I/O met
+        self._probes: list[Probe | None] = [None] * count  # each backend's last scheduled probe
+
+    def __len__(self) -> int:
+        return len(self.liveness)
+
+    def up(self, exclude: Container[int] = (), start: int = 0, now: float | None = None) -> list[int]:
+        """The backends new requests may go to, less those in `exclude` (tried already), in ring order from
+        `start` (a rotating caller's next position)."""
+        now = time.monotonic() if now is None else now
+        ring = ((start + k) % len(self.liveness) for k in range(len(self.liveness)))
+        return [i for i in ring if i not in exclude and self.liveness[i].up(now)]
+
+    def probe_due(self, start: Callable[[int], Probe]) -> None:
+        """One tick of the probe schedule, every `PROBE_INTERVAL`: `start(i)` probes backend ``i`` (its outcome
+        goes to ``liveness[i].probed``) for each backend whose last probe is over, so that a frozen one is not
+        piled with probes and one frozen backend delays no other's."""
+        for i, probe in enumerate(self._probes):
+            if probe is None or probe.done():
+                self._probes[i] = start(i)
+
+    def cancel_probes(self) -> None:
+        """The caller stops probing: the probes under way are cancelled."""
+        for probe in self._probes:
+            if probe is not None:
+                probe.cancel()

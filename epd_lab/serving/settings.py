@@ -11,8 +11,8 @@ command line that recreates given settings, which `epd_lab.launch` starts each p
 
 `ServerSettings` (``--host``, ``--port``) is every role's base; the model roles' bases, which add the model's
 placement and the paged KV cache, are `epd_lab.serving.placement`'s (they need torch; the proxy does not).
-`check_at_least`, `check_positive` and `check_choice` are the checks the roles' ``__post_init__`` share, each with
-one message.
+`check_at_least`, `check_positive`, `check_choice` and `check_urls` (a role's backends) are the checks the roles'
+``__post_init__`` share, each with one message.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import types
 import typing
 from typing import Any, Sequence, TypeVar
 
-__all__ = ["ServerSettings", "check_at_least", "check_choice", "check_positive", "from_argv", "option", "parser",
-           "to_argv"]
+__all__ = ["ServerSettings", "check_at_least", "check_choice", "check_positive", "check_urls", "from_argv", "option",
+           "parser", "to_argv"]
 
 S = TypeVar("S")
 
@@ -161,12 +161,13 @@ def check_choice(settings: Any, name: str, choices: Sequence[str]) -> None:
         raise ValueError(f"unknown {name} {getattr(settings, name)!r}; choose one of {', '.join(choices)}")
 
 
-def check_urls(settings: Any, name: str, noun: str) -> None:
-    """`ValueError` unless field `name` holds at least one URL and each starts with http:// or https://; the URLs
-    are kept without a trailing slash (paths are appended to them). `noun` names them in the message."""
+def check_urls(settings: Any, name: str, noun: str, *, required: bool = True) -> None:
+    """`ValueError` unless each URL in field `name` starts with http:// or https://, and (`required`) there is at
+    least one; the URLs are kept without a trailing slash (paths are appended to them). `noun` names them in the
+    message."""
     urls = tuple(u.rstrip("/") for u in getattr(settings, name))
     object.__setattr__(settings, name, urls)
-    if not urls:
+    if required and not urls:
         raise ValueError(f"at least one {noun} URL is needed")
     for url in urls:
         if not url.startswith(("http://", "https://")):
