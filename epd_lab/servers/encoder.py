@@ -47,8 +47,8 @@ The encoder's own `Recorder` keeps the full spans.
 Threads: the event loop only routes and keeps the state. Whatever costs more than microseconds runs elsewhere,
 in as few hops as the work allows: /encode parses its body (megabytes with data: URIs), reads, base64-decodes,
 hashes and opens the media in one thread, which hands them to the worker; the worker decodes and runs the ViT;
-/send's write and notify run in one sender thread as soon as the ViT ends; the zmq backends build and push their
-message in one thread.
+/send's write and notify, and the zmq backends' message and push, run in one sender thread as soon as the ViT
+ends (`_after_vit`: no hop through the event loop between).
 
 Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang), under a `MediaPolicy`:
 local paths only inside ``--media-roots`` (none by default), http(s) only to public addresses unless
@@ -63,7 +63,8 @@ import concurrent.futures
 import dataclasses
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 
 import msgspec
@@ -386,12 +387,10 @@ class MMEncoder:
             urls = entry.urls  # filled by /scheduler_receive_url meanwhile
         else:
             urls = [zmq_url(req.prefill_host, req.embedding_port)]
+        what = f"the ViT of {req.req_id!r}"
         try:
-            embedding, spans = await self._bounded(asyncio.wrap_future(future), f"the ViT of {req.req_id!r}")
             if entry is not None:
                 await self._bounded(entry.event.wait(), f"/scheduler_receive_url for {req.req_id!r}")
-            msg.data = _raw_bytes(embedding)
-            msg.spans = spans
         except ServingError as exc:
             if not urls:
                 raise
@@ -399,8 +398,21 @@ class MMEncoder:
         finally:
             if entry is not None:
                 self.receive_urls.pop(req.req_id, None)
-        await asyncio.to_thread(self._push_all, urls, msg, "transfer")
+        urls = list(urls)
+        await self._after_vit(future, partial(self._push_embedding, msg, urls, what), urls, msg, "transfer", what)
         self.bytes_sent += len(msg.data) * len(urls)
+
+    def _push_embedding(self, msg: EmbeddingData, urls: list[str], what: str, vit: concurrent.futures.Future) -> None:
+        """zmq backends, in a sender thread once the ViT ended: PUSH its bytes (or its error) to each receiver."""
+        try:
+            try:
+                embedding, msg.spans = vit.result()
+            except Exception as exc:  # answered and told, like any ViT error
+                raise _vit_error(exc, what) from None
+            msg.data = _raw_bytes(embedding)
+        except ServingError as exc:
+            raise self._push_error(urls, msg, "transfer", exc) from None
+        self._push_all(urls, msg, "transfer")
 
     def _receive_entry(self, req_id: str) -> _ReceiveUrls:
         return self.receive_urls.setdefault(req_id, _ReceiveUrls(time.monotonic()))
@@ -454,34 +466,37 @@ class MMEncoder:
         notify = EmbeddingNotify(answer.req_id, answer.part_idx, held.modality.name,
                                  [answer.embedding_len, answer.embedding_dim], answer.dtype, answer.grid_thw)
         what = f"the ViT of {req.req_id!r}"
-        sent = concurrent.futures.Future()
-        # the write starts from the ViT's completion, in a sender thread, with no hop through this loop
-        held.future.add_done_callback(
-            lambda vit: self.sender.submit(self._write_and_notify, req, vit, notify, urls, what, sent))
-        try:
-            path = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(sent)), self.settings.timeout)
-        except asyncio.TimeoutError:
-            if not sent.cancel():  # the ViT ended meanwhile and its write runs: bounded by the engine's timeout
-                path = await asyncio.wrap_future(sent)
-            else:  # the ViT never ended: nothing will be written, and the receiver hears why
-                exc = GatewayTimeout(f"{what} did not come within {self.settings.timeout} s")
-                raise await asyncio.to_thread(self._push_error, urls, notify, "notify", exc) from None
+        path = await self._after_vit(held.future, partial(self._write_then_notify, req, notify, urls, what), urls,
+                                     notify, "notify", what)
         self.bytes_sent += answer.embedding_size
         return SendResponse(req.req_id, req.part_idx, answer.embedding_size, path)
 
-    def _write_and_notify(self, req: SendRequest, vit: concurrent.futures.Future, notify: EmbeddingNotify,
-                          urls: list[str], what: str, sent: concurrent.futures.Future) -> None:
-        """In a sender thread, once the ViT ended: `_write_then_notify`, its path or error into `sent` (always:
-        /send waits on it); nothing runs when /send gave up on it (`sent` cancelled)."""
-        if not sent.set_running_or_notify_cancel():
-            return
-        try:
-            sent.set_result(self._write_then_notify(req, vit, notify, urls, what))
-        except BaseException as exc:  # whatever it is, /send answers it
-            sent.set_exception(exc)
+    async def _after_vit(self, vit: concurrent.futures.Future, work: Callable[[concurrent.futures.Future], T],
+                         urls: list[str], msg: EmbeddingNotify, stage: str, what: str) -> T:
+        """``work(vit)`` in a sender thread from the ViT's completion, with no hop through this loop; waited for at
+        most `timeout` s. A ViT that never ends: the work never runs, and the receivers hear why (`stage`); work
+        already running is awaited (bounded by the engine and ZMQ's own timeouts)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
 
-    def _write_then_notify(self, req: SendRequest, vit: concurrent.futures.Future, notify: EmbeddingNotify,
-                           urls: list[str], what: str) -> str:
+        def run(vit: concurrent.futures.Future) -> None:
+            if not done.set_running_or_notify_cancel():  # given up on below
+                return
+            try:
+                done.set_result(work(vit))
+            except BaseException as exc:  # whatever it is, the route answers it
+                done.set_exception(exc)
+
+        vit.add_done_callback(lambda vit: self.sender.submit(run, vit))
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), self.settings.timeout)
+        except asyncio.TimeoutError:
+            if not done.cancel():  # the ViT ended meanwhile and the work runs
+                return await asyncio.wrap_future(done)
+            exc = GatewayTimeout(f"{what} did not come within {self.settings.timeout} s")
+            raise await asyncio.to_thread(self._push_error, urls, msg, stage, exc) from None
+
+    def _write_then_notify(self, req: SendRequest, notify: EmbeddingNotify, urls: list[str], what: str,
+                           vit: concurrent.futures.Future) -> str:
         """Write the ViT's embedding, then notify (with the error if the ViT or the write failed); one thread for
         both, as the notify is what the receiver waits for. Returns the path taken."""
         try:
