@@ -32,9 +32,11 @@ def random_png(seed: Seed, size: int | tuple[int, int], compress_level: int = 6)
     return buf.getvalue()
 
 
-def data_uri(png: bytes) -> str:
-    """PNG bytes as a ``data:image/png;base64,…`` URI (what a chat request's ``image_url`` carries)."""
-    return "data:image/png;base64," + base64.b64encode(png).decode()
+def data_uri(raw: bytes) -> str:
+    """An image's bytes as a ``data:image/…;base64,…`` URI (what a chat request's ``image_url`` carries): JPEG by
+    its magic bytes, else PNG."""
+    kind = "jpeg" if raw.startswith(b"\xff\xd8\xff") else "png"
+    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
 
 
 def image_uri(seed: Seed, size: int) -> str:

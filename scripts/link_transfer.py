@@ -18,13 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
 from epd_lab.campaign import netns
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
+from epd_lab.noise import random_png
 from epd_lab.trace import Recorder
 
 
@@ -44,8 +42,7 @@ def main() -> None:
     nbytes: set[int] = set()
     with tempfile.TemporaryDirectory() as tmp, netns.Hosts(["e"]) as hosts:
         image = str(Path(tmp) / "link.png")  # the encoders serve files under the temp folder
-        pixels = np.random.default_rng(1).integers(0, 256, (args.side, args.side, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(image)
+        Path(image).write_bytes(random_png(1, args.side))
         placed = {"encoder0": (hosts.netns("e"), hosts.address("e"))}
         recorder = Recorder("prefill")
         with Cluster(Topology(encoders=1, transport="tcp", hosts=placed, timeout=30)) as cluster, \

@@ -13,9 +13,7 @@ that fails ends within the request timeout.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
-import io
 import json
 import os
 import signal
@@ -26,15 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import ray
-from PIL import Image
 from ray.cluster_utils import Cluster as RayCluster
 
 from epd_lab.bench import write_json
-from epd_lab.bench.transfer import machine_info
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
 from epd_lab.models import configure_torch, load_model
+from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.reference import monolithic_chat
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
@@ -46,15 +43,11 @@ VICTIM = "host_b"
 MAX_TOKENS = 4
 
 
-def _image_uri(seed: int) -> str:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (96, 128, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 # half of the requests carry an image (E→P→D), half are text only (P→D)
-MESSAGES = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_uri(i)}},
-                                          {"type": "text", "text": f"what is picture {i}?"}]}] for i in range(2)] + \
+IMAGES = [data_uri(random_png(i, (96, 128))) for i in range(2)]  # 128x96 noise
+MESSAGES = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                          {"type": "text", "text": f"what is picture {i}?"}]}]
+            for i, image in enumerate(IMAGES)] + \
            [[{"role": "user", "content": f"question number {i}"}] for i in range(2)]
 
 

@@ -12,6 +12,7 @@ import pytest
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model
 from epd_lab.noise import data_uri, random_png
+from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 
 MAX_TOKENS = 16
@@ -37,7 +38,7 @@ def test_chat_through_the_proxy_equals_the_monolithic_model(cluster, model, n_im
                for i, (w, h) in enumerate(sizes)] + [{"type": "text", "text": "what do you see?"}]
     messages = [{"role": "user", "content": content}]
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
-    kwargs = dict(model="epd-lab-tiny-qwen2-vl", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    kwargs = dict(model=MODEL_ID, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     if stream:
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
                        if c.choices)

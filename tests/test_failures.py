@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -17,14 +16,18 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from epd_lab._native import OP_WRITE, ST_OK, ST_REFUSED, WIRE_MAGIC, WIRE_VERSION
 from epd_lab.transfer import PeerUnreachable, TransferEngine, TransferTimeout, parse_session_id
 from epd_lab.transfer.peer import PeerError, PeerProcess
-from helpers import freeze, wait_for
+from epd_lab.wire_types import WIRE_REP, WIRE_REQ
+from helpers import free_port, freeze, wait_for
 
 MiB = 1 << 20
-REQ = struct.Struct("<IHHQQQQ")  # magic, version, op, seq, addr, length, key (native/epd_core.h)
-REP = struct.Struct("<IiQQ")  # magic, status, seq, length
-MAGIC, WRITE = 0x57445045, 1
+
+
+def write_header(seq: int, addr: int, length: int, magic: int = WIRE_MAGIC, version: int = WIRE_VERSION) -> bytes:
+    """The header of an engine WRITE (epd_wire_req) as a raw client sends it, with no secret."""
+    return WIRE_REQ.pack(magic, version, OP_WRITE, seq, addr, length, 0)
 
 
 @pytest.fixture
@@ -40,9 +43,7 @@ def raw_conn(session_id: str) -> socket.socket:
 
 
 def test_unreachable_peer_fails_fast(src):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with TransferEngine(timeout=1.0) as e:
         e.register_buffer(src)
         with pytest.raises(PeerUnreachable, match="connect"):
@@ -93,19 +94,19 @@ def test_garbage_on_the_port_never_writes(peer):
     outside = peer.alloc(MiB, register=False, fill=0x5A)  # exists in the peer, but is not registered
     rng = np.random.default_rng(7)
     # random bytes, a wrong magic, a wrong version, a truncated header
-    for junk in (rng.bytes(4096), REQ.pack(0xDEADBEEF, 2, WRITE, 0, dst, 16, 0) + bytes(16),
-                 REQ.pack(MAGIC, 99, WRITE, 0, dst, 16, 0) + bytes(16), REQ.pack(MAGIC, 2, WRITE, 0, dst, 16, 0)[:20]):
+    for junk in (rng.bytes(4096), write_header(0, dst, 16, magic=0xDEADBEEF) + bytes(16),
+                 write_header(0, dst, 16, version=99) + bytes(16), write_header(0, dst, 16)[:20]):
         with raw_conn(peer.session_id) as s:
             s.sendall(junk)
             s.shutdown(socket.SHUT_WR)
             assert s.recv(64) == b""  # the engine closed the connection without answering
     # a forged, well-formed write into unregistered memory is refused and drained
     with raw_conn(peer.session_id) as s:
-        s.sendall(REQ.pack(MAGIC, 2, WRITE, 42, outside, 4096, 0) + bytes(4096))
-        magic, status, seq, _ = REP.unpack(s.recv(REP.size, socket.MSG_WAITALL))
-        assert (magic, status, seq) == (MAGIC, 1, 42)
+        s.sendall(write_header(42, outside, 4096) + bytes(4096))
+        magic, status, seq, _ = WIRE_REP.unpack(s.recv(WIRE_REP.size, socket.MSG_WAITALL))
+        assert (magic, status, seq) == (WIRE_MAGIC, ST_REFUSED, 42)
         # an absurd length is not drained: the connection is closed
-        s.sendall(REQ.pack(MAGIC, 2, WRITE, 43, outside, 1 << 50, 0))
+        s.sendall(write_header(43, outside, 1 << 50))
         assert s.recv(64) == b""
     assert peer.checksum(dst, MiB) == want
     assert peer.checksum(outside, MiB) == want
@@ -123,7 +124,7 @@ def test_deregister_waits_for_a_write_in_flight():
         dst = peer.alloc(MiB)
         payload = bytes(range(256)) * (MiB // 256)
         with raw_conn(peer.session_id) as s:
-            s.sendall(REQ.pack(MAGIC, 2, WRITE, 1, dst, MiB, 0) + payload[: MiB // 2])
+            s.sendall(write_header(1, dst, MiB) + payload[: MiB // 2])
 
             def finish() -> None:
                 time.sleep(0.5)
@@ -137,7 +138,7 @@ def test_deregister_waits_for_a_write_in_flight():
             t.start()
             peer.call("deregister", ptr=dst)  # returns only once the write in flight has landed
             t.join()
-            assert REP.unpack(s.recv(REP.size, socket.MSG_WAITALL))[1] == 0
+            assert WIRE_REP.unpack(s.recv(WIRE_REP.size, socket.MSG_WAITALL))[1] == ST_OK
         assert peer.checksum(dst, MiB) == zlib.crc32(payload)
         assert peer.stats()["deregister_timeouts"] == 0
 
@@ -148,7 +149,7 @@ def test_a_stalled_tcp_writer_is_cut_off():
     with PeerProcess(protocol="tcp", timeout=0.5) as peer:
         dst = peer.alloc(MiB)
         with raw_conn(peer.session_id) as s:
-            s.sendall(REQ.pack(MAGIC, 2, WRITE, 1, dst, MiB, 0) + bytes(1000))  # then the writer stalls
+            s.sendall(write_header(1, dst, MiB) + bytes(1000))  # then the writer stalls
             deadline = time.monotonic() + 10
             while peer.stats()["writes_in_flight"] != 1:
                 assert time.monotonic() < deadline

@@ -14,6 +14,7 @@ from epd_lab.models import build_input_ids, configure_torch, load_model, monolit
 from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
+from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import completion_prompt, detokenize
 from epd_lab.serving import from_argv
@@ -36,7 +37,7 @@ def _messages(n_images: int, seed: int) -> list[dict]:
 
 def _chat(url: str, messages: list[dict], stream: bool) -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    kwargs = dict(model="epd-lab-tiny-qwen2-vl", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    kwargs = dict(model=MODEL_ID, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     if stream:
         return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
                        if c.choices)
@@ -63,7 +64,7 @@ def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
         client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=60)
         reference = detokenize(monolithic_generate(model, build_input_ids(completion_prompt("once upon"), []), None,
                                                    None, MAX_TOKENS))
-        kwargs = dict(model="epd-lab-tiny-qwen2-vl", prompt="once upon", max_tokens=MAX_TOKENS, temperature=0)
+        kwargs = dict(model=MODEL_ID, prompt="once upon", max_tokens=MAX_TOKENS, temperature=0)
         assert client.completions.create(**kwargs).choices[0].text == reference
         assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == reference
         health = httpx.get(cluster.proxy_url + "/health", timeout=10)

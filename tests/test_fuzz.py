@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epd_lab import _native
-from epd_lab.campaign.fuzz import _WEIRD, BODY_TYPES, WIRE_REP, WIRE_REQ, fuzz, fuzz_guarded_engine
+from epd_lab.campaign.fuzz import _WEIRD, BODY_TYPES, fuzz, fuzz_guarded_engine
 from epd_lab.ep import messages as ep_messages
 from epd_lab.kv import messages as kv_messages
 from epd_lab.launch import Cluster, Topology
@@ -27,6 +27,7 @@ from epd_lab.servers.openai_api import Job, parse_request
 from epd_lab.serving import BadRequest, decode_body
 from epd_lab.transfer import verbs
 from epd_lab.transfer.errors import ProtocolError
+from epd_lab.wire_types import WIRE_REP, WIRE_REQ
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,6 +19,7 @@ import pytest
 
 from epd_lab.failpoints import arm, disarm, is_stopped
 from epd_lab.launch import Cluster, Topology
+from epd_lab.servers.openai_api import MODEL_ID
 from helpers import wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,7 +55,7 @@ def _decode_health(c: Cluster) -> dict[str, Any]:
 
 def _chat(c: Cluster, text: str) -> tuple[httpx.Response, float]:
     """One non-streaming chat through the proxy: (its response, seconds from sending to its end)."""
-    body = {"model": "epd-lab-tiny-qwen2-vl", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+    body = {"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
     t0 = time.monotonic()
     response = httpx.post(c.proxy_url + "/v1/chat/completions", json=body, timeout=3 * TIMEOUT)
     return response, time.monotonic() - t0

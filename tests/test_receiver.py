@@ -18,6 +18,7 @@ from epd_lab.ep.receiver import (
     ReceiverConfig,
     assign_items_by_modality,
 )
+from helpers import free_port
 
 
 def test_assignment_follows_the_seed_example():
@@ -90,11 +91,7 @@ def test_parts_reassemble_in_part_order_whatever_the_arrival_order():
 
 def test_encoder_down_is_an_error_not_a_hang():
     """No encoder listens at the URL: the request fails at once with the URL in the message."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with EmbeddingReceiver(ReceiverConfig([f"http://127.0.0.1:{port}"], timeout=2)) as rx:
         with pytest.raises(EPDError, match=f"127.0.0.1:{port}"):
             rx.receive(["a.png"])

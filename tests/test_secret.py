@@ -7,7 +7,6 @@ import hashlib
 import hmac
 import os
 import socket
-import struct
 import time
 from collections.abc import Iterator
 
@@ -29,6 +28,7 @@ from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.errors import AuthenticationError, PeerUnreachable
 from epd_lab.transfer.peer import PeerProcess
+from epd_lab.wire_types import WIRE_REQ
 
 SECRET = "s3cret-" + "x" * 25
 OTHER = "other-" + "y" * 26
@@ -95,7 +95,8 @@ def test_engine_refuses_writers_without_the_secret_and_nothing_lands(guarded_pee
     # a raw client that skips the handshake and sends a well-formed write header, then the bytes
     host, port = peer.session_id.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(struct.pack("<IHHQQQQ", 0x57445045, 2, 1, 0, dst, 4096, 0) + src.tobytes())
+        s.sendall(WIRE_REQ.pack(_native.WIRE_MAGIC, _native.WIRE_VERSION, _native.OP_WRITE, 0, dst, 4096, 0)
+                  + src.tobytes())
         s.settimeout(5)
         assert s.recv(24) == b""  # closed unanswered
     assert peer.read(dst, 4096) == b"\x11" * 4096

@@ -35,6 +35,7 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.procs import die_with_parent
 from epd_lab.models import configure_torch, load_model
 from epd_lab.noise import data_uri, random_png
+from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
 from helpers import wait_for
@@ -47,7 +48,6 @@ MAX_TOKENS = 16
 # this session's changes alike
 TIMEOUT = 6.0
 SLACK = 3.0  # bounded-time checks only; the prefills' KV free timeout (30 s) is far above TIMEOUT + SLACK
-MODEL = "epd-lab-tiny-qwen2-vl"
 PREFILLS, DECODES = slice(2, 4), slice(4, 6)  # Cluster.procs: encoders, prefills, decodes, proxy
 
 
@@ -137,7 +137,7 @@ def _messages(text: str, sizes: list[tuple[int, int]], seed: int) -> list[dict[s
 
 def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool = False) -> tuple[str, str]:
     """(response id, text) of one greedy chat request."""
-    kwargs: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    kwargs: dict[str, Any] = {"model": MODEL_ID, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     if not stream:
         reply = client.chat.completions.create(**kwargs)
         return reply.id, reply.choices[0].message.content
@@ -273,7 +273,7 @@ def test_streaming_client_disconnect_releases_prefill_and_decode(cluster: Cluste
         return sum(_health(u)["counters"].get("requests_cancelled", 0) for u in cluster.decode_urls)
 
     before = cancelled()
-    stream = client.chat.completions.create(model=MODEL, messages=_messages("go on", [], seed=0), max_tokens=3000,
+    stream = client.chat.completions.create(model=MODEL_ID, messages=_messages("go on", [], seed=0), max_tokens=3000,
                                             temperature=0, stream=True)
     chunks = iter(stream)
     for _ in range(4):
@@ -306,7 +306,7 @@ def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
     """A request that is not streamed (decode is asked after prefill): both prefills frozen while the proxy waits
     on one; the client hangs up; the prefills thaw: the proxy sees the client gone before it calls decode, answers
     499 into the void and aborts the request on its prefill."""
-    body = json.dumps({"model": MODEL, "messages": _messages("leaving", [], seed=1), "max_tokens": MAX_TOKENS,
+    body = json.dumps({"model": MODEL_ID, "messages": _messages("leaving", [], seed=1), "max_tokens": MAX_TOKENS,
                        "stream": False}).encode()
     aborted_before, served_before = _aborts(cluster), _served(cluster)[1]
     status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
@@ -320,7 +320,7 @@ def test_streamed_client_gone_while_prefill_runs_releases_both(cluster: Cluster)
     """A streamed request asks decode while prefill runs (pipelined). The client hangs up during the prefill:
     the proxy answers 499 into the void and drops the decode request it had started; whether the KV had already
     moved to decode or still waited on the prefill, every block on both sides comes back (`blocks_back`)."""
-    body = json.dumps({"model": MODEL, "messages": _messages("leaving too", [], seed=2), "max_tokens": MAX_TOKENS,
+    body = json.dumps({"model": MODEL_ID, "messages": _messages("leaving too", [], seed=2), "max_tokens": MAX_TOKENS,
                        "stream": True}).encode()
     status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
     _leave_while_prefills_are_frozen(cluster, body)

@@ -60,18 +60,15 @@ from epd_lab._native import (OP_AUTH, OP_CONTROL, OP_HELLO, OP_WRITE, ST_BADREQ,
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
 from epd_lab.noise import image_uri
 from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
+from epd_lab.wire_types import WIRE_REP, WIRE_REQ
 
-__all__ = ["BODY_TYPES", "WIRE_REQ", "augmented_spec", "fuzz", "fuzz_guarded_engine", "fuzz_http", "fuzz_socket",
+__all__ = ["BODY_TYPES", "augmented_spec", "fuzz", "fuzz_guarded_engine", "fuzz_http", "fuzz_socket",
            "listening_sockets", "wire_frames", "zmtp_socket_type"]
 
 # the struct each POST route decodes from its raw body (their OpenAPI entries have no body schema)
 BODY_TYPES: dict[str, type] = {"/encode": EncodeRequest, "/send": SendRequest,
                                "/scheduler_receive_url": SchedulerReceiveUrl, "/v1/prefill": PrefillRequest,
                                "/v1/abort": AbortRequest, "/v1/decode": DecodeRequest}
-# native/epd_core.h: epd_wire_req {u32 magic, u16 version, u16 op, u64 seq, addr, length, key}; epd_wire_rep
-# {u32 magic, i32 status, u64 seq, length}; their sizes and the constants come from the header (epd_lab._native)
-WIRE_REQ = struct.Struct("<IHHQQQQ")
-WIRE_REP = struct.Struct("<IiQQ")
 CHEAP_MAX_TOKENS = 4  # valid OpenAI bodies generate at most this many tokens (the leg probes input, not decode)
 SLACK_S = 5.0  # a request's bound: the cluster's timeout plus this
 

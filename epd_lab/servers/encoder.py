@@ -113,7 +113,6 @@ from epd_lab.transfer import (
 )
 from epd_lab.transfer.registry import ENGINES
 
-TRANSPORTS = ENGINES
 SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes
 ROUTES = ("/encode", "/send", "/release", "/scheduler_receive_url")
 MAX_RELEASED_IDS = 65536  # /release calls remembered for parts not held (yet)
@@ -126,7 +125,7 @@ class EncoderSettings(ModelSettings):
     """What an encode server is started with; checked on construction (`ValueError`)."""
 
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
-    transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=TRANSPORTS)
+    transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=ENGINES)
     timeout: float = option(10.0, "seconds; bounds every wait: media fetch, embedding, receive URL, transfer, "
                                   "ZMQ send")
     embedding_ttl: float = option(10.0, "seconds a held embedding waits for /send before it is released (a /send "
@@ -143,14 +142,10 @@ class EncoderSettings(ModelSettings):
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
         check_choice(self, "backend", BACKENDS)
-        check_choice(self, "transport", TRANSPORTS)
+        check_choice(self, "transport", ENGINES)
         check_positive(self, "timeout", "embedding_ttl")
         check_at_least(self, 0, "cache_bytes")
         check_at_least(self, 1, "max_parts", "max_held_bytes")
-
-    @property
-    def model_name(self) -> str:
-        return self.model or "tiny-qwen2-vl"
 
 
 @dataclasses.dataclass(slots=True, frozen=True)

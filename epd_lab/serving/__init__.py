@@ -10,6 +10,10 @@
 - `metrics`: the request counter and the Prometheus text writer.
 - `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`);
   `ServerSettings`, every role's base.
+- `placement`: the model roles' shared ``--model``/``--device``/``--dtype``/``--runtime`` (`ModelSettings`) and
+  paged-KV options (`PagedKVSettings`); imports torch, so it is not re-exported here.
+- `stream`: `ClosingStreamingResponse`, a streamed answer that cleans up however it ends; needs Starlette, so it
+  is not re-exported here either.
 """
 from epd_lab.serving.admission import DEADLINE_HEADER, KV_DEADLINE_HEADER, Admission, Ticket, deadline_budget
 from epd_lab.serving.app import Role, json_response, role_app

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from epd_lab.models import DTYPE_NAMES, resolve_device, resolve_dtype
+from epd_lab.models import DEFAULT_MODEL_DIR, DTYPE_NAMES, resolve_device, resolve_dtype
 from epd_lab.models.catalog import DEVICE_NAME
 from epd_lab.models.runtime import RUNTIMES
 from epd_lab.serving.settings import ServerSettings, check_at_least, option
@@ -51,6 +51,12 @@ class ModelSettings(ServerSettings):
     def __post_init__(self) -> None:
         ServerSettings.__post_init__(self)
         check_placement(self)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name as the role reports it (/health; the encoder's cache key): ``--model`` as given, or
+        the tiny model's."""
+        return self.model or DEFAULT_MODEL_DIR.name
 
 
 @dataclasses.dataclass(slots=True, frozen=True, kw_only=True)

@@ -8,7 +8,6 @@ counted when the server gives none).
 """
 from __future__ import annotations
 
-import base64
 import time
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ import msgspec
 
 from epd_lab.bench.serve.datasets import SampleRequest
 from epd_lab.bench.serve.metrics import RequestOutput
+from epd_lab.noise import data_uri
 
 MEDIA_MODES = ("data-uri", "url")
 
@@ -24,12 +24,6 @@ MEDIA_MODES = ("data-uri", "url")
 def image_part(url: str) -> dict:
     """An OpenAI chat ``image_url`` content part."""
     return {"type": "image_url", "image_url": {"url": url}}
-
-
-def data_uri(raw: bytes) -> str:
-    """An image's bytes as a data: URI (PNG or JPEG by its magic bytes)."""
-    kind = "jpeg" if raw.startswith(b"\xff\xd8\xff") else "png"
-    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
 
 
 def chat_body(req: SampleRequest, model: str, url_of: Callable[[bytes], str] | None = None) -> bytes:
