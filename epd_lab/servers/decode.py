@@ -313,7 +313,7 @@ class DecodeServer:
         active = self.scheduler.num_active
         with self._lock:
             quarantined, counters = self._quarantined, dict(self.counters)
-        return {"status": "ok", "role": "decode", "model": self.settings.model or "tiny-qwen2-vl",
+        return {"status": "ok", "role": "decode", "model": self.settings.model_name,
                 "device": str(self.device), "dtype": self.settings.dtype, "session_id": self.engine.session_id,
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,

@@ -131,7 +131,7 @@ class MonolithicServer:
 
     def health(self) -> dict:
         """``/health``: the model, the free KV blocks, the requests generating and those served."""
-        return {"status": "ok", "role": "monolithic", "model": self.settings.model or "tiny-qwen2-vl",
+        return {"status": "ok", "role": "monolithic", "model": self.settings.model_name,
                 "device": str(self.device), "runtime": self.settings.runtime,
                 "free_blocks": self.blocks.num_free_blocks,
                 "active_requests": self.scheduler.num_active, "served": self.served}

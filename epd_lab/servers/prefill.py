@@ -296,7 +296,7 @@ class PrefillServer:
     # ---- health, metrics, lifetime ----
     def health(self) -> dict:
         producer = self.producer.stats()
-        return {"status": "ok", "role": "prefill", "model": self.settings.model or "tiny-qwen2-vl",
+        return {"status": "ok", "role": "prefill", "model": self.settings.model_name,
                 "device": str(self.device), "dtype": self.settings.dtype, "recv_buffer": self.settings.recv_buffer,
                 "kv_url": self.producer.url, "session_id": self.engine.session_id,
                 "encoders": list(self.settings.encoders), "num_blocks": self.blocks.num_blocks,
