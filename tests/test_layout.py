@@ -17,6 +17,7 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.models import tiny_config
 from epd_lab.noise import noise_images
 from epd_lab.viz.layout import block_runs, block_runs_frame, block_tables, buffer_layout, part_ranges
+from helpers import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,9 @@ def images(tmp_path_factory):
 def test_buffer_layout_draws_the_receivers_byte_ranges(images):
     with Cluster(Topology(encoders=2, backend="mooncake")) as cluster, cluster.receiver(seed=1) as rx:
         got = rx.receive(images, "layout")
-        spans = rx.recorder.spans("layout")
+        # the receiver returns on the parts' notifies; a /send's answer, and its span, may come just after
+        spans = wait_for(lambda: (s := rx.recorder.spans("layout")) if sum(x.stage == "http_send" for x in s) == 2
+                         else None, what="both /send answers recorded")
     frame = part_ranges(got)
     assert list(frame["part_idx"]) == [0, 1] and [len(i) for i in frame["items"]] == [2, 1]
     assert list(frame["encoder"]) == [p.encoder for p in got.parts]
