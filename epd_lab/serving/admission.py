@@ -58,7 +58,7 @@ from typing import Any, Mapping
 from epd_lab.serving.errors import BadRequest, Unavailable
 from epd_lab.serving.metrics import Metric
 
-__all__ = ["DEADLINE_HEADER", "KV_DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
+__all__ = ["DEADLINE_HEADER", "KV_DEADLINE_HEADER", "Admission", "Drain", "RecentLow", "Ticket", "deadline_budget"]
 
 DEADLINE_HEADER = "X-EPD-Deadline-Ms"  # the milliseconds the sender will still wait for the whole answer
 # to decode: the milliseconds the sender (the proxy) leaves for the request's KV to arrive, what is left of the
@@ -307,3 +307,47 @@ class Admission:
         )] + [Metric.of(self.prefix + "refused_total", "counter", "requests refused with 503 at once, by reason: deadline (the "
                         "predicted wait does not fit), queue_full (max_queued), expired (the deadline passed in "
                         "the queue)", dict(self.refused), "reason")]
+
+
+class Drain:
+    """The drain behind a sender that keeps no queue of its own (the proxy, in front of the prefills), as the
+    sender measures it end to end: a request that found `ahead` others on their way when it arrived and had its
+    answer `seconds` later took ``seconds / (ahead + 1)`` per request, or ``seconds / workers`` when it found a
+    worker free (it says no more than that they run `workers` at once; light traffic keeps the window fresh, so a
+    slow burst's samples never outlive it). `per_request_s` is the median of the last `SERVICE_WINDOW`."""
+
+    def __init__(self) -> None:
+        self._recent: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
+
+    def add(self, seconds: float, ahead: int, workers: int) -> None:
+        """A request that arrived behind `ahead` others, `workers` running at once, had its answer `seconds` later."""
+        self._recent.append(seconds / max(ahead + 1, workers))
+
+    @property
+    def per_request_s(self) -> float | None:
+        """Seconds per request ahead (median of the last `SERVICE_WINDOW`), None before one is measured."""
+        return statistics.median(self._recent) if self._recent else None
+
+    def predicted_s(self, ahead: int) -> float | None:
+        """Seconds until the answer of a request arriving now behind `ahead` others, None before one is measured."""
+        per = self.per_request_s
+        return None if per is None else (ahead + 1) * per
+
+
+class RecentLow:
+    """The lowest of the values `seen` in the last `memory_s` seconds, the latest one always among them: what a
+    sender (the proxy) plans with when the value it is told (a prefill's rate, the median of its last few dozen
+    service times) swings by a quarter within a burst and the teller rechecks its queue by its own swings."""
+
+    def __init__(self, memory_s: float) -> None:
+        self.memory_s = memory_s
+        self._seen: collections.deque[tuple[float, float]] = collections.deque()  # (time.monotonic(), value)
+
+    def seen(self, value: float) -> float:
+        """Note `value` (told now); returns the lowest noted in the last `memory_s`."""
+        now = time.monotonic()
+        if not self._seen or self._seen[-1][1] != value:
+            self._seen.append((now, value))
+        while len(self._seen) > 1 and self._seen[0][0] < now - self.memory_s:
+            self._seen.popleft()
+        return min(v for _, v in self._seen)
