@@ -298,16 +298,12 @@ def test_the_drain_is_seconds_per_request_ahead_and_light_traffic_refreshes_it()
     assert drain.per_request_s == pytest.approx(0.025)
 
 
-def test_recent_low_keeps_the_lowest_value_seen_lately_and_always_the_latest(monkeypatch):
-    now = [100.0]
-    monkeypatch.setattr("epd_lab.serving.admission.time.monotonic", lambda: now[0])
-    low = RecentLow(memory_s=30.0)
+def test_recent_low_keeps_the_lowest_of_the_last_values_told_each_noted_once():
+    low = RecentLow(count=3)
     assert low.seen(60.0) == 60.0
-    now[0] += 1
     assert low.seen(45.0) == 45.0  # a swing down is planned with ...
-    now[0] += 1
-    assert low.seen(70.0) == 45.0  # ... while it is recent
-    now[0] += 40
-    assert low.seen(70.0) == 70.0  # forgotten; the latest value stays however old it is
-    now[0] += 100
-    assert low.seen(70.0) == 70.0
+    assert low.seen(70.0) == 45.0  # ... while it is among the last 3 noted
+    for _ in range(100):
+        assert low.seen(70.0) == 45.0  # told again and again while idle: noted once, the swing still remembered
+    assert low.seen(65.0) == 45.0
+    assert low.seen(70.0) == 65.0  # 45 is 3 values back: forgotten

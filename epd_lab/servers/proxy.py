@@ -111,8 +111,9 @@ QUANTILES = (0.5, 0.9, 0.99)
 # decode gives up on a request's KV this long before the request's deadline (`_kv_deadline`), so that its 504
 # crosses decode → proxy → client within the deadline even on a loaded host
 KV_ANSWER_S = 0.2
-# the prefills' rate is planned with at its lowest reported this long: a burst, its intake and the next one
-RATE_MEMORY_S = 30.0
+# the prefills' rate is planned with at its lowest of this many told (each probe, 0.5 s, may tell a new one while
+# they work): a 1,000-burst and a half
+RATE_MEMORY = 32
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -219,7 +220,7 @@ class Proxy:
         self.pending = 0  # requests admitted here and not yet answered by a prefill
         self.intake_s = 0.0  # seconds from a request's arrival to its parsed body (weighted mean)
         self.drain = Drain()  # seconds per request pending, arrival to prefill's answer, as measured here
-        self.low_rate = RecentLow(RATE_MEMORY_S)  # the prefills' summed rate, lowest lately
+        self.low_rate = RecentLow(RATE_MEMORY)  # the prefills' summed rate, lowest lately
 
     async def run(self) -> None:
         """For the server's life (the floor runs it): probe every backend (`PoolClient.probe_forever`)."""
@@ -345,8 +346,8 @@ class Proxy:
         """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
         /health (workers, measured rate and service time) and what this proxy has on its way to them (`pending`:
         being read, parsed or prefilled): a newcomer starts once the `pending` beyond their workers are through,
-        at their summed rate, the lowest they told in the last `RATE_MEMORY_S` (a prefill rechecks its queue by
-        its rate's swings: planned at its median, a burst's tail was refused there, seconds later); with none
+        at their summed rate, the lowest of the last `RATE_MEMORY` they told (a prefill rechecks its queue by its
+        rate's swings: planned at its median, a burst's tail was refused there, seconds later); with none
         pending, at once, in the prefills' best case. None before any prefill told its admission."""
         known = self._admitting()
         if not known:

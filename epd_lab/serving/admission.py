@@ -35,6 +35,13 @@ of. Optimistic is the lesser error: waiters are rechecked, a request whose deadl
 refused then (``expired``), never run late, and the proxy keeps back what the request's decode is expected to
 take.
 
+The proxy in front (`epd_lab.servers.proxy`, judging before the body) plans pessimistically instead, so that it
+is the one that refuses: by the prefills' lowest rate told lately (`RecentLow`; their median of 32 swings by a
+quarter within a burst, and a prefill rechecks its queue by those swings: planned at the median, 40-111 of a
+second 1,000-burst were refused by the prefill seconds in, after the proxy had read their bodies), or by its own
+end-to-end measure where that is slower (`Drain`: seconds per request pending, from a request's arrival to its
+prefill's answer, the proxy's own intake included).
+
 Weighted requests (decode's KV admission, `Admission.enter`'s `units`): `workers` is then a capacity (the KV
 pool's blocks), a request takes `units` of it (its reservation), `rate` counts units coming back per second, and
 a request waits until the units of those queued ahead of it and its own, less those free now, have come back.
@@ -335,19 +342,16 @@ class Drain:
 
 
 class RecentLow:
-    """The lowest of the values `seen` in the last `memory_s` seconds, the latest one always among them: what a
+    """The lowest of the last `count` values `seen`, a value noted only when it differs from the one before: what a
     sender (the proxy) plans with when the value it is told (a prefill's rate, the median of its last few dozen
-    service times) swings by a quarter within a burst and the teller rechecks its queue by its own swings."""
+    service times) swings by a quarter within a burst and the teller rechecks its queue by its own swings. Idle,
+    the value does not change, so the last burst's swings are remembered however long ago it ran."""
 
-    def __init__(self, memory_s: float) -> None:
-        self.memory_s = memory_s
-        self._seen: collections.deque[tuple[float, float]] = collections.deque()  # (time.monotonic(), value)
+    def __init__(self, count: int) -> None:
+        self._seen: collections.deque[float] = collections.deque(maxlen=count)
 
     def seen(self, value: float) -> float:
-        """Note `value` (told now); returns the lowest noted in the last `memory_s`."""
-        now = time.monotonic()
-        if not self._seen or self._seen[-1][1] != value:
-            self._seen.append((now, value))
-        while len(self._seen) > 1 and self._seen[0][0] < now - self.memory_s:
-            self._seen.popleft()
-        return min(v for _, v in self._seen)
+        """Note `value` (told now); returns the lowest of the last `count` noted."""
+        if not self._seen or self._seen[-1] != value:
+            self._seen.append(value)
+        return min(self._seen)
