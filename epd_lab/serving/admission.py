@@ -320,8 +320,8 @@ class Drain:
     """The drain behind a sender that keeps no queue of its own (the proxy, in front of the prefills), as the
     sender measures it end to end: a request that found `ahead` others on their way when it arrived and had its
     answer `seconds` later took ``seconds / (ahead + 1)`` per request, or ``seconds / workers`` when it found a
-    worker free (it says no more than that they run `workers` at once; light traffic keeps the window fresh, so a
-    slow burst's samples never outlive it). `per_request_s` is the median of the last `SERVICE_WINDOW`."""
+    worker free (it says no more than that they run `workers` at once, and so light traffic replaces a slow
+    burst's samples: they never refuse for good). `per_request_s` is the median of the last `SERVICE_WINDOW`."""
 
     def __init__(self) -> None:
         self._recent: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
