@@ -1,4 +1,5 @@
-"""The serving floor's admission and liveness rules, in this process (`epd_lab.serving.admission`, `.liveness`).
+"""The serving floor's admission and liveness rules, in this process (`epd_lab.serving.admission`, `.liveness`),
+and the proxy's estimates (`Drain`, `RecentLow`).
 
 The queue is driven on a real event loop with real tasks; nothing is mocked. The roles' use of them runs through
 real processes in `test_pd.py` and `test_overload.py`.
@@ -10,7 +11,7 @@ import asyncio
 import pytest
 
 from epd_lab.serving import STALL_MISSES, STALL_SILENCE, Admission, BadRequest, Liveness, Unavailable, deadline_budget
-from epd_lab.serving.admission import PRIOR_SAMPLES
+from epd_lab.serving.admission import PRIOR_SAMPLES, Drain, RecentLow
 from epd_lab.serving.metrics import metrics_text
 
 
@@ -280,3 +281,29 @@ def test_an_idle_role_judges_a_deadline_by_its_best_case_not_its_median():
             await admission.enter(0.001)  # idle, but not even the best case fits 1 ms
 
     run(go())
+
+
+def test_the_drain_is_seconds_per_request_ahead_and_light_traffic_refreshes_it():
+    """A sender's measure of the drain behind it: a request that found 99 ahead and was answered 5 s later
+    drained at 0.05 s per request; one that found a worker free says only that `workers` run at once, so light
+    traffic replaces a slow burst's samples instead of leaving them to refuse for good."""
+    drain = Drain()
+    assert drain.per_request_s is None and drain.predicted_s(10) is None
+    for _ in range(3):
+        drain.add(5.0, ahead=99, workers=4)
+    assert drain.per_request_s == pytest.approx(0.05)
+    assert drain.predicted_s(199) == pytest.approx(10.0)  # the 200th in line: 200 × 0.05 s
+    for _ in range(40):  # light traffic: one at a time, 0.1 s each, on 4 workers
+        drain.add(0.1, ahead=0, workers=4)
+    assert drain.per_request_s == pytest.approx(0.025)
+
+
+def test_recent_low_keeps_the_lowest_of_the_last_values_told_each_noted_once():
+    low = RecentLow(count=3)
+    assert low.seen(60.0) == 60.0
+    assert low.seen(45.0) == 45.0  # a swing down is planned with ...
+    assert low.seen(70.0) == 45.0  # ... while it is among the last 3 noted
+    for _ in range(100):
+        assert low.seen(70.0) == 45.0  # told again and again while idle: noted once, the swing still remembered
+    assert low.seen(65.0) == 45.0
+    assert low.seen(70.0) == 65.0  # 45 is 3 values back: forgotten

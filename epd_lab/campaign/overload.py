@@ -7,8 +7,8 @@
 2. ``deadline``: 1,000 concurrent on 1E/1P/1D, each with ``X-EPD-Deadline-Ms: 10000``, twice on one cluster
    (the first burst on roles that never saw a queue, the second with the drain rate the first measured): how
    many were admitted and how many refused (and by whom), the refusals' latency (all, and split: the proxy's,
-   from the headers, and those after it, by the prefill), the admitted ones' latency
-   against the deadline, the processes' peak RSS and the pools back at idle. Target: what cannot finish is
+   from the headers, and those after it, by the prefill), the admitted ones' latency against the deadline (at
+   the client, and from their arrival at the proxy: its ``e2e`` spans), the processes' peak RSS and the pools back at idle. Target: what cannot finish is
    refused within 0.5 s, what is admitted finishes within the deadline, memory stays bounded.
 3. ``floor``: the same client's 1,000 concurrent requests (the same bodies and deadline header) against a server
    that answers each with a 503 as soon as its headers are in (raw asyncio, no framework, no cluster): the refusal
@@ -69,8 +69,10 @@ def burst(name: str, count: int = 200, timeout: float = 10.0) -> dict[str, Any]:
             "target_met": right >= 0.99 * count and lost == 0 and (max_refusal is None or max_refusal <= 0.5)}
 
 
-async def _burst_with_deadline(url: str, prompts: Prompts, count: int, deadline_s: float,
-                               client_timeout: float) -> list[Outcome]:
+async def burst_with_deadline(url: str, prompts: Prompts, count: int, deadline_s: float,
+                              client_timeout: float) -> list[Outcome]:
+    """`count` streamed chats at once to `url`, each with a `deadline_s` ``X-EPD-Deadline-Ms``, cycling through
+    `prompts`: their outcomes, in order."""
     headers = {DEADLINE_HEADER: f"{deadline_s * 1000:.0f}"}
     raws = [json.dumps(prompts.body(p)).encode() for p in range(prompts.count)]
     async with client_session(count) as session:
@@ -91,20 +93,24 @@ def deadline(count: int = 1000, deadline_s: float = 10.0, prompts_n: int = 32, b
         asyncio.run(prompts.compute_solo(cluster.proxy_url, 6 * deadline_s))
         for n in range(bursts):
             time.sleep(1.0)  # the proxy's probes read the prefill's admission as it is now
-            t0 = time.monotonic()
+            t0, t0_ns = time.monotonic(), time.monotonic_ns()
             with Sampler(cluster, t0) as sampler:
                 idle = sampler.levels()
-                outcomes = asyncio.run(_burst_with_deadline(cluster.proxy_url, prompts, count, deadline_s,
+                outcomes = asyncio.run(burst_with_deadline(cluster.proxy_url, prompts, count, deadline_s,
                                                             6 * deadline_s))
                 idle_s, left = wait_idle(sampler, idle, bound_s=4 * deadline_s)
-            results.append(_deadline_result(n, outcomes, prompts, sampler.rows, idle_s, left, count, deadline_s))
+            spans = cluster.spans(since_ns=t0_ns)
+            at_proxy = ((spans.t_end_ns - spans.t_start_ns) / 1e9)[spans.stage == "e2e"].tolist()
+            results.append(_deadline_result(n, outcomes, prompts, sampler.rows, idle_s, left, count, deadline_s,
+                                            at_proxy))
         refused_by = refusals(cluster)
     results[-1]["refusals_by_server_all_bursts"] = refused_by
     return results
 
 
 def _deadline_result(n: int, outcomes: list[Outcome], prompts: Prompts, rows: list[dict[str, Any]],
-                     idle_s: float | None, left: dict, count: int, deadline_s: float) -> dict[str, Any]:
+                     idle_s: float | None, left: dict, count: int, deadline_s: float,
+                     at_proxy: list[float]) -> dict[str, Any]:
     judge(outcomes, prompts.solo)
     ok = [o for o in outcomes if o.kind == "ok"]
     refused = [o for o in outcomes if o.kind == "refused"]
@@ -129,6 +135,10 @@ def _deadline_result(n: int, outcomes: list[Outcome], prompts: Prompts, rows: li
             "counts": counts(outcomes), "served_right": sum(o.matches is True for o in ok),
             "wrong": sum(o.matches is False for o in ok),
             "admitted_latency_s": percentiles([o.latency_s for o in ok]), "admitted_past_deadline": len(late),
+            # the same from the head's arrival at the proxy (its e2e spans): what the client's own lag, before
+            # the proxy read the head, adds to the line above is the client's floor (part 3)
+            "admitted_at_proxy_s": percentiles(at_proxy),
+            "admitted_past_deadline_at_proxy": sum(t > deadline_s for t in at_proxy),
             "refusal_latency_s": percentiles([o.latency_s for o in refused]),
             "refusals_past_0_5_s": len(slow_refusals), "refused_by": by_whom,
             "refusal_latency_by": {"proxy": percentiles([o.latency_s for o in by_proxy]),
@@ -189,7 +199,7 @@ def floor(count: int = 1000, deadline_s: float = 10.0, bursts: int = 3) -> dict[
         url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
         runs = []
         for _ in range(bursts):
-            outcomes = asyncio.run(_burst_with_deadline(url, prompts, count, deadline_s, 60.0))
+            outcomes = asyncio.run(burst_with_deadline(url, prompts, count, deadline_s, 60.0))
             runs.append({"counts": counts(outcomes),
                          "refusal_latency_s": percentiles([o.latency_s for o in outcomes if o.kind == "refused"])})
             time.sleep(1.0)

@@ -43,9 +43,10 @@ backend failure (its ``detail`` passed on). After a stream has begun, a failure 
 ``data: {"error": ...}`` event, which the ``openai`` client raises as ``APIError``.
 
 Overload (issue 18, ``docs/architecture.md``): a client's ``X-EPD-Deadline-Ms`` (capped at ``--timeout``, which
-is the default) is the request's deadline. A request the prefills' reported rate and the proxy's own pending
-requests predict past it is refused with 503 before its body is read; the prefill is sent what is left of it,
-less the decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
+is the default) is the request's deadline. A request that the prefills' lowest recent rate (or this proxy's own
+measure of their drain, if slower), the proxy's own pending requests and decode's expected time predict past it
+is refused with 503 before its body is read (`_admit`); the prefill is sent what is left of it, less the
+decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
 ``max_prompt_tokens``) is answered 400 ``context_length_exceeded`` before it is forwarded; bodies over 64 KiB are
 parsed in a thread, so that /health keeps answering. ``epd_proxy_refused_total{reason}`` counts both.
 
@@ -99,7 +100,7 @@ from epd_lab.serving import (DEADLINE_HEADER, KV_DEADLINE_HEADER, PROBE_INTERVAL
                              BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, ServingError,
                              Unavailable, deadline_budget, decode_body, json_response, option, read_body, role_app,
                              serve_main)
-from epd_lab.serving.admission import EWMA_WEIGHT
+from epd_lab.serving.admission import EWMA_WEIGHT, Drain, RecentLow
 from epd_lab.serving.body import SMALL_BODY_BYTES
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls
 from epd_lab.serving.stream import ClosingStreamingResponse
@@ -112,6 +113,9 @@ QUANTILES = (0.5, 0.9, 0.99)
 # decode gives up on a request's KV this long before the request's deadline (`_kv_deadline`), so that its 504
 # crosses decode → proxy → client within the deadline even on a loaded host
 KV_ANSWER_S = 0.2
+# the prefills' rate is planned with at its lowest of this many told (each probe, 0.5 s, may tell a new one while
+# they work): a 1,000-burst and a half
+RATE_MEMORY = 32
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -214,8 +218,11 @@ class Proxy:
         self._background: set[asyncio.Task] = set()  # aborts sent without waiting (held here against the GC)
         self.refused: collections.Counter[str] = collections.Counter()  # answers refused: 503s by code, too long
         self.decode_token_s = 0.0  # decode's seconds per token, as this proxy sees them (exponentially weighted)
+        self.decode_s = 0.0  # a decode's time after its first token (weighted mean): kept back at admission
         self.pending = 0  # requests admitted here and not yet answered by a prefill
         self.intake_s = 0.0  # seconds from a request's arrival to its parsed body (weighted mean)
+        self.drain = Drain()  # seconds per request pending, arrival to prefill's answer, as measured here
+        self.low_rate = RecentLow(RATE_MEMORY)  # the prefills' summed rate, lowest lately
 
     async def run(self) -> None:
         """For the server's life (the floor runs it): probe every backend (`PoolClient.probe_forever`)."""
@@ -333,17 +340,22 @@ class Proxy:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _admitting(self) -> list[Backend]:
+        """The prefills up that told their admission in /health."""
+        return [b for b in self.prefills.backends if b.workers and b.rate and b.service_s and b.up(time.monotonic())]
+
     def predicted_wait(self) -> tuple[float, float] | None:
         """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
         /health (workers, measured rate and service time) and what this proxy has on its way to them (`pending`:
         being read, parsed or prefilled): a newcomer starts once the `pending` beyond their workers are through,
-        at their summed rate; with none pending, at once, in the prefills' best case. None before any prefill told
-        its admission."""
-        known = [b for b in self.prefills.backends if b.workers and b.rate and b.service_s and b.up(time.monotonic())]
+        at their summed rate, the lowest of the last `RATE_MEMORY` they told (a prefill rechecks its queue by its
+        rate's swings: planned at its median, a burst's tail was refused there, seconds later); with none
+        pending, at once, in the prefills' best case. None before any prefill told its admission."""
+        known = self._admitting()
         if not known:
             return None
         workers = sum(b.workers for b in known)
-        rate = sum(b.rate for b in known)
+        rate = self.low_rate.seen(sum(b.rate for b in known))
         if not self.pending:  # none on its way: judged by the prefills' best case, as an idle prefill judges it
             return 0.0, min(b.service_s if b.best_case_s is None else b.best_case_s for b in known)
         return max(0, self.pending + 1 - workers) / rate, max(b.service_s for b in known)
@@ -367,21 +379,27 @@ class Proxy:
         return None
 
     def _admit(self, budget: float) -> None:
-        """Refuse (503, before the body is read) a request whose predicted wait and service at the prefills do
-        not fit its deadline (less the time the proxy takes to read and parse a body, `intake_s`): the prefill
-        would refuse it too, after the proxy read and sent its body; under a burst of a thousand that reading is
-        what made refusals slow."""
+        """Refuse (503, before the body is read) a request whose predicted time to its prefill's answer and its
+        decode's (`decode_s`, at most half the deadline) do not fit its deadline: the prefill would refuse it too, after the proxy read and
+        sent its body (under a burst of a thousand that reading is what made refusals slow), or it would finish
+        late. The time to the prefill's answer: the prefills' wait and service plus the proxy's intake
+        (`intake_s`) or, behind a queue, this proxy's own measure of it if longer (`drain`: the rate the prefills
+        report, a median of their last few dozen, ran up to a quarter above what a burst got)."""
         prediction = self.predicted_wait()
         if prediction is None:
             return
         wait, service = prediction
-        # the prefill judges the same request `intake_s` later, against what is left of its deadline by then
-        if wait + service + self.intake_s > budget:
+        reported = wait + service + self.intake_s
+        measured = (self.drain.predicted_s(self.pending) if wait else None) or 0.0
+        decode = min(self.decode_s, budget / 2)  # as `_prefill_deadline` keeps back: a long generation still runs
+        expected = max(reported, measured) + decode
+        if expected > budget:
             raise Unavailable(f"proxy overloaded: predicted wait {wait:.2f} s at the prefills ({self.pending} "
                               f"requests on their way to them) plus its service ({service:.3f} s) and intake "
-                              f"({self.intake_s:.3f} s) does not fit the request's deadline of "
+                              f"({self.intake_s:.3f} s), {reported:.2f} s ({measured:.2f} s as measured here), "
+                              f"and its decode ({decode:.3f} s) does not fit the request's deadline of "
                               f"{max(budget, 0.0):.2f} s", code="overloaded_deadline",
-                              retry_after=wait + service + self.intake_s - max(budget, 0.0))
+                              retry_after=expected - max(budget, 0.0))
 
     def _prefill_deadline(self, job: Job) -> dict[str, str]:
         """The ``X-EPD-Deadline-Ms`` for a job's prefill: what is left of its deadline, less what its decode is
@@ -394,9 +412,10 @@ class Proxy:
         return {DEADLINE_HEADER: f"{max(0.0, left - reserve) * 1000:.0f}"}
 
     def observe_decode(self, seconds: float, tokens: int) -> None:
-        """Fold one decode's time (its tokens after the first) into `decode_token_s`."""
+        """Fold one decode's time (its tokens after the first) into `decode_token_s` and `decode_s`."""
         if tokens >= 1:
             self.decode_token_s += EWMA_WEIGHT * (seconds / tokens - self.decode_token_s)
+            self.decode_s += EWMA_WEIGHT * (seconds - self.decode_s)
 
     @property
     def max_prompt_tokens(self) -> int | None:
@@ -467,6 +486,7 @@ class Proxy:
         t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
         # admitted already (`gate`, before routing), at most --timeout like it
         budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
+        ahead = self.pending
         self.pending += 1
         try:
             body = await read_body(request)
@@ -487,6 +507,9 @@ class Proxy:
                 prefill_backend, prefill, decode = piped
         finally:
             self.pending -= 1
+        workers = sum(b.workers for b in self._admitting())
+        if workers:
+            self.drain.add(time.monotonic() - t0 / 1e9, ahead, workers)
         try:
             if await request.is_disconnected():
                 raise ClientClosed("the client closed the request before decode began")

@@ -35,6 +35,13 @@ of. Optimistic is the lesser error: waiters are rechecked, a request whose deadl
 refused then (``expired``), never run late, and the proxy keeps back what the request's decode is expected to
 take.
 
+The proxy in front (`epd_lab.servers.proxy`, judging before the body) plans pessimistically instead, so that it
+is the one that refuses: by the prefills' lowest rate told lately (`RecentLow`; their median of 32 swings by a
+quarter within a burst, and a prefill rechecks its queue by those swings: planned at the median, 40-111 of a
+second 1,000-burst were refused by the prefill seconds in, after the proxy had read their bodies), or by its own
+end-to-end measure where that is slower (`Drain`: seconds per request pending, from a request's arrival to its
+prefill's answer, the proxy's own intake included).
+
 Weighted requests (decode's KV admission, `Admission.enter`'s `units`): `workers` is then a capacity (the KV
 pool's blocks), a request takes `units` of it (its reservation), `rate` counts units coming back per second, and
 a request waits until the units of those queued ahead of it and its own, less those free now, have come back.
@@ -58,7 +65,7 @@ from typing import Any, Mapping
 from epd_lab.serving.errors import BadRequest, Unavailable
 from epd_lab.serving.metrics import Metric
 
-__all__ = ["DEADLINE_HEADER", "KV_DEADLINE_HEADER", "Admission", "Ticket", "deadline_budget"]
+__all__ = ["DEADLINE_HEADER", "KV_DEADLINE_HEADER", "Admission", "Drain", "RecentLow", "Ticket", "deadline_budget"]
 
 DEADLINE_HEADER = "X-EPD-Deadline-Ms"  # the milliseconds the sender will still wait for the whole answer
 # to decode: the milliseconds the sender (the proxy) leaves for the request's KV to arrive, what is left of the
@@ -307,3 +314,44 @@ class Admission:
         )] + [Metric.of(self.prefix + "refused_total", "counter", "requests refused with 503 at once, by reason: deadline (the "
                         "predicted wait does not fit), queue_full (max_queued), expired (the deadline passed in "
                         "the queue)", dict(self.refused), "reason")]
+
+
+class Drain:
+    """The drain behind a sender that keeps no queue of its own (the proxy, in front of the prefills), as the
+    sender measures it end to end: a request that found `ahead` others on their way when it arrived and had its
+    answer `seconds` later took ``seconds / (ahead + 1)`` per request, or ``seconds / workers`` when it found a
+    worker free (it says no more than that they run `workers` at once, and so light traffic replaces a slow
+    burst's samples: they never refuse for good). `per_request_s` is the median of the last `SERVICE_WINDOW`."""
+
+    def __init__(self) -> None:
+        self._recent: collections.deque[float] = collections.deque(maxlen=SERVICE_WINDOW)
+
+    def add(self, seconds: float, ahead: int, workers: int) -> None:
+        """A request that arrived behind `ahead` others, `workers` running at once, had its answer `seconds` later."""
+        self._recent.append(seconds / max(ahead + 1, workers))
+
+    @property
+    def per_request_s(self) -> float | None:
+        """Seconds per request ahead (median of the last `SERVICE_WINDOW`), None before one is measured."""
+        return statistics.median(self._recent) if self._recent else None
+
+    def predicted_s(self, ahead: int) -> float | None:
+        """Seconds until the answer of a request arriving now behind `ahead` others, None before one is measured."""
+        per = self.per_request_s
+        return None if per is None else (ahead + 1) * per
+
+
+class RecentLow:
+    """The lowest of the last `count` values `seen`, a value noted only when it differs from the one before: what a
+    sender (the proxy) plans with when the value it is told (a prefill's rate, the median of its last few dozen
+    service times) swings by a quarter within a burst and the teller rechecks its queue by its own swings. Idle,
+    the value does not change, so the last burst's swings are remembered however long ago it ran."""
+
+    def __init__(self, count: int) -> None:
+        self._seen: collections.deque[float] = collections.deque(maxlen=count)
+
+    def seen(self, value: float) -> float:
+        """Note `value` (told now); returns the lowest of the last `count` noted."""
+        if not self._seen or self._seen[-1] != value:
+            self._seen.append(value)
+        return min(self._seen)
