@@ -35,8 +35,9 @@ def test_buffer_layout_draws_the_receivers_byte_ranges(images):
     with Cluster(Topology(encoders=2, backend="mooncake")) as cluster, cluster.receiver(seed=1) as rx:
         got = rx.receive(images, "layout")
         # the receiver returns on the parts' notifies; a /send's answer, and its span, may come just after
-        spans = wait_for(lambda: (s := rx.recorder.spans("layout")) if sum(x.stage == "http_send" for x in s) == 2
-                         else None, what="both /send answers recorded")
+        wait_for(lambda: sum(s.stage == "http_send" for s in rx.recorder.spans("layout")) == 2,
+                 what="both /send answers recorded")
+        spans = rx.recorder.spans("layout")
     frame = part_ranges(got)
     assert list(frame["part_idx"]) == [0, 1] and [len(i) for i in frame["items"]] == [2, 1]
     assert list(frame["encoder"]) == [p.encoder for p in got.parts]

@@ -108,15 +108,15 @@ def token_slot(block_table: Sequence[int], index: int, block_size: int) -> int:
     return block_table[index // block_size] * block_size + index % block_size
 
 
-def continue_tokens(runtime: Any, logits: torch.Tensor, next_position: int, prompt_len: int,
+def continue_tokens(runtime: Any, first_token: int, next_position: int, prompt_len: int,
                     block_table: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                     seed: int = 0) -> list[int]:
-    """`max_new_tokens` tokens of one sequence whose prompt's KV (`prompt_len` tokens) is in `block_table` and
-    whose last logits are `logits`: token i drawn from the logits before it at `temperature` with the noise of
-    (`seed`, i) (`epd_lab.models.sampling`; greedy at 0), each after the first from a decode step of batch one at
-    mrope position `next_position + i - 1` that stores its input's KV in the next slot of `block_table` (which must
-    hold prompt + max_new_tokens - 1 tokens)."""
-    tokens = [int(sample(logits.reshape(1, -1), [temperature], [seed], [0]))]
+    """`max_new_tokens` tokens of one sequence whose prompt's KV (`prompt_len` tokens) is in `block_table`, as the
+    decode role makes them: `first_token` (prefill's), then decode steps of batch one at mrope positions
+    `next_position + i`, each storing its input's KV in the next slot of `block_table` (which must hold prompt +
+    max_new_tokens - 1 tokens), token i + 1 drawn at `temperature` with the noise of (`seed`, i + 1)
+    (`epd_lab.models.sampling`; greedy at 0)."""
+    tokens = [first_token]
     for i in range(max_new_tokens - 1):
         logits = runtime.decode([tokens[-1]], [next_position + i], [block_table], [prompt_len + i + 1])
         tokens.append(int(sample(logits, [temperature], [seed], [i + 1])))
@@ -126,9 +126,11 @@ def continue_tokens(runtime: Any, logits: torch.Tensor, next_position: int, prom
 def generate(runtime: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
              image_grid_thw: torch.Tensor | None, max_new_tokens: int, block_table: Sequence[int],
              temperature: float = 0.0, seed: int = 0) -> list[int]:
-    """The monolithic use of one runtime: encode, prefill into `block_table`, then `continue_tokens`; returns the
-    `max_new_tokens` tokens. `block_table` must hold prompt + max_new_tokens - 1 tokens."""
+    """The monolithic use of one runtime: encode, prefill into `block_table`, token 0 drawn from its logits as
+    prefill draws it, then `continue_tokens`; returns the `max_new_tokens` tokens. `block_table` must hold prompt +
+    max_new_tokens - 1 tokens."""
     embeds = None if pixel_values is None else runtime.encode(pixel_values, image_grid_thw)
     out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table)
-    return continue_tokens(runtime, out.logits, out.next_position, out.prompt_len, block_table, max_new_tokens,
+    first = int(sample(out.logits.reshape(1, -1), [temperature], [seed], [0]))
+    return continue_tokens(runtime, first, out.next_position, out.prompt_len, block_table, max_new_tokens,
                            temperature, seed)
