@@ -503,8 +503,9 @@ def _held_and_released(urls: list[str]) -> tuple[int, int]:
 @pytest.mark.parametrize("backend", ["mooncake"])
 def test_encoder_frozen_before_it_notifies(launcher, own_cluster, work, backend):
     """The victim is SIGSTOPped (and seen stopped in /proc) just before its /send: it never writes nor
-    notifies, the request fails on the timeout. Once it resumes, its late write finds the buffer
-    deregistered and is refused by the receiver's engine; the encoder keeps serving."""
+    notifies, the request fails on the timeout, or sooner where the receiver's probes (each encoder's on its own
+    thread) find the victim stalled first. Once it resumes, its late write finds the buffer deregistered and is
+    refused by the receiver's engine; the encoder keeps serving."""
     victim = own_cluster(backend)
     pid = victim.procs[0].pid
     with _two_encoder_receiver(victim, launcher.shared(backend, "float32").encoder_urls[0], backend) as rx:
@@ -517,9 +518,8 @@ def test_encoder_frozen_before_it_notifies(launcher, own_cluster, work, backend)
 
         rx._send = send_frozen
         try:
-            t0 = time.monotonic()
-            err = _fails_within_timeout(rx, work, "frozen-before-notify", match="no notification from encoder")
-            assert time.monotonic() - t0 >= FAIL_TIMEOUT - 0.5  # it was the timeout that ended it
+            err = _fails_within_timeout(rx, work, "frozen-before-notify",
+                                        match="no notification from encoder|stopped making progress")
             assert victim.encoder_urls[0] in str(err)
             _next_request_works(rx, work, "frozen-before-notify-next")
             refused = rx.engine.stats()["writes_refused"]
