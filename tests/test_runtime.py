@@ -342,6 +342,18 @@ def check_triton_kernels(device: str, dtype: torch.dtype, rel: float) -> None:
     for got, want in zip(*caches):
         _close(got, want, rel)
     assert int((caches[0][0].view(-1, kv_heads, dim).abs().sum((1, 2)) != 0).sum()) == 6  # slot -1: not stored
+    vision_heads, vision_dim = 4, 80  # the towers' head_dim: a rotary half (40) that is not a power of two
+    qkv = torch.randn(9, 3 * vision_heads * vision_dim, device=dev, dtype=dtype)
+    angles = torch.randn(9, vision_dim // 2, device=dev)
+    cos, sin = (torch.cat([f(angles)] * 2, -1) for f in (torch.cos, torch.sin))
+    for got, want in zip(TritonOps.vision_rope(qkv, cos, sin, vision_heads),
+                         TorchOps.vision_rope(qkv, cos, sin, vision_heads)):
+        assert got.shape == want.shape == (vision_heads, 9, vision_dim)
+        _close(got, want, rel)
+    assert torch.equal(TritonOps.vision_rope(qkv, cos, sin, vision_heads)[2],
+                       TorchOps.vision_rope(qkv, cos, sin, vision_heads)[2])  # v: moved, not computed
+    x = 4 * torch.randn(3, 2500, device=dev, dtype=dtype)
+    _close(TritonOps.quick_gelu(x), TorchOps.quick_gelu(x), rel)
     k_cache, v_cache = (torch.randn(64, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
     q = torch.randn(4, heads, dim, device=dev, dtype=dtype)
     tables = torch.stack([torch.randperm(64, device=dev)[:10] for _ in range(4)])
@@ -368,6 +380,22 @@ def check_triton_model_on_cpu() -> None:
     assert [int(x.argmax()) for x in triton_logits] == [int(x.argmax()) for x in torch_logits]
 
 
+def check_triton_vision_tower_on_cpu() -> None:
+    """The tiny model's vision tower in budgeted calls, padding included, on the Triton kernels (rotary and
+    QuickGELU, under the interpreter) equals its torch-op run to float32 rounding."""
+    from epd_lab.models.runtime.triton_ops import TritonOps
+
+    model = load_model(dtype=torch.float32)
+    _, pixel_values, grid = _inputs(*CASES[2])
+    tower = VisionTower(model.model.visual, 512, cuda_graphs=False)
+    with torch.no_grad():
+        want = tower.encode(pixel_values, grid)
+        tower.ops, tower.act = TritonOps, TritonOps.quick_gelu
+        got = tower.encode(pixel_values, grid)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=0, atol=1e-4), (got - want).abs().max()
+
+
 def _in_the_triton_interpreter(check: str) -> None:
     """Run `check` (a function of this module) in a fresh process with ``TRITON_INTERPRET=1``: Triton reads it
     when its kernels are defined, so it must be set before `triton_ops` is imported."""
@@ -385,6 +413,10 @@ def test_triton_kernels_match_the_torch_ops_in_the_interpreter():
 
 def test_the_model_on_triton_kernels_equals_torch_ops_in_the_interpreter():
     _in_the_triton_interpreter("check_triton_model_on_cpu()")
+
+
+def test_the_vision_tower_on_triton_kernels_equals_torch_ops_in_the_interpreter():
+    _in_the_triton_interpreter("check_triton_vision_tower_on_cpu()")
 
 
 @gpu

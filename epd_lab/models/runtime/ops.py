@@ -84,6 +84,23 @@ class TorchOps:
                                                        enable_gqa=True))
         return torch.cat(rows).squeeze(2)
 
+    @staticmethod
+    def vision_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A vision block's fused QKV ``[rows, 3 H D]`` split, q and k rotated by ``cos``/``sin`` ``[rows, D]`` in
+        float32 and rounded once into the input's dtype (HF's ``apply_rotary_pos_emb_vision``). Returns q, k, v as
+        ``[H, rows, D]``, attention's layout."""
+        rows = qkv.shape[0]
+        q, k, v = qkv.view(rows, 3, num_heads, -1).unbind(1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = (rotate(t.float(), cos, sin).to(qkv.dtype) for t in (q, k))
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    @staticmethod
+    def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+        """``x * sigmoid(1.702 x)``, HF's ``QuickGELUActivation`` (the Qwen2-VL vision MLP's activation)."""
+        return x * torch.sigmoid(1.702 * x)
+
 
 def open_ops(device: torch.device) -> type[TorchOps]:
     """The kernels for `device`: Triton's fused ones on CUDA, torch ops elsewhere."""

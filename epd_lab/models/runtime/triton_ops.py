@@ -2,7 +2,9 @@
 
 Four kernels replace the ~20 small torch ops of a decoder layer (norms in float32, residual adds, rotary, the
 cache writes, the activation) so that a layer is 10 launches: add+RMSNorm, QKV GEMM, rotary+store, paged
-attention (split, combine), O GEMM, add+RMSNorm, gate-up GEMM, SiLU*up, down GEMM. Every kernel computes in
+attention (split, combine), O GEMM, add+RMSNorm, gate-up GEMM, SiLU*up, down GEMM. Two more serve the vision
+tower (`runtime.vision`): its rotary, which also lays q, k and v out for attention (~20 float32 ops and copies
+a block in torch), and its QuickGELU (three ops). Every kernel computes in
 float32 and rounds once into the model's dtype. Each program's work depends only on its own row (or sequence), never on the batch
 around it, so these kernels are batch-invariant; the GEMMs between them are cuBLAS's.
 """
@@ -81,6 +83,42 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, k_cach
             d = tl.arange(0, D)
             v = tl.load(qkv_ptr + t * (H + 2 * HKV) * D + (H + HKV + kh) * D + d)
             tl.store(v_cache_ptr + (slot * HKV + kh) * D + d, v)
+
+
+@triton.jit
+def _vision_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rows, H: tl.constexpr, D: tl.constexpr,
+                        HALF_P2: tl.constexpr):
+    # program (row, head): q and k rotated in float32 and rounded once, v copied, each into [H, rows, D]
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    i = tl.arange(0, HALF_P2)
+    mask = i < HALF
+    dtype = q_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + t * D + i, mask=mask, other=0.0)
+    c2 = tl.load(cos_ptr + t * D + HALF + i, mask=mask, other=0.0)
+    s1 = tl.load(sin_ptr + t * D + i, mask=mask, other=0.0)
+    s2 = tl.load(sin_ptr + t * D + HALF + i, mask=mask, other=0.0)
+    src = qkv_ptr + t * 3 * H * D + h * D
+    dst = (h * rows + t) * D
+    x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + dst + i, (x1 * c1 - x2 * s1).to(dtype), mask=mask)
+    tl.store(q_ptr + dst + HALF + i, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+    x1 = tl.load(src + H * D + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + H * D + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(k_ptr + dst + i, (x1 * c1 - x2 * s1).to(dtype), mask=mask)
+    tl.store(k_ptr + dst + HALF + i, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+    tl.store(v_ptr + dst + i, tl.load(src + 2 * H * D + i, mask=mask), mask=mask)
+    tl.store(v_ptr + dst + HALF + i, tl.load(src + 2 * H * D + HALF + i, mask=mask), mask=mask)
+
+
+@triton.jit
+def _quick_gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (x / (1.0 + tl.exp(-1.702 * x))).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -186,6 +224,25 @@ class TritonOps(TorchOps):
                                                                H=num_heads, HKV=num_kv_heads, D=head_dim)
         v = qkv.view(tokens, num_heads + 2 * num_kv_heads, head_dim)[:, num_heads + num_kv_heads:]
         return q, k, v
+
+    @staticmethod
+    def vision_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = qkv.shape[0]
+        head_dim = qkv.shape[1] // (3 * num_heads)
+        qkv, cos, sin = qkv.contiguous(), cos.float().contiguous(), sin.float().contiguous()
+        q, k, v = (qkv.new_empty((num_heads, rows, head_dim)) for _ in range(3))
+        _vision_rope_kernel[(rows, num_heads)](qkv, cos, sin, q, k, v, rows, H=num_heads, D=head_dim,
+                                               HALF_P2=triton.next_power_of_2(head_dim // 2))
+        return q, k, v
+
+    @staticmethod
+    def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        block = 1024
+        _quick_gelu_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block)
+        return out
 
     @staticmethod
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

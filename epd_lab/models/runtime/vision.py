@@ -5,9 +5,14 @@ Why a fixed row count (the budget): a GEMM computes a row the same way whatever 
 kernel a library picks, and so the order of its sums, may change with the row count. With every call `budget`
 rows tall, an image meets the same kernels however the images are grouped into requests and parts, so the split
 equals the monolithic use bit for bit while the tower still runs many images per call. Images are packed in
-order (`budget_calls`); the rows left over are a padding image of zeros, which attention keeps apart as it keeps
-every image apart (block-diagonal: one attention call per image), and whose output is dropped. An image larger
-than the budget is a call of its own size.
+order (`budget_calls`); the rows left over are a padding image of zeros, which goes through the GEMMs (their
+shape is the point) but not through attention (block-diagonal: one attention call per real image; the padding's
+attention output is zeros), and whose output is dropped. An image larger than the budget is a call of its own
+size.
+
+Kernels (`ops.open_ops`): on a GPU the rotary is one Triton kernel that also lays q, k and v out for attention,
+and QuickGELU another, where torch ran ~25 small ops a block (float32 casts, rotate_half, copies); measured on an
+H200 in `data/bench/runtime-h200-s7-full.json`. On the CPU the same forward runs HF's torch ops.
 
 Why graphs: HF's eager tower launches ~1,100 kernels for one image, and on an H200 their host overhead is three
 times the GPU's work. A call's shapes are fixed by the budget and by how its rows split into images (the key),
@@ -23,8 +28,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers.activations import QuickGELUActivation
 
 from epd_lab.models.runtime.graph import capture
+from epd_lab.models.runtime.ops import open_ops
 
 MAX_GRAPHS = 16  # captured call shapes kept (least recently used dropped first)
 
@@ -41,11 +48,6 @@ def budget_calls(patches: list[int], budget: int) -> list[list[int]]:
         calls[-1].append(i)
         used += n
     return calls
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class VisionTower:
@@ -70,6 +72,9 @@ class VisionTower:
         self.dtype = first.attn.qkv.weight.dtype
         self.inv_freq = tower.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
         self.patch_dim = tower.patch_embed.proj.weight[0].numel()  # channels x temporal x patch x patch
+        self.ops = open_ops(self.device)
+        # the fused QuickGELU where the tower uses it (every published Qwen2-VL shape), else the tower's own
+        self.act = self.ops.quick_gelu if isinstance(first.mlp.act, QuickGELUActivation) else first.mlp.act
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: OrderedDict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = OrderedDict()
         self._pool = None
@@ -92,22 +97,27 @@ class VisionTower:
 
     # ---- the forward ----
     def _forward(self, pixels: torch.Tensor, angles: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-        """The tower over `pixels` [rows, patch_dim] whose rows split into images of `lengths`; no host sync."""
-        tower = self.tower
-        x = tower.patch_embed(pixels)
+        """The tower over `pixels` [rows, patch_dim] whose first rows split into images of `lengths` (the rest:
+        padding, which attends to nothing: its rows' attention output is zeros); no host sync."""
+        tower, ops = self.tower, self.ops
+        proj = tower.patch_embed.proj  # a Conv3d whose kernel is its stride: a GEMM over flattened patches
+        x = F.linear(pixels, proj.weight.view(proj.out_channels, -1), proj.bias)
         emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos().unsqueeze(-2), emb.sin().unsqueeze(-2)
+        cos, sin = emb.cos(), emb.sin()
         rows = x.shape[0]
+        pad = rows - sum(lengths)
+        sizes = [*lengths, pad] if pad else list(lengths)
         for block in tower.blocks:
-            h = block.norm1(x)
-            q, k, v = block.attn.qkv(h).reshape(rows, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-            q = (q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype)
-            k = (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype)
-            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, rows, head_dim]
-            out = torch.cat([F.scaled_dot_product_attention(qi, ki, vi) for qi, ki, vi in zip(
-                q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))], dim=2)
+            q, k, v = ops.vision_rope(block.attn.qkv(block.norm1(x)), cos, sin, self.num_heads)  # [heads, rows, D]
+            real = len(lengths)  # the padding's share of the split is left out
+            outs = [F.scaled_dot_product_attention(qi[None], ki[None], vi[None]) for qi, ki, vi in zip(
+                q.split(sizes, dim=1)[:real], k.split(sizes, dim=1)[:real], v.split(sizes, dim=1)[:real])]
+            if pad:
+                outs.append(q.new_zeros(1, self.num_heads, pad, q.shape[-1]))
+            out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
             x = x + block.attn.proj(out[0].transpose(0, 1).reshape(rows, -1))
-            x = x + block.mlp(block.norm2(x))
+            mlp = block.mlp
+            x = x + mlp.fc2(self.act(mlp.fc1(block.norm2(x))))
         return tower.merger(x)
 
     def _call(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
@@ -115,15 +125,12 @@ class VisionTower:
         lengths = [t * h * w for t, h, w in grids]
         rows = sum(lengths)
         pad = max(self.budget, rows) - rows
-        if pad:
-            grids = grids + [[1, self.merge, pad // self.merge]]
-            lengths.append(pad)
-        key = tuple(lengths)
-        angles = self._angles_of(grids)
+        key = (*lengths, pad)  # the padding image comes last, with its own rotary positions (never attended)
+        angles = self._angles_of(grids + [[1, self.merge, pad // self.merge]] if pad else grids)
         unit = self.merge * self.merge
         if not self.cuda_graphs:
             full = torch.cat([pixels, pixels.new_zeros(pad, pixels.shape[1])]) if pad else pixels
-            return self._forward(full.to(self.dtype), angles, key)[:rows // unit]
+            return self._forward(full.to(self.dtype), angles, tuple(lengths))[:rows // unit]
         graph, out = self._graph(key)
         total = rows + pad
         self._pixels[:rows].copy_(pixels)
@@ -137,14 +144,14 @@ class VisionTower:
         if key in self._graphs:
             self._graphs.move_to_end(key)
             return self._graphs[key]
-        total = sum(key)
+        lengths, total = key[:-1], sum(key)
         if self._pixels is None or self._pixels.shape[0] < total:
             if self._graphs:  # the static inputs move: every graph captured on the old ones goes
                 self._graphs.clear()
             self._pixels = torch.zeros(total, self.patch_dim, dtype=self.dtype, device=self.device)
             self._angles = torch.zeros(total, self.inv_freq.numel() * 2, device=self.device)
         pixels, angles = self._pixels[:total], self._angles[:total]
-        graph, out = capture(lambda: self._forward(pixels, angles, key), self.device, self._pool)
+        graph, out = capture(lambda: self._forward(pixels, angles, lengths), self.device, self._pool)
         self._pool = graph.pool()
         self._graphs[key] = (graph, out)
         if len(self._graphs) > MAX_GRAPHS:
