@@ -90,7 +90,9 @@ class MonolithicServer:
             t1 = time.monotonic_ns()
             pixels = grid = embeds = None
             if images:
-                pixels, grid = models.preprocess([load_rgb(img, item) for img, item in zip(images, items)])
+                # rescaled, normalised and patchified where the tower runs, as the encoder does (the same bits)
+                pixels, grid = models.preprocess([load_rgb(img, item) for img, item in zip(images, items)],
+                                                 self.device)
                 with torch.inference_mode():
                     embeds = self.runtime.encode(pixels, grid)
         except MediaError as exc:
