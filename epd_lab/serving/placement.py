@@ -18,7 +18,7 @@ from epd_lab.models import DEFAULT_MODEL_DIR, DTYPE_NAMES, resolve_device, resol
 from epd_lab.models.catalog import DEVICE_NAME
 from epd_lab.models.runtime import RUNTIMES
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, option
-from epd_lab.transfer.registry import ENGINES
+from epd_lab.transfer.registry import ENGINES, transports
 
 __all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "RUNTIME_HELP", "RUNTIME_NAMES", "ModelSettings",
            "PagedKVSettings", "check_placement", "check_transport", "synchronize", "transport_option",
@@ -41,9 +41,9 @@ def transport_option(engines: str) -> Any:
 
 
 def check_transport(settings: Any) -> None:
-    """In the ``__post_init__`` of a role with `transport_option`: `ValueError` unless ``transport`` is one of its
-    choices (the command line's check, for Python callers)."""
-    check_choice(settings, "transport", ENGINES)
+    """In the ``__post_init__`` of a role with `transport_option`: `ValueError` unless ``transport`` is registered
+    (the command line's check, for Python callers; one registered after import counts too)."""
+    check_choice(settings, "transport", transports())
 
 
 def check_placement(settings: Any) -> None:
