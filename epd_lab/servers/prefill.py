@@ -202,7 +202,7 @@ class PrefillServer:
                                        port=0, timeout=settings.timeout, free_timeout=settings.kv_free_timeout)
             if settings.encoders:
                 self.receiver = EmbeddingReceiver(
-                    ReceiverConfig(list(settings.encoders), settings.backend, settings.timeout,
+                    ReceiverConfig(settings.encoders, settings.backend, settings.timeout,
                                    host=settings.host, transport=settings.transport, buffer=settings.recv_buffer,
                                    device=str(self.device)), self.recorder)
         except BaseException:
