@@ -18,23 +18,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition not reached") -> Any:
-    """Poll `condition` until it returns something true, and return that; fail with `what` after `timeout` s
-    (for state a server settles just after the client saw its answer)."""
+def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str | Callable[[], str] = "condition not reached",
+             interval: float = 0.05) -> Any:
+    """Poll `condition` every `interval` s until it returns something true, and return that (for state a server
+    settles just after the client saw its answer); after `timeout` s an AssertionError names `what` was waited
+    for (a callable: called then, to show the state that was not reached)."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
-        assert time.monotonic() < deadline, f"{what} (waited {timeout} s)"
-        time.sleep(0.05)
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what() if callable(what) else what} (waited {timeout} s)")
+        time.sleep(interval)
     return value
+
+
+def proc_state(pid: int) -> str:
+    """The process's state letter in ``/proc/<pid>/stat`` (``T`` stopped, ``Z`` a zombie, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def freeze(pid: int) -> None:
     """SIGSTOP and wait until the kernel reports the process stopped (delivery is asynchronous)."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, f"pid {pid} did not stop"
-        time.sleep(0.001)
+    wait_for(lambda: proc_state(pid) == "T", 5, f"pid {pid} stopped", interval=0.001)
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:

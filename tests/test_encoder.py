@@ -37,6 +37,7 @@ from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, 
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, PartPlan, ReceiverConfig, encode_request, send_request
 from epd_lab.serving import MAX_BODY_BYTES
 from epd_lab.transfer import TransferEngine
+from helpers import wait_for
 
 TIMEOUT = 1.5  # the servers' --timeout: the wait for a receive URL that never comes
 TTL = 2.0  # the mooncake server's --embedding-ttl
@@ -294,10 +295,8 @@ def test_mooncake_embedding_released_after_ttl(servers, receiver):
     server = servers["mooncake"]
     meta = server.client.post("/encode", json=encode_body("ttl", [data_uri(IMG_A)])).json()
     expired = server.metric("epd_encoder_embeddings_expired_total")
-    deadline = time.monotonic() + TTL + 5
-    while server.client.get("/health").json()["embeddings_held"]:
-        assert time.monotonic() < deadline, "held embeddings were not released"
-        time.sleep(0.1)
+    wait_for(lambda: server.client.get("/health").json()["embeddings_held"] == 0, TTL + 5,
+             "the held embeddings released at their TTL", interval=0.1)
     assert server.metric("epd_encoder_embeddings_expired_total") > expired
     resp = server.client.post("/send", json={"req_id": "ttl", "part_idx": 0, "session_id": receiver.session_id,
                                              "buffer_address": 4096, "embedding_size": meta["embedding_size"],
