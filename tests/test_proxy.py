@@ -171,10 +171,8 @@ class ThreadServer:
                                                     timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.005)
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), 10, "the server started", interval=0.005)
+        assert self.server.started, "the server's thread ended before it started"
 
     def stop(self) -> None:
         """Ask to stop; `join` waits (separate, so that several servers stop together)."""
