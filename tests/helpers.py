@@ -18,11 +18,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 5.0, what: str | Callable[[], str] = "condition not reached",
-             interval: float = 0.05) -> Any:
+def wait_for(condition: Callable[[], Any], timeout: float = 5.0,
+             what: str | Callable[[], str] = "condition not reached", interval: float = 0.05) -> Any:
     """Poll `condition` every `interval` s until it returns something true, and return that (for state a server
-    settles just after the client saw its answer); after `timeout` s an AssertionError names `what` was waited
-    for (a callable: called then, to show the state that was not reached)."""
+    settles just after the client saw its answer); after `timeout` s, an AssertionError naming what was waited for:
+    `what`, or what it returns then if it is a function (to show the state that was not reached)."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
         if time.monotonic() >= deadline:

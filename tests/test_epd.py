@@ -49,7 +49,7 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
 from epd_lab.noise import noise_images
 from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE
-from helpers import freeze
+from helpers import freeze, wait_for
 
 # the first test of a cluster waits for it to boot (tens of s on 2 cores); bit-identity across processes needs
 # equal thread counts: the encoders run configure_torch() too
@@ -478,10 +478,8 @@ def test_a_frozen_encoder_is_passed_over_within_seconds(launcher, own_cluster, w
             assert [p.encoder for p in result.received.parts] == [1]
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while 0 not in rx._up_encoders() or len(rx._up_encoders()) != 2:  # answered again: planned again
-            assert time.monotonic() < deadline, "the thawed encoder was not taken back"
-            time.sleep(0.1)
+        wait_for(lambda: rx._up_encoders() == [0, 1], 10, "the thawed encoder taken back (answered again: planned "
+                 "again)", interval=0.1)
 
 
 @pytest.mark.parametrize("backend", ["mooncake"])
@@ -521,10 +519,8 @@ def test_a_busy_encoder_passes_the_part_on_and_a_failed_request_releases_its_par
             paths = [str(bad), *work.images("release-me", SIZES[1:2])]
             with pytest.raises(EPDError):
                 EPDPrefill(rx, work.model("float32")).prefill("fails on one part", paths)
-            deadline = time.monotonic() + SLACK
-            while rx.counters["parts_released"] < 1:
-                assert time.monotonic() < deadline, rx.counters
-                time.sleep(0.05)
+            wait_for(lambda: rx.counters["parts_released"] >= 1, SLACK,
+                     lambda: f"the healthy encoder's part released: {rx.counters}")
         held_now, released_now = _held_and_released([busy, healthy])
         assert held_now == before[0] and released_now == before[1] + 1
 
@@ -564,10 +560,8 @@ def test_encoder_frozen_before_it_notifies(launcher, own_cluster, work, backend)
             refused = rx.engine.stats()["writes_refused"]
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 15
-        while rx.engine.stats()["writes_refused"] == refused:
-            assert time.monotonic() < deadline, "the resumed encoder's late write was neither refused nor seen"
-            time.sleep(0.05)
+        wait_for(lambda: rx.engine.stats()["writes_refused"] != refused, 15,
+                 "the resumed encoder's late write refused")
         assert rx.engine.stats()["regions"] == 0
         assert httpx.get(victim.encoder_urls[0] + "/health", timeout=10).status_code == 200
     assert_closed_cleanly(victim, [pid])
@@ -737,10 +731,7 @@ def test_encoders_die_with_a_killed_driver():
         assert pids and all(os.path.exists(f"/proc/{p}") for p in pids)
         driver.kill()
         driver.wait()
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids):
-            assert time.monotonic() < deadline, f"encoders {pids} outlived their killed driver"
-            time.sleep(0.05)
+        wait_for(lambda: not any(_alive(p) for p in pids), 10, f"encoders {pids} gone with their killed driver")
     finally:
         if driver.poll() is None:
             driver.kill()
