@@ -1,12 +1,15 @@
-"""Helpers shared by the tests: a free loopback port, a polling wait, a frozen process, a circle in a graph.
+"""Helpers shared by the tests: a free loopback port, a polling wait, a child's next line, a frozen process, a
+circle in a graph.
 
 Random-noise test images come from `epd_lab.noise`; the `one_thread` fixture lives in ``conftest.py``.
 """
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -29,6 +32,15 @@ def wait_for(condition: Callable[[], Any], timeout: float = 5.0,
             raise AssertionError(f"{what() if callable(what) else what} (waited {timeout} s)")
         time.sleep(interval)
     return value
+
+
+def read_line(proc: subprocess.Popen, timeout: float, what: str) -> str:
+    """The next line `proc` prints on its stdout (a text pipe), waited for at most `timeout` s; a process that
+    exits before it fails at once. `what` names the line in the failure."""
+    wait_for(lambda: select.select([proc.stdout], [], [], 0.1)[0], timeout, what, interval=0)
+    line = proc.stdout.readline()
+    assert line, f"pid {proc.pid} exited with {proc.wait(10)} before {what}"
+    return line
 
 
 def proc_state(pid: int) -> str:
