@@ -43,9 +43,9 @@ from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import from_argv, option, to_argv
-from epd_lab.serving.placement import DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES
+from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
+                                      transport_option)
 from epd_lab.trace import Recorder, Span, collect
-from epd_lab.transfer.registry import ENGINES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -117,7 +117,7 @@ class Topology:
 
     encoders: int = option(1, "encode servers")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
-    transport: str = option("auto", "the transfer engines' protocol", choices=ENGINES)
+    transport: str = transport_option("every role's engines")
     model: str | None = option(None, MODEL_HELP)
     device: str = option("cpu", DEVICE_HELP + " (every model role; one role's own: settings={'prefill': "
                                 "{'device': 'cuda:1'}})")

@@ -32,6 +32,7 @@ from epd_lab.noise import noise_images
 from epd_lab.servers.decode import DecodeServer, DecodeSettings
 from epd_lab.servers.scheduler import DONE
 from epd_lab.servers.messages import DecodeRequest, KVTransferParams
+from helpers import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
@@ -148,10 +149,8 @@ def test_server_scheduler_batches_up_to_max_batch(model, prefills):
                 items.append(item)
             assert len(items) == N_TOKENS
         counters = server.health()["counters"]
-        deadline = time.monotonic() + 10
-        while server.blocks.num_used_blocks and time.monotonic() < deadline:  # freed as each request ends
-            time.sleep(0.01)
-        assert server.blocks.num_used_blocks == 0
+        wait_for(lambda: server.blocks.num_used_blocks == 0, 10, "every KV block freed as its request ended",
+                 interval=0.01)
     finally:
         server.close()
     for k, (prompt, sizes) in enumerate(CASES[:3]):
@@ -202,10 +201,7 @@ def test_a_request_that_finds_the_pool_empty_while_generating_fails_alone(model,
         assert isinstance(items[0][-1], RuntimeError) and "KV pool exhausted while generating" in str(items[0][-1])
         assert len(items[0]) == 16  # token 0, the 14 steps that fit its block (tokens 2..15 stored), the error
         assert items[1][-1] is DONE and len(items[1]) == 41
-        deadline = time.monotonic() + 10
-        while server.blocks.num_used_blocks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.blocks.num_used_blocks == 0
+        wait_for(lambda: server.blocks.num_used_blocks == 0, 10, "every KV block freed", interval=0.01)
         assert server.health()["counters"]["kv_pool_exhausted"] == 1
     finally:
         server.close()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from epd_lab.sweep import JUPYTER_DIRS
-from helpers import free_port
+from helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "01_epd_protocol_step_by_step.ipynb"
@@ -97,20 +97,18 @@ def lab(tmp_path):
              *(["--allow-root"] if os.geteuid() == 0 else [])],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        # the port may have moved on (--port-retries): the server's own runtime file says where it listens
-        deadline = time.monotonic() + 90
-        while base is None:
+        def listening() -> str | None:
+            """The server's URL once it answers; the port may have moved on (--port-retries): the server's own
+            runtime file says where it listens."""
             assert server.poll() is None, f"JupyterLab exited with {server.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"JupyterLab did not start:\n{log.read_text()[-3000:]}"
-            info = dirs["JUPYTER_RUNTIME_DIR"] / f"jpserver-{server.pid}.json"
-            if info.exists():
-                try:
-                    base = json.loads(info.read_text())["url"]
-                    _api(base, token, "api/status")
-                except (ValueError, KeyError, OSError):
-                    base = None
-            if base is None:
-                time.sleep(0.2)
+            try:  # an OSError: the file is not written yet, or the server does not answer yet
+                url = json.loads((dirs["JUPYTER_RUNTIME_DIR"] / f"jpserver-{server.pid}.json").read_text())["url"]
+                _api(url, token, "api/status")
+            except (ValueError, KeyError, OSError):
+                return None
+            return url
+
+        base = wait_for(listening, 90, lambda: f"JupyterLab started:\n{log.read_text()[-3000:]}", interval=0.2)
         yield base, token
     finally:
         _stop(server, base, token)
@@ -184,10 +182,8 @@ def _run_all(page) -> None:
     _menu(page, "Run", "Run All Cells")
     page.wait_for_function("() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]"
                            ".some(e => /[*\\d]/.test(e.textContent))", timeout=30_000)
-    deadline = time.monotonic() + 240
-    while "[*]:" in _prompts(page):
-        assert time.monotonic() < deadline, f"cells still running: {_prompts(page)}"
-        time.sleep(0.5)
+    wait_for(lambda: "[*]:" not in _prompts(page), 240, lambda: f"every cell run; still running: {_prompts(page)}",
+             interval=0.5)
     idle.wait_for()
 
 

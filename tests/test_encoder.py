@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import http.server
 import json
-import select
 import os
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, 
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, PartPlan, ReceiverConfig, encode_request, send_request
 from epd_lab.serving import MAX_BODY_BYTES
 from epd_lab.transfer import TransferEngine
+from helpers import read_line, wait_for
 
 TIMEOUT = 1.5  # the servers' --timeout: the wait for a receive URL that never comes
 TTL = 2.0  # the mooncake server's --embedding-ttl
@@ -74,15 +74,6 @@ def _start(backend: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, text=True)
 
 
-def _ready(proc: subprocess.Popen, deadline: float) -> str:
-    """The URL from the server's JSON line on stdout."""
-    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-    assert ready, "the encoder printed no URL in time"
-    line = proc.stdout.readline()
-    assert line, f"the encoder exited with {proc.wait()}"
-    return json.loads(line)["url"]
-
-
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, Server]]:
     """One encoder per backend, started together (each loads the model: seconds), all killed afterwards."""
@@ -91,7 +82,8 @@ def servers() -> Iterator[dict[str, Server]]:
         deadline = time.monotonic() + 90
         out = {}
         for backend, proc in procs.items():
-            url = _ready(proc, deadline)
+            url = json.loads(read_line(proc, max(0.0, deadline - time.monotonic()), f"the {backend} encoder printed "
+                                       "its URL"))["url"]
             out[backend] = Server(proc, url, httpx.Client(base_url=url, timeout=10))
         yield out
         for server in out.values():
@@ -294,10 +286,8 @@ def test_mooncake_embedding_released_after_ttl(servers, receiver):
     server = servers["mooncake"]
     meta = server.client.post("/encode", json=encode_body("ttl", [data_uri(IMG_A)])).json()
     expired = server.metric("epd_encoder_embeddings_expired_total")
-    deadline = time.monotonic() + TTL + 5
-    while server.client.get("/health").json()["embeddings_held"]:
-        assert time.monotonic() < deadline, "held embeddings were not released"
-        time.sleep(0.1)
+    wait_for(lambda: server.client.get("/health").json()["embeddings_held"] == 0, TTL + 5,
+             "the held embeddings released at their TTL", interval=0.1)
     assert server.metric("epd_encoder_embeddings_expired_total") > expired
     resp = server.client.post("/send", json={"req_id": "ttl", "part_idx": 0, "session_id": receiver.session_id,
                                              "buffer_address": 4096, "embedding_size": meta["embedding_size"],

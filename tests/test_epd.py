@@ -5,6 +5,8 @@
    wired to the first 1, 2 and 3 of them; requests with 1–4 images of different sizes plus text. The prefill
    logits must equal (`torch.equal`) one monolithic forward in this process, and no registration may be left.
 2. The persistent pool (`pool_bytes > 0`): same logits, slices go back to the pool and are reused.
+   A receiver built directly checks its encoder URLs as the prefill's, and hears its encoders' answers as
+   proof of life (as the proxy hears its backends').
 3. Failures with short timeouts: an encoder SIGKILLed between /encode and /send, one SIGSTOPped before it
    notifies, undecodable and missing images. Each request fails with `EPDError` within the timeout, naming
    the encoder; nothing stays registered; the next request on a healthy encoder works. An encoder dead before
@@ -46,8 +48,8 @@ from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
 from epd_lab.noise import noise_images
-from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES
-from helpers import freeze
+from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE
+from helpers import freeze, wait_for
 
 # the first test of a cluster waits for it to boot (tens of s on 2 cores); bit-identity across processes needs
 # equal thread counts: the encoders run configure_torch() too
@@ -337,6 +339,43 @@ def test_pool_gives_the_same_logits_and_slices_return(launcher, work, backend, d
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 2b. the encoders as a receiver built directly sees them: their URLs checked, their answers heard
+@pytest.mark.parametrize("backend", ["mooncake"])
+def test_a_receivers_encoder_urls_are_checked_as_the_prefills(launcher, work, backend):
+    """A `ReceiverConfig` built directly (not through `PrefillSettings`) checks its encoder URLs as every backend
+    URL (`check_urls`): one without http(s):// is refused; a trailing slash is dropped, so the routes appended to
+    the URL reach the encoder (``//encode`` does not)."""
+    url = launcher.shared(backend, "float32").encoder_urls[0]
+    with pytest.raises(ValueError, match="encoder URL '127.0.0.1:1' must start with http:// or https://"):
+        ReceiverConfig([url, "127.0.0.1:1"], backend)
+    with EmbeddingReceiver(ReceiverConfig([url + "/"], backend, timeout=OK_TIMEOUT)) as rx:
+        assert rx.config.encoder_urls == (url,)
+        work.check(rx, "float32", "one slash too many", work.images("url-slash", SIZES[:1]))
+
+
+@pytest.mark.parametrize("backend", ["mooncake"])
+def test_an_encoders_answers_are_heard_as_proof_of_life(launcher, work, backend):
+    """An encoder's answers (its /encode's, its /send's) tell its circuit it is alive, as the proxy's backends'
+    answers do: probes it then misses stall it only once nothing was heard from it for `STALL_SILENCE` (busy is not
+    frozen). The receiver's one probe thread is held while the request runs, so that no probe answers meanwhile."""
+    url = launcher.shared(backend, "float32").encoder_urls[0]
+    with EmbeddingReceiver(ReceiverConfig([url], backend, timeout=OK_TIMEOUT)) as rx:
+        holding, release = threading.Event(), threading.Event()
+        rx._probes.submit(lambda: (holding.set(), release.wait(OK_TIMEOUT)))
+        try:
+            assert holding.wait(10), "the probe thread was never free"
+            start = time.monotonic()
+            work.check(rx, "float32", "heard while probes wait", work.images("heard", SIZES[:1]))
+            liveness = rx._encoders.liveness[0]
+            assert liveness.heard_at > start, "the encoder's answers were not heard"
+            # STALL_SILENCE after the request began, two probes missed: it answered since, so it is not stalled
+            assert not any([liveness.probed(False, now=start + STALL_SILENCE) for _ in range(STALL_MISSES)])
+            assert not liveness.stalled
+        finally:
+            release.set()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # 3. failures
 def _two_encoder_receiver(victim: Cluster, healthy_url: str, backend: str) -> EmbeddingReceiver:
     """Wired to [victim, healthy]: the failing 2-image request puts one part on each; the seed sends the
@@ -439,10 +478,8 @@ def test_a_frozen_encoder_is_passed_over_within_seconds(launcher, own_cluster, w
             assert [p.encoder for p in result.received.parts] == [1]
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while 0 not in rx._up_encoders() or len(rx._up_encoders()) != 2:  # answered again: planned again
-            assert time.monotonic() < deadline, "the thawed encoder was not taken back"
-            time.sleep(0.1)
+        wait_for(lambda: rx._up_encoders() == [0, 1], 10, "the thawed encoder taken back (answered again: planned "
+                 "again)", interval=0.1)
 
 
 @pytest.mark.parametrize("backend", ["mooncake"])
@@ -482,10 +519,8 @@ def test_a_busy_encoder_passes_the_part_on_and_a_failed_request_releases_its_par
             paths = [str(bad), *work.images("release-me", SIZES[1:2])]
             with pytest.raises(EPDError):
                 EPDPrefill(rx, work.model("float32")).prefill("fails on one part", paths)
-            deadline = time.monotonic() + SLACK
-            while rx.counters["parts_released"] < 1:
-                assert time.monotonic() < deadline, rx.counters
-                time.sleep(0.05)
+            wait_for(lambda: rx.counters["parts_released"] >= 1, SLACK,
+                     lambda: f"the healthy encoder's part released: {rx.counters}")
         held_now, released_now = _held_and_released([busy, healthy])
         assert held_now == before[0] and released_now == before[1] + 1
 
@@ -525,10 +560,8 @@ def test_encoder_frozen_before_it_notifies(launcher, own_cluster, work, backend)
             refused = rx.engine.stats()["writes_refused"]
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 15
-        while rx.engine.stats()["writes_refused"] == refused:
-            assert time.monotonic() < deadline, "the resumed encoder's late write was neither refused nor seen"
-            time.sleep(0.05)
+        wait_for(lambda: rx.engine.stats()["writes_refused"] != refused, 15,
+                 "the resumed encoder's late write refused")
         assert rx.engine.stats()["regions"] == 0
         assert httpx.get(victim.encoder_urls[0] + "/health", timeout=10).status_code == 200
     assert_closed_cleanly(victim, [pid])
@@ -698,10 +731,7 @@ def test_encoders_die_with_a_killed_driver():
         assert pids and all(os.path.exists(f"/proc/{p}") for p in pids)
         driver.kill()
         driver.wait()
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids):
-            assert time.monotonic() < deadline, f"encoders {pids} outlived their killed driver"
-            time.sleep(0.05)
+        wait_for(lambda: not any(_alive(p) for p in pids), 10, f"encoders {pids} gone with their killed driver")
     finally:
         if driver.poll() is None:
             driver.kill()

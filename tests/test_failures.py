@@ -20,7 +20,7 @@ from epd_lab._native import OP_WRITE, ST_OK, ST_REFUSED, WIRE_MAGIC, WIRE_VERSIO
 from epd_lab.transfer import PeerUnreachable, TransferEngine, TransferTimeout, parse_session_id
 from epd_lab.transfer.peer import PeerError, PeerProcess
 from epd_lab.wire_types import WIRE_REP, WIRE_REQ
-from helpers import free_port, freeze, wait_for
+from helpers import free_port, freeze, proc_state, wait_for
 
 MiB = 1 << 20
 
@@ -130,10 +130,8 @@ def test_deregister_waits_for_a_write_in_flight():
                 time.sleep(0.5)
                 s.sendall(payload[MiB // 2:])
 
-            deadline = time.monotonic() + 10
-            while peer.stats()["writes_in_flight"] != 1:  # the owner has pinned the region
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(lambda: peer.stats()["writes_in_flight"] == 1, 10, "the owner pinned the region for the write",
+                     interval=0.01)
             t = threading.Thread(target=finish)
             t.start()
             peer.call("deregister", ptr=dst)  # returns only once the write in flight has landed
@@ -150,10 +148,7 @@ def test_a_stalled_tcp_writer_is_cut_off():
         dst = peer.alloc(MiB)
         with raw_conn(peer.session_id) as s:
             s.sendall(write_header(1, dst, MiB) + bytes(1000))  # then the writer stalls
-            deadline = time.monotonic() + 10
-            while peer.stats()["writes_in_flight"] != 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(lambda: peer.stats()["writes_in_flight"] == 1, 10, "the stalled write in flight", interval=0.01)
             t0 = time.monotonic()
             peer.call("deregister", ptr=dst, timeout=10)
             assert time.monotonic() - t0 < 5
@@ -240,14 +235,11 @@ def test_a_shm_writer_killed_mid_write_leaves_no_pin(managed):
                 pytest.fail("never froze the writer mid-copy in 40 tries")
             assert peer.stats()["writes_in_flight"] == 1  # frozen, alive: its pin holds
             os.kill(w.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while open(f"/proc/{w.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-                assert time.monotonic() < deadline, "the killed writer did not exit"
-                time.sleep(0.005)
+            deadline = time.monotonic() + 10  # for both waits
+            wait_for(lambda: proc_state(w.pid) == "Z", 10, "the killed writer exited", interval=0.005)
             # a zombie, its pid not reaped yet: gone once its last thread has exited (its pidfd then polls readable)
-            while (s := peer.stats())["writes_in_flight"]:
-                assert time.monotonic() < deadline, "the dead writer's pin was never dropped"
-                time.sleep(0.01)
+            s = wait_for(lambda: (st := peer.stats())["writes_in_flight"] == 0 and st, deadline - time.monotonic(),
+                         "the dead writer's pin dropped", interval=0.01)
             assert s["pins_reaped"] == 1
             peer.call("deregister", ptr=dst, timeout=10)  # would wait 2 x 2 s and fail with "stalled mid-write"
         s = peer.stats()

@@ -8,7 +8,6 @@ proxy must equal the monolithic use of the roles' runtime (the fast one, the def
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import openai
@@ -27,6 +26,7 @@ from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.serving import from_argv, to_argv
+from helpers import wait_for
 
 HAS_GPU = torch.cuda.is_available()
 cuda = pytest.mark.cuda
@@ -154,10 +154,8 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_b
         assert (encoders["engine_cuda_writes_out_total"] > 0) == (recv_buffer == "device"), encoders
         assert (encoders["engine_cuda_staged_bytes_total"] > 0) == (recv_buffer != "device"), encoders
         for url in (*cluster.prefill_urls, *cluster.decode_urls):
-            deadline = time.monotonic() + 10
-            while httpx.get(url + "/health", timeout=10).json()["used_blocks"]:
-                assert time.monotonic() < deadline, f"{url} kept KV blocks"
-                time.sleep(0.05)
+            wait_for(lambda: httpx.get(url + "/health", timeout=10).json()["used_blocks"] == 0, 10,
+                     f"{url} gave its KV blocks back")
 
 
 @cuda

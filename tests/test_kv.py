@@ -57,6 +57,7 @@ from epd_lab.models import (
 from epd_lab.models.runtime import open_runtime
 from epd_lab.noise import noise_images
 from epd_lab.transfer import TransferEngine
+from helpers import wait_for
 
 NUM_BLOCKS = 64
 TEXT = "hello world, " * 4  # 52 tokens: 4 blocks of 16
@@ -246,10 +247,7 @@ def test_refused_write_is_trans_error_and_frees_prefill_blocks():
             meta.rkeys = meta.rkeys[1:] + meta.rkeys[:1]  # each run names another region's key
             reply = ask(producer.url, encode(meta))
             assert isinstance(reply, TransError) and reply.error.startswith("RemoteAccessError")
-            deadline = time.monotonic() + 3
-            while blocks.num_free_blocks != 8:
-                assert time.monotonic() < deadline, "prefill never freed the failed request's blocks"
-                time.sleep(0.01)
+            wait_for(lambda: blocks.num_free_blocks == 8, 3, "prefill freed the failed request's blocks", interval=0.01)
             assert producer.stats()["requests_failed"] == 1
 
 
@@ -297,12 +295,9 @@ class Producer:
         return self._readline(60)
 
     def wait_for(self, predicate, timeout: float = 5.0) -> dict:
-        """Poll `stats` until `predicate(stats)` holds (the producer frees from its own thread)."""
-        deadline = time.monotonic() + timeout
-        while not predicate(stats := self.call("stats")):
-            assert time.monotonic() < deadline, f"producer stats never matched: {stats}"
-            time.sleep(0.02)
-        return stats
+        """Poll `stats` until `predicate(stats)` holds (the producer frees from its own thread); the stats."""
+        return wait_for(lambda: predicate(stats := self.call("stats")) and stats, timeout,
+                        lambda: f"producer stats matched (now {self.call('stats')})", interval=0.02)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,7 +31,7 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.procs import die_with_parent, tail
 from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
 from epd_lab.noise import data_uri, random_png
-from helpers import free_port
+from helpers import free_port, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -186,10 +187,8 @@ def pools_back(request):
     for server in (st.main, st.aux, st.decode):
         if not server.alive():
             continue
-        deadline = time.monotonic() + 5
-        while (h := server.health())["used_blocks"] != 0 or h["free_blocks"] != h["num_blocks"]:
-            assert time.monotonic() < deadline, f"{server.name} kept blocks: {h}"
-            time.sleep(0.05)
+        h = wait_for(lambda: (h := server.health())["used_blocks"] == 0 and h["free_blocks"] == h["num_blocks"] and h,
+                     5, lambda: f"{server.name} gave its blocks back: {server.health()}")
         if server is st.decode:
             assert h["active_requests"] == 0 and h["quarantined_blocks"] == 0
 
@@ -386,10 +385,9 @@ def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
             r = stack.http.post(tight.url + "/v1/decode", json=stack.decode_body("cap-b", kv["cap-b"], 2))
             assert r.status_code == 503 and r.headers["retry-after"] == "1" and time.monotonic() - t0 < 2.0
             assert "at capacity" in r.json()["detail"]
-        deadline = time.monotonic() + 10  # the client hung up: decode drops the request and admits again
-        while "epd_decode_admitted 0" not in httpx.get(tight.url + "/metrics").text:
-            assert time.monotonic() < deadline, "the closed stream was never released"
-            time.sleep(0.05)
+        # the client hung up: decode drops the request and admits again
+        wait_for(lambda: "epd_decode_admitted 0" in httpx.get(tight.url + "/metrics").text, 10,
+                 "the closed stream released")
         r = stack.http.post(tight.url + "/v1/decode", json=stack.decode_body("cap-b", kv["cap-b"], 2))
         assert r.status_code == 200 and len(r.json()["tokens"]) == 2
         assert 'epd_decode_refused_total{reason="queue_full"} 1' in httpx.get(tight.url + "/metrics").text
@@ -412,10 +410,8 @@ def test_a_decode_request_waits_holding_no_kv_and_is_served_when_a_place_frees(s
                 next(lines)
                 second = pool.submit(httpx.post, tight.url + "/v1/decode",
                                      json=stack.decode_body("q-b", kv["q-b"], 2), timeout=30)
-                deadline = time.monotonic() + 10
-                while "epd_decode_queue_length 1" not in (metrics := httpx.get(tight.url + "/metrics").text):
-                    assert time.monotonic() < deadline and not second.done(), "the second request never queued"
-                    time.sleep(0.02)
+                metrics = wait_for(lambda: _queued(second, tight.url, lambda m: "epd_decode_queue_length 1" in m), 10,
+                                   "the second request queued", interval=0.02)
                 assert "epd_decode_running 1" in metrics and not second.done()
             r = second.result(30)  # the first stream closed: its place goes to the waiting one
         assert r.status_code == 200 and len(r.json()["tokens"]) == 2
@@ -423,6 +419,14 @@ def test_a_decode_request_waits_holding_no_kv_and_is_served_when_a_place_frees(s
         assert "epd_decode_queued_total 1" in metrics and 'epd_decode_refused_total{reason="expired"} 0' in metrics
     finally:
         tight.close()
+
+
+def _queued(second: concurrent.futures.Future, url: str, queued: Callable[[str], bool]) -> str:
+    """`url`'s /metrics once `queued` says the `second` request waits there, else ""; that request answered before
+    it queued fails the test at once."""
+    assert not second.done(), "the second request was answered before it queued"
+    metrics = httpx.get(url + "/metrics").text
+    return metrics if queued(metrics) else ""
 
 
 def _metric(text: str, name: str) -> float:
@@ -469,10 +473,8 @@ def test_decode_admits_a_request_only_when_its_whole_kv_fits_the_pool(stack, tmp
         assert len(served) >= 2 and _metric(metrics, "epd_decode_kv_admission_queued_total") >= 1
         assert _metric(metrics, "epd_decode_requests_failed_total") == 0
         assert tight.health()["counters"].get("kv_pool_exhausted", 0) == 0
-        deadline = time.monotonic() + 10
-        while (h := tight.health())["free_blocks"] != 16 or h["reserved_blocks"] != 0:
-            assert time.monotonic() < deadline, f"blocks or reservations kept: {h}"
-            time.sleep(0.05)
+        wait_for(lambda: (h := tight.health())["free_blocks"] == 16 and h["reserved_blocks"] == 0, 10,
+                 lambda: f"every block and reservation back: {tight.health()}")
         metrics = httpx.get(tight.url + "/metrics").text
         assert _metric(metrics, "epd_decode_kv_blocks_reserved") == 0
         assert _metric(metrics, "epd_decode_kv_admission_admitted") == 0
@@ -500,11 +502,8 @@ def test_a_decode_kv_waiter_is_served_when_blocks_return_or_refused_by_its_deadl
                 received = tight.health()["counters"]["kv_bytes"]
                 second = pool.submit(httpx.post, tight.url + "/v1/decode", timeout=60, json=stack.decode_body(
                     "kvw-wait", kv["kvw-wait"], _max_tokens_for(3, kv["kvw-wait"]["prompt_len"])))
-                deadline = time.monotonic() + 10
-                while _metric(metrics := httpx.get(tight.url + "/metrics").text,
-                              "epd_decode_kv_admission_queue_length") != 1:
-                    assert time.monotonic() < deadline and not second.done(), "the second request never queued"
-                    time.sleep(0.02)
+                metrics = wait_for(lambda: _queued(second, tight.url, lambda m: _metric(
+                    m, "epd_decode_kv_admission_queue_length") == 1), 10, "the second request queued", interval=0.02)
                 assert _metric(metrics, "epd_decode_kv_blocks_reserved") == 255
                 assert tight.health()["counters"]["kv_bytes"] == received  # the waiter's KV stays with prefill
                 t0 = time.monotonic()
@@ -551,10 +550,8 @@ def test_prefill_frees_blocks_decode_never_asks_for(stack):
     r = stack.prefill(stack.aux, "orphan", "nobody decodes me " * 3)
     assert r.status_code == 200
     assert stack.aux.health()["used_blocks"] == r.json()["kv_transfer_params"]["num_blocks"]
-    deadline = time.monotonic() + AUX_FREE_TIMEOUT + SLACK
-    while (h := stack.aux.health())["used_blocks"]:
-        assert time.monotonic() < deadline, h
-        time.sleep(0.05)
+    h = wait_for(lambda: (h := stack.aux.health())["used_blocks"] == 0 and h, AUX_FREE_TIMEOUT + SLACK,
+                 lambda: f"the orphan's blocks freed: {stack.aux.health()}")
     assert h["producer"]["requests_expired"] == before + 1
 
 
@@ -569,10 +566,8 @@ def test_streaming_client_disconnect_stops_decode(stack):
         assert [g["index"] for g in got] == [0, 1, 2]
         assert stack.decode.health()["active_requests"] == 1
     # the connection is closed: the scheduler drops the request
-    deadline = time.monotonic() + 10
-    while (h := stack.decode.health())["active_requests"]:
-        assert time.monotonic() < deadline, h
-        time.sleep(0.02)
+    h = wait_for(lambda: (h := stack.decode.health())["active_requests"] == 0 and h, 10,
+                 lambda: f"the request dropped: {stack.decode.health()}", interval=0.02)
     after = h["counters"]
     assert after.get("requests_cancelled", 0) == before.get("requests_cancelled", 0) + 1
     assert after["tokens_generated"] - before["tokens_generated"] < max_tokens // 2

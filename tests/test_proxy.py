@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
-import select
 import signal
 import socket
 import subprocess
@@ -35,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.proxy import ProxySettings, create_app
 from epd_lab.servers.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
-from helpers import wait_for
+from helpers import read_line, wait_for
 
 TAIL = [*"é ok".encode(), 1025]  # after the first token: a 2-byte character split over two tokens, a special id
 PNG_URI = "data:image/png;base64,iVBORw0KGgo="  # the proxy passes media through; the stand-in never decodes it
@@ -171,10 +170,8 @@ class ThreadServer:
                                                     timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.005)
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), 10, "the server started", interval=0.005)
+        assert self.server.started, "the server's thread ended before it started"
 
     def stop(self) -> None:
         """Ask to stop; `join` waits (separate, so that several servers stop together)."""
@@ -546,20 +543,13 @@ def test_client_disconnect_closes_upstream(rig: Rig) -> None:
     assert {s.stage for s in proxy.recorder.spans()} == {"proxy_parse", "ttft", "tpot", "e2e"}
 
 
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while not select.select([proc.stdout], [], [], 0.1)[0]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not print its URL"
-    return proc.stdout.readline()
-
-
 def test_cli(rig: Rig) -> None:
     p, d = rig.prefill(), rig.decode()
     cmd = [sys.executable, "-m", "epd_lab.servers.proxy", "--port", "0", "--prefill", p.url, "--decode", f"{d.url},{d.url}",
            "--policy", "least_loaded", "--timeout", "5"]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         try:
-            info = json.loads(_read_line(proc, 30))
+            info = json.loads(read_line(proc, 30, "the proxy printed its URL"))
             assert info["pid"] == proc.pid and info["url"].startswith("http://127.0.0.1:")
             client = rig.client(info["url"])
             out = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],

@@ -13,7 +13,6 @@ import re
 import secrets
 import shutil
 import stat
-import time
 from pathlib import Path
 
 import httpx
@@ -28,6 +27,7 @@ from epd_lab.launch import Cluster, Topology  # noqa: E402
 from epd_lab.models import configure_torch, load_model  # noqa: E402
 from epd_lab.noise import data_uri, random_png  # noqa: E402
 from epd_lab.servers.reference import monolithic_chat  # noqa: E402
+from helpers import wait_for  # noqa: E402
 
 MAX_TOKENS = 8
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}  # Ray's floor is 75 MiB; the default is 30% of RAM
@@ -94,15 +94,10 @@ def _metric(url: str, name: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
 
 
-def _gone(pids: list[int], timeout: float = 10.0) -> bool:
-    """Whether every pid is gone (reaped) within `timeout` s: Ray reports an actor dead before its process
-    has exited, and the role's death signal follows that exit."""
-    deadline = time.monotonic() + timeout
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    """Wait until every pid is gone (reaped), for at most `timeout` s: Ray reports an actor dead before its
+    process has exited, and the role's death signal follows that exit."""
+    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), timeout, f"pids {pids} gone")
 
 
 def test_roles_land_on_the_nodes_they_are_pinned_to(cluster, ray_cluster):
@@ -139,7 +134,7 @@ def test_a_killed_actor_takes_its_role_down_and_the_replica_serves(cluster, mode
     victim, url = cluster.procs[cluster.process_names().index(name)], cluster.prefill_urls[0]
     victim.kill()
     victim.wait(10)
-    assert _gone([victim.actor_pid, victim.pid])  # PR_SET_PDEATHSIG: the role dies with its actor
+    _wait_gone([victim.actor_pid, victim.pid])  # PR_SET_PDEATHSIG: the role dies with its actor
     assert cluster.alive() == [True, False, True, True, True, True]
     # the proxy finds prefill0 down (a refused connection) and sends everything to prefill1
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
@@ -149,7 +144,7 @@ def test_a_killed_actor_takes_its_role_down_and_the_replica_serves(cluster, mode
 def test_a_lost_node_takes_its_roles_down_and_the_replicas_serve(cluster, ray_cluster, model):
     victim, url = cluster.procs[cluster.process_names().index("decode1")], cluster.decode_urls[1]
     ray_cluster.remove_node(ray_cluster.hosts["host_b"])  # its raylet, its workers, their roles
-    assert _gone([victim.actor_pid, victim.pid])
+    _wait_gone([victim.actor_pid, victim.pid])
     assert cluster.alive() == [True, False, True, True, False, True]
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
     assert _metric(cluster.proxy_url, "epd_proxy_backend_up")[f'role="decode",url="{url}"'] == 0
@@ -168,7 +163,7 @@ def test_close_leaves_no_actor_process_or_placement_group(cluster, ray_cluster):
     pids = [pid for p in cluster.procs for pid in (p.pid, p.actor_pid)]
     procs = list(cluster.procs)  # close() empties it
     cluster.close()  # with one node lost: its bundle of the placement group cannot be placed again
-    assert _gone(pids)
+    _wait_gone(pids)
     assert [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"] == []
     assert [g for g in placement_group_table().values() if g["state"] != "REMOVED"] == []
     # every log came back from its node before the actors went; the killed one's went with its actor

@@ -52,10 +52,16 @@ def test_shuffle_spreads_load_over_encoders():
     (dict(encoder_urls=["http://x"], backend="pickle"), "mooncake"),
     (dict(encoder_urls=["http://x"], timeout=0), "timeout"),
     (dict(encoder_urls=["http://x"], pool_bytes=-1), "pool_bytes"),
+    (dict(encoder_urls=["http://x", "x:2"]), "encoder URL 'x:2' must start with http:// or https://"),
 ])
 def test_config_is_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ReceiverConfig(**kwargs)
+
+
+def test_config_keeps_its_encoder_urls_without_a_trailing_slash():
+    """As the prefill's --encoders (`check_urls`): the receiver appends its routes to them."""
+    assert ReceiverConfig(["http://x:1/", "https://x:2"]).encoder_urls == ("http://x:1", "https://x:2")
 
 
 def test_parts_reassemble_in_part_order_whatever_the_arrival_order():

@@ -7,7 +7,6 @@ import hashlib
 import hmac
 import os
 import socket
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -29,6 +28,7 @@ from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.errors import AuthenticationError, PeerUnreachable
 from epd_lab.transfer.peer import PeerProcess
 from epd_lab.wire_types import WIRE_REQ
+from helpers import wait_for
 
 SECRET = "s3cret-" + "x" * 25
 OTHER = "other-" + "y" * 26
@@ -162,10 +162,9 @@ def test_notify_channel_drops_untagged_messages_before_decoding(monkeypatch):
         try:
             for p in pushers:
                 p.push(url, msg)
-            deadline = time.monotonic() + 5  # LINGER=0: the pushers stay open until the messages arrived
-            while sum(receiver.counters[k] for k in ("unauthenticated_messages", "stray_messages")) < 2:
-                assert time.monotonic() < deadline, dict(receiver.counters)
-                time.sleep(0.02)
+            # LINGER=0: the pushers stay open until the messages arrived
+            wait_for(lambda: sum(receiver.counters[k] for k in ("unauthenticated_messages", "stray_messages")) >= 2,
+                     5, lambda: f"both messages arrived: {dict(receiver.counters)}", interval=0.02)
         finally:
             for p in pushers:
                 p.close()

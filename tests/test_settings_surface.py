@@ -13,6 +13,7 @@ import pytest
 from epd_lab.launch import ROLES
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.serving import parser
+from epd_lab.transfer.registry import ENGINES
 
 REQUIRED = "required"  # a flag with no default
 PLACEMENT = {"--model": None, "--device": "cpu", "--dtype": "auto", "--runtime": "fast"}
@@ -34,6 +35,10 @@ SURFACE: dict[str, dict[str, object]] = {
     "monolithic": {"--host": "127.0.0.1", "--port": 0, **PLACEMENT, "--timeout": 10.0, "--kv-blocks": 512,
                    "--block-size": 16, "--max-batch": 16, "--media-roots": (), "--media-private-hosts": False},
 }
+# --transport, one definition (`transport_option`) whose help ends with the engines each role opens
+TRANSPORT_HELP = {"encoder": "the transfer engine's protocol (mooncake backend)",
+                  "prefill": "the transfer engine's protocol (E→P receiver and KV producer, an engine each)",
+                  "decode": "the transfer engine's protocol (KV consumer)"}
 # the required settings: the proxy's and the front's URLs
 REQUIRED_BY = {"proxy": {"prefills": ("http://p:1",), "decodes": ("http://d:1",)}, "front": {"replicas": ("http://m:1",)}}
 # (role, a value its checks refuse, the message): one per check, word for word
@@ -48,7 +53,7 @@ REFUSED = [
     *[(role, {"max_queued": -1}, "max_queued must be >= 0, got -1") for role in ("prefill", "decode")],
     *[(role, {"backend": "x"}, "unknown backend 'x'; choose one of mooncake, zmq_to_tokenizer, zmq_to_scheduler")
       for role in ("encoder", "prefill")],
-    ("encoder", {"transport": "x"}, "unknown transport 'x'; choose one of"),
+    *[(role, {"transport": "x"}, "unknown transport 'x'; choose one of") for role in ("encoder", "prefill", "decode")],
     ("encoder", {"embedding_ttl": 0}, "embedding_ttl must be positive, got 0"),
     ("encoder", {"cache_bytes": -1}, "cache_bytes must be >= 0, got -1"),
     ("encoder", {"max_parts": 0}, "max_parts must be >= 1, got 0"),
@@ -99,3 +104,10 @@ def test_a_prefills_encoder_urls_are_checked_as_every_backend_url() -> None:
     cls = ROLES["prefill"][1]
     assert cls().encoders == ()
     assert cls(encoders=("http://e:1/", "https://e:2")).encoders == ("http://e:1", "https://e:2")
+
+
+@pytest.mark.parametrize("role", TRANSPORT_HELP)
+def test_each_engine_role_names_its_engines_in_its_transport_help(role: str) -> None:
+    field = {f.name: f for f in dataclasses.fields(ROLES[role][1])}["transport"]
+    assert field.metadata["help"] == TRANSPORT_HELP[role]
+    assert field.metadata["choices"] == ENGINES

@@ -14,7 +14,6 @@ import concurrent.futures
 import json
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
@@ -38,7 +37,7 @@ from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
-from helpers import wait_for
+from helpers import read_line, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -241,10 +240,7 @@ def _start_proxy(prefills: list[str], decodes: list[str], *options: str) -> tupl
     cmd = [sys.executable, "-m", "epd_lab.servers.proxy", "--port", "0", "--prefill", ",".join(prefills),
            "--decode", ",".join(decodes), "--timeout", str(TIMEOUT), *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)  # noqa: PLW1509
-    deadline = time.monotonic() + 30
-    while not select.select([proc.stdout], [], [], 0.1)[0]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-    return proc, json.loads(proc.stdout.readline())["url"]
+    return proc, json.loads(read_line(proc, 30, "the proxy printed its URL"))["url"]
 
 
 def test_no_reachable_decode_aborts_the_prefilled_request(cluster: Cluster) -> None:

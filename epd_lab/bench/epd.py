@@ -21,6 +21,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 
 from epd_lab.bench import write_json
 from epd_lab.ep.messages import BACKENDS
@@ -88,7 +89,7 @@ def _point(epd: EPDPrefill, tmp: str, backend: str, n_enc: int, n_img: int, side
             "stages_ms": {s: med[s] for s in STAGES if s in med}, **delivery}
 
 
-def warm_encoder_caches(encoder_urls: list[str], backend: str, paths: list[str], transport: str = "auto") -> None:
+def warm_encoder_caches(encoder_urls: Sequence[str], backend: str, paths: list[str], transport: str = "auto") -> None:
     """Every encoder encodes every image once. The receiver hands each part to a random encoder, so warming
     through it would leave some later requests running the ViT on an encoder that has not seen the image."""
     for url in encoder_urls:

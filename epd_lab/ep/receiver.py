@@ -24,11 +24,12 @@ deregistered whatever happened; parts an encoder holds for a /send that will not
 Encoders are chosen by health, as the proxy chooses prefills and decodes, over the same `epd_lab.serving.Circuits`
 (which are up, the probe schedule; this module does their I/O, in threads): one that refuses a connection is left
 out for ``retry_after``; one that misses two ``/health`` probes in a row (each encoder probed each `PROBE_INTERVAL`
-s, one probe at a time, each in its own thread) is *stalled*, left out until it answers, and the exchanges in
-flight to it are cut at once. A part whose ``/encode`` got no answer (refused, cut, the encoder died or stalled)
-or a 503 (at capacity: it holds nothing) goes to another encoder that is up, chosen at random; a part already
-handed over (``/send`` sent, or the zmq backends' push awaited) fails the request at once when its encoder
-stalls, instead of at the deadline.
+s, one probe at a time, each in its own thread), with nothing else heard from it meanwhile (each answer to an
+/encode, /send or /scheduler_receive_url is: busy is not frozen), is *stalled*, left out until it answers, and
+the exchanges in flight to it are cut at once. A part whose ``/encode`` got no answer (refused, cut, the encoder
+died or stalled) or a 503 (at capacity: it holds nothing) goes to another encoder that is up, chosen at random; a
+part already handed over (``/send`` sent, or the zmq backends' push awaited) fails the request at once when its
+encoder stalls, instead of at the deadline.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -70,6 +72,7 @@ from epd_lab.ep.push import NOTIFY_MAX_BYTES
 from epd_lab.failpoints import failpoint
 from epd_lab.http_client import HTTPError, KeepAliveClient
 from epd_lab.serving import PROBE_INTERVAL, PROBE_TIMEOUT, Circuits
+from epd_lab.serving.settings import check_at_least, check_choice, check_positive, check_urls
 from epd_lab.trace import Recorder, clock_id
 from epd_lab.transfer import TransferEngine, as_array, open_engine
 
@@ -167,7 +170,8 @@ class ReceiverConfig:
     """How the receiver talks to its encoders.
 
     Args:
-        encoder_urls: base URLs of the encode servers.
+        encoder_urls: base URLs of the encode servers (http:// or https://, at least one; kept as a tuple,
+            without a trailing slash: `epd_lab.serving.check_urls`, as the prefill's ``--encoders``).
         backend: ``mooncake`` (one-sided write), ``zmq_to_tokenizer`` or ``zmq_to_scheduler``.
         timeout: seconds a request may take to collect every part before it fails.
         pool_bytes: 0 to allocate and register one buffer per request (as the seed does); otherwise
@@ -183,7 +187,7 @@ class ReceiverConfig:
         device: the GPU of a ``device`` buffer, and where the prefill's model runs.
     """
 
-    encoder_urls: list[str]
+    encoder_urls: Sequence[str]
     backend: str = "mooncake"
     timeout: float = 10.0
     pool_bytes: int = 0
@@ -199,16 +203,11 @@ class ReceiverConfig:
         if self.buffer != "host" and self.pool_bytes:
             raise ValueError(f"pool_bytes needs buffer='host' (the pool is the engine's managed host memory), "
                              f"not {self.buffer!r}")
-        if self.retry_after < 0:
-            raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
-        if not self.encoder_urls:
-            raise ValueError("need at least one encoder URL")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
-        if self.pool_bytes < 0:
-            raise ValueError(f"pool_bytes must be >= 0, got {self.pool_bytes}")
+        # the settings' checks, with their messages (built directly, a config skips PrefillSettings')
+        check_at_least(self, 0, "retry_after", "pool_bytes")
+        check_urls(self, "encoder_urls", "encoder")
+        check_choice(self, "backend", BACKENDS)
+        check_positive(self, "timeout")
 
 
 class _Pool:
@@ -539,6 +538,7 @@ class EmbeddingReceiver:
             if exc.refused:  # left out of the plans for a while: its parts go to the other encoders
                 self._encoders.liveness[plan.encoder].refused()
             raise EPDError(f"{route} to {url} failed: {exc}", refused=exc.refused, lost=not exc.timed_out) from exc
+        self._encoders.liveness[plan.encoder].heard()  # it answered: busy maybe, not frozen (as the proxy's pools)
         if status != 200:
             raise EPDError(f"{route} to {url} answered {status}: {content[:300].decode(errors='replace')}", status)
         return content

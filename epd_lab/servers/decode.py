@@ -86,12 +86,11 @@ from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (KV_DEADLINE_HEADER, Admission, BadGateway, BadRequest, Conflict, Forbidden,
                              GatewayTimeout, Metric, NotFound, ServingError, Unavailable, deadline_budget,
                              engine_metrics, option, read_struct, role_app, serve_main)
-from epd_lab.serving.placement import PagedKVSettings, use_device
+from epd_lab.serving.placement import PagedKVSettings, check_transport, transport_option, use_device
 from epd_lab.serving.settings import check_at_least, check_positive
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span
 from epd_lab.transfer import open_engine
-from epd_lab.transfer.registry import ENGINES
 
 T = TypeVar("T")
 
@@ -116,7 +115,7 @@ class _TimedOut(GatewayTimeout):
 class DecodeSettings(PagedKVSettings):
     """What a decode server is started with; checked on construction (`ValueError`)."""
 
-    transport: str = option("auto", "the transfer engine's protocol", choices=ENGINES)
+    transport: str = transport_option("KV consumer")
     timeout: float = option(10.0, "seconds the side channel waits for the producer's answer")
     kv_quarantine: float | None = option(None, "seconds the blocks of a timed-out transfer rest before reuse "
                                                "(default: --timeout)")
@@ -130,6 +129,7 @@ class DecodeSettings(PagedKVSettings):
 
     def __post_init__(self) -> None:
         PagedKVSettings.__post_init__(self)
+        check_transport(self)
         check_at_least(self, 1, "max_batch", "max_active")
         check_at_least(self, 0, "max_queued")
         check_positive(self, "timeout")

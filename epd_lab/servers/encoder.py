@@ -100,7 +100,7 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Co
                              Metric, NotFound, ServingError, Ticket, Unavailable, decode_body, engine_metrics,
                              json_response, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.models.runtime import open_runtime
-from epd_lab.serving.placement import ModelSettings, synchronize, use_device
+from epd_lab.serving.placement import ModelSettings, check_transport, synchronize, transport_option, use_device
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive
 from epd_lab.trace import Recorder, Span, clock_id
 from epd_lab.transfer import (
@@ -111,7 +111,6 @@ from epd_lab.transfer import (
     open_engine,
     parse_session_id,
 )
-from epd_lab.transfer.registry import ENGINES
 
 SERVED_MODALITIES = (Modality.IMAGE,)  # what the ViT takes
 ROUTES = ("/encode", "/send", "/release", "/scheduler_receive_url")
@@ -125,7 +124,7 @@ class EncoderSettings(ModelSettings):
     """What an encode server is started with; checked on construction (`ValueError`)."""
 
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
-    transport: str = option("auto", "the transfer engine's protocol (mooncake backend)", choices=ENGINES)
+    transport: str = transport_option("mooncake backend")
     timeout: float = option(10.0, "seconds; bounds every wait: media fetch, embedding, receive URL, transfer, "
                                   "ZMQ send")
     embedding_ttl: float = option(10.0, "seconds a held embedding waits for /send before it is released (a /send "
@@ -142,7 +141,7 @@ class EncoderSettings(ModelSettings):
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
         check_choice(self, "backend", BACKENDS)
-        check_choice(self, "transport", ENGINES)
+        check_transport(self)
         check_positive(self, "timeout", "embedding_ttl")
         check_at_least(self, 0, "cache_bytes")
         check_at_least(self, 1, "max_parts", "max_held_bytes")

@@ -67,13 +67,12 @@ from epd_lab.servers.text import prompt_tokens
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, deadline_budget,
                              decode_body, engine_metrics, error_for_status, option, read_body, read_struct, role_app,
                              serve_main)
-from epd_lab.serving.placement import PagedKVSettings, synchronize, use_device
+from epd_lab.serving.placement import PagedKVSettings, check_transport, synchronize, transport_option, use_device
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive, check_urls
 from epd_lab.trace import Recorder, Span
 
 KV_WAIT_POLL_S = 0.01  # how often a worker whose KV pool is exhausted looks again
 from epd_lab.transfer import open_engine
-from epd_lab.transfer.registry import ENGINES
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -82,7 +81,7 @@ class PrefillSettings(PagedKVSettings):
 
     encoders: tuple[str, ...] = option((), "encode servers' base URLs (none: text-only prompts)")
     backend: str = option("mooncake", "the E→P backend", choices=BACKENDS)
-    transport: str = option("auto", "the transfer engines' protocol (E→P receiver and KV producer)", choices=ENGINES)
+    transport: str = transport_option("E→P receiver and KV producer, an engine each")
     recv_buffer: str = option("auto", "where the E→P receiver's buffer for a request's embeddings lives: host, "
                                       "pinned (page-locked host memory, as the seed) or device (GPU memory); auto: "
                                       "pinned on CUDA, host on the CPU", choices=RECV_BUFFERS)
@@ -101,6 +100,7 @@ class PrefillSettings(PagedKVSettings):
         PagedKVSettings.__post_init__(self)
         check_urls(self, "encoders", "encoder", required=False)  # none: text-only prompts
         check_choice(self, "backend", BACKENDS)
+        check_transport(self)
         object.__setattr__(self, "recv_buffer", resolve_recv_buffer(self.recv_buffer, self.device))
         check_at_least(self, 0, "max_queued")
         check_at_least(self, 1, "workers")
@@ -202,7 +202,7 @@ class PrefillServer:
                                        port=0, timeout=settings.timeout, free_timeout=settings.kv_free_timeout)
             if settings.encoders:
                 self.receiver = EmbeddingReceiver(
-                    ReceiverConfig(list(settings.encoders), settings.backend, settings.timeout,
+                    ReceiverConfig(settings.encoders, settings.backend, settings.timeout,
                                    host=settings.host, transport=settings.transport, buffer=settings.recv_buffer,
                                    device=str(self.device)), self.recorder)
         except BaseException:

@@ -1,6 +1,7 @@
 """Where and how a role's model runs: the ``--model``, ``--device``, ``--dtype`` and ``--runtime`` options every
 model role shares (`ModelSettings`, the base of their settings), and the paged KV cache's ``--kv-blocks`` and
-``--block-size`` that prefill, decode and the monolithic floor add (`PagedKVSettings`).
+``--block-size`` that prefill, decode and the monolithic floor add (`PagedKVSettings`), and the ``--transport``
+of the roles that open a transfer engine (`transport_option`).
 
 A role on ``cuda[:N]`` keeps its model and what it computes on that GPU: the encoder its embeddings (and its
 embedding cache), prefill and decode their paged KV cache, registered with the transfer engine, which then
@@ -16,10 +17,12 @@ import torch
 from epd_lab.models import DEFAULT_MODEL_DIR, DTYPE_NAMES, resolve_device, resolve_dtype
 from epd_lab.models.catalog import DEVICE_NAME
 from epd_lab.models.runtime import RUNTIMES
-from epd_lab.serving.settings import ServerSettings, check_at_least, option
+from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, option
+from epd_lab.transfer.registry import ENGINES, transports
 
 __all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "RUNTIME_HELP", "RUNTIME_NAMES", "ModelSettings",
-           "PagedKVSettings", "check_placement", "synchronize", "use_device"]
+           "PagedKVSettings", "check_placement", "check_transport", "synchronize", "transport_option",
+           "use_device"]
 
 MODEL_HELP = "a local model directory, or a model shape: tiny, qwen2-vl-2b, qwen2-vl-7b (default: tiny)"
 DEVICE_HELP = "cpu, cuda or cuda:N: where the model runs and the role's embeddings or KV cache live"
@@ -27,6 +30,20 @@ DTYPE_HELP = "the model's dtype; auto: bfloat16 on CUDA, float32 on the CPU"
 RUNTIME_NAMES = tuple(RUNTIMES)
 RUNTIME_HELP = ("the model runtime: fast (its own forward over the paged KV cache; CUDA graphs and Triton kernels on "
                 "a GPU; HF's bits on the CPU) or hf (HF transformers eager, the KV copied in and out of its cache)")
+
+
+def transport_option(engines: str) -> Any:
+    """The ``--transport`` field of the roles that open transfer engines (encoder, prefill, decode; the launcher's
+    `Topology` for all of them): one default (``auto``) and one set of choices (`ENGINES`). `engines` ends the
+    help: which engines the role opens, since one text cannot serve every role (the encoder's engine works only
+    on the mooncake backend, the prefill opens two, decode one)."""
+    return option("auto", f"the transfer engine's protocol ({engines})", choices=ENGINES)
+
+
+def check_transport(settings: Any) -> None:
+    """In the ``__post_init__`` of a role with `transport_option`: `ValueError` unless ``transport`` is registered
+    (the command line's check, for Python callers; one registered after import counts too)."""
+    check_choice(settings, "transport", transports())
 
 
 def check_placement(settings: Any) -> None:
