@@ -1,9 +1,9 @@
 """The runtime's kernels, each in two forms: torch ops (any device; HF's own sequence of operations where one
 exists) and, on a CUDA device, a fused Triton kernel (`epd_lab.models.runtime.triton_ops`).
 
-`Ops(device)` picks the form once. The torch form is what the CPU runs and what CI tests; the Triton form is
-what makes a decode step 10 kernels a layer (about nano-vllm's count) instead of ~30, which is what a CUDA graph
-of a small model is bound by (GPU-NOTES.md). The two agree to rounding, not bit for bit: fused kernels round
+`kernels.open_ops(device)` picks the form once. The torch form is what the CPU runs and what CI tests; the Triton
+form is what makes a decode step 10 kernels a layer (about nano-vllm's count) instead of ~30, which is what a CUDA
+graph of a small model is bound by (GPU-NOTES.md). The two agree to rounding, not bit for bit: fused kernels round
 once where HF's bfloat16 ops round after every op. Bit-identity is a contract *within* one form (split vs
 monolithic use of the same runtime), never across forms.
 """
@@ -100,11 +100,3 @@ class TorchOps:
     def quick_gelu(x: torch.Tensor) -> torch.Tensor:
         """``x * sigmoid(1.702 x)``, HF's ``QuickGELUActivation`` (the Qwen2-VL vision MLP's activation)."""
         return x * torch.sigmoid(1.702 * x)
-
-
-def open_ops(device: torch.device) -> type[TorchOps]:
-    """The kernels for `device`: Triton's fused ones on CUDA, torch ops elsewhere."""
-    if device.type == "cuda":
-        from epd_lab.models.runtime.triton_ops import TritonOps
-        return TritonOps
-    return TorchOps

@@ -23,7 +23,7 @@ from transformers import Qwen2VLForConditionalGeneration
 
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.catalog import model_device
-from epd_lab.models.runtime.ops import open_ops
+from epd_lab.models.runtime.kernels import open_ops
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The runtime's fused kernels on CUDA, in Triton (imported only on a CUDA device: `ops.open_ops`).
+"""The runtime's fused kernels on CUDA, in Triton (imported only on a CUDA device: `kernels.open_ops`).
 
 Four kernels replace the ~20 small torch ops of a decoder layer (norms in float32, residual adds, rotary, the
 cache writes, the activation) so that a layer is 10 launches: add+RMSNorm, QKV GEMM, rotary+store, paged

@@ -10,9 +10,11 @@ shape is the point) but not through attention (block-diagonal: one attention cal
 attention output is zeros), and whose output is dropped. An image larger than the budget is a call of its own
 size.
 
-Kernels (`ops.open_ops`): on a GPU the rotary is one Triton kernel that also lays q, k and v out for attention,
-and QuickGELU another, where torch ran ~25 small ops a block (float32 casts, rotate_half, copies); measured on an
-H200 in `data/bench/runtime-h200-s7-full.json`. On the CPU the same forward runs HF's torch ops.
+Kernels (`kernels.open_ops`): on a GPU the rotary is one Triton kernel that also lays q, k and v out for attention,
+and QuickGELU another, where torch ran ~25 small ops a block (float32 casts, rotate_half, copies); the patch
+embedding (a Conv3d whose kernel is its stride) is one GEMM. On an H200 one 448² image went from 1,106 kernels and
+12.2 ms of GPU time to 530 and 7.0 at the same budget (`data/bench/runtime-h200-s7-2b-full.json`). On the CPU the
+same forward runs HF's torch ops.
 
 Why graphs: HF's eager tower launches ~1,100 kernels for one image, and on an H200 their host overhead is three
 times the GPU's work. A call's shapes are fixed by the budget and by how its rows split into images (the key),
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from transformers.activations import QuickGELUActivation
 
 from epd_lab.models.runtime.graph import capture
-from epd_lab.models.runtime.ops import open_ops
+from epd_lab.models.runtime.kernels import open_ops
 
 MAX_GRAPHS = 16  # captured call shapes kept (least recently used dropped first)
 
