@@ -110,6 +110,8 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
 DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
 QUANTILES = (0.5, 0.9, 0.99)
+# the ASGI scope's key for (when, behind how many pending) `Proxy.gate` admitted the request
+ADMITTED = "epd.admitted"
 # decode gives up on a request's KV this long before the request's deadline (`_kv_deadline`), so that its 504
 # crosses decode → proxy → client within the deadline even on a loaded host
 KV_ANSWER_S = 0.2
@@ -376,6 +378,10 @@ class Proxy:
             return exc
         except BadRequest as exc:
             return exc
+        # pending from here, not from its handler: the gate lets the loop judge the rest of a burst before an
+        # admitted request goes on (`Gate`), and each of those must count the ones admitted before it
+        scope[ADMITTED] = (time.monotonic_ns(), self.pending)
+        self.pending += 1
         return None
 
     def _admit(self, budget: float) -> None:
@@ -483,12 +489,11 @@ class Proxy:
             raise
 
     async def _complete(self, request: Request, kind: str) -> Response:
-        t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
-        # admitted already (`gate`, before routing), at most --timeout like it
-        budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
-        ahead = self.pending
-        self.pending += 1
+        # admitted (`gate`) before its body was read: TTFT counts the proxy's reading and parsing too
+        t0, ahead = request.scope[ADMITTED]  # `gate` counted it pending
         try:
+            # admitted already (`gate`, before routing), at most --timeout like it
+            budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
             body = await read_body(request)
             if len(body) <= SMALL_BODY_BYTES:
                 job, prompt, images = self._parse(body, kind, t0)
