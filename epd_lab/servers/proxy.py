@@ -118,6 +118,11 @@ KV_ANSWER_S = 0.2
 # the prefills' rate is planned with at its lowest of this many told (each probe, 0.5 s, may tell a new one while
 # they work): a 1,000-burst and a half
 RATE_MEMORY = 32
+# a prefill's rate until it has measured one with every worker busy is its --service-prior, a guess, and a fresh
+# cluster's first burst is judged on it before anything is measured: planned at this share of it, so that the
+# proxy refuses at once what the prefill would refuse seconds later if the host is slower than the guess (a
+# loaded host's first 1,000-burst ran at 29 per second on a prior of 40, and the prefill refused 116 at 3.4 s)
+PRIOR_RATE_SHARE = 0.7
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -346,18 +351,25 @@ class Proxy:
         """The prefills up that told their admission in /health."""
         return [b for b in self.prefills.backends if b.workers and b.rate and b.service_s and b.up(time.monotonic())]
 
+    def planned_rate(self, known: list[Backend]) -> float:
+        """The prefills' summed rate this proxy plans with: the lowest of the last `RATE_MEMORY` they told, and
+        at most `PRIOR_RATE_SHARE` of a rate that is still a prior (no request measured with every worker busy)."""
+        rate = self.low_rate.seen(sum(b.rate for b in known))
+        return min(rate, sum(b.rate * (1.0 if b.rate_measured else PRIOR_RATE_SHARE) for b in known))
+
     def predicted_wait(self) -> tuple[float, float] | None:
         """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
         /health (workers, measured rate and service time) and what this proxy has on its way to them (`pending`:
         being read, parsed or prefilled): a newcomer starts once the `pending` beyond their workers are through,
         at their summed rate, the lowest of the last `RATE_MEMORY` they told (a prefill rechecks its queue by its
-        rate's swings: planned at its median, a burst's tail was refused there, seconds later); with none
+        rate's swings: planned at its median, a burst's tail was refused there, seconds later), a share of a prior
+        (`planned_rate`); with none
         pending, at once, in the prefills' best case. None before any prefill told its admission."""
         known = self._admitting()
         if not known:
             return None
         workers = sum(b.workers for b in known)
-        rate = self.low_rate.seen(sum(b.rate for b in known))
+        rate = self.planned_rate(known)
         if not self.pending:  # none on its way: judged by the prefills' best case, as an idle prefill judges it
             return 0.0, min(b.service_s if b.best_case_s is None else b.best_case_s for b in known)
         return max(0, self.pending + 1 - workers) / rate, max(b.service_s for b in known)
@@ -585,6 +597,9 @@ class Proxy:
             Metric.of("pending", "gauge", "requests admitted here and not yet answered by a prefill", self.pending),
             Metric.of("predicted_wait_seconds", "gauge", "the wait at the prefills a request arriving now is predicted",
                       round((self.predicted_wait() or (0.0, 0.0))[0], 6)),
+            Metric.of("planned_rate_per_second", "gauge", "the prefills' summed rate the prediction is made with: "
+                      "the lowest told lately, a share of a prior (0 before any told one)",
+                      round(self.planned_rate(self._admitting()) if self._admitting() else 0.0, 6)),
             Metric.of("decode_token_seconds", "gauge", "decode's time per token as the proxy sees it (weighted "
                       "mean): the part of a deadline kept back from prefill", round(self.decode_token_s, 6)),
             *backend_metrics(self.prefills.backends + self.decodes.backends, "backend", ("role", "url")),
