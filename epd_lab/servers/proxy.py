@@ -43,10 +43,10 @@ backend failure (its ``detail`` passed on). After a stream has begun, a failure 
 ``data: {"error": ...}`` event, which the ``openai`` client raises as ``APIError``.
 
 Overload (issue 18, ``docs/architecture.md``): a client's ``X-EPD-Deadline-Ms`` (capped at ``--timeout``, which
-is the default) is the request's deadline. A request that the prefills' lowest recent rate (or this proxy's own
-measure of their drain, if slower), the proxy's own pending requests and decode's expected time predict past it
-is refused with 503 before its body is read (`_admit`); the prefill is sent what is left of it, less the
-decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
+is the default) is the request's deadline. A request that the prefills' lowest recent rate (0.7 of one still at
+its prior; or this proxy's own measure of their drain, if slower), the proxy's own pending requests and
+decode's expected time predict past it is refused with 503 before its body is read (`_admit`); the prefill is
+sent what is left of it, less the decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
 ``max_prompt_tokens``) is answered 400 ``context_length_exceeded`` before it is forwarded; bodies over 64 KiB are
 parsed in a thread, so that /health keeps answering. ``epd_proxy_refused_total{reason}`` counts both.
 
