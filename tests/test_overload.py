@@ -6,7 +6,8 @@ decodes of `epd_lab.launch.Cluster`, driven by the campaign's streaming chat cli
 - A 50 MB prompt is refused by the proxy with 400 before it travels; sent straight to a prefill it is refused
   there too without holding the process; meanwhile other chats are served and no replica is found stalled.
 - A burst far past what its deadline allows is refused at once, each refusal stating the predicted wait, and
-  what is admitted is served with the right answer.
+  what is admitted is served with the right answer; on a fresh cluster (the prefill's rate still its prior) the
+  proxy plans at a share of that prior.
 - A second burst of 1,000 is refused by the proxy, before the bodies: next to nothing it admits is refused by
   the prefill after it was read and forwarded.
 
@@ -27,6 +28,7 @@ from epd_lab.campaign.load import run_topology
 from epd_lab.campaign.overload import burst_with_deadline
 from epd_lab.campaign.prompts import Prompts
 from epd_lab.launch import Cluster, Topology
+from epd_lab.servers.proxy import PRIOR_RATE_SHARE
 from epd_lab.serving import DEADLINE_HEADER
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,7 +125,13 @@ def test_a_burst_far_past_its_deadline_is_refused_at_once_with_the_predicted_wai
         asyncio.run(prompts.compute_solo(proxy, 60.0))
         assert all(prompts.solo)
         health = httpx.get(proxy + "/health", timeout=10).json()  # the proxy has the prefill's rate now
-        assert health["prefill"][0]["health"]["admission"]["rate_per_s"] > 0
+        told = health["prefill"][0]["health"]["admission"]
+        assert told["rate_per_s"] > 0
+        # served one at a time so far, the prefill's rate is its prior: the proxy plans below it, so that a host
+        # slower than the guess has the proxy refuse at once, not the prefill seconds later
+        assert told["loaded_measured"] is False
+        planned = metric(httpx.get(proxy + "/metrics", timeout=10).text, "epd_proxy_planned_rate_per_second ")
+        assert planned == pytest.approx(PRIOR_RATE_SHARE * told["rate_per_s"], rel=1e-4)
         raws = [json.dumps(prompts.body(p)).encode() for p in range(prompts.count)]
         outcomes = asyncio.run(burst_with_deadline(proxy, prompts, count, deadline_s, 60.0))
         judge(outcomes, prompts.solo)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterable
 from typing import Any
 
 import aiohttp
@@ -67,7 +68,7 @@ async def chat(session: aiohttp.ClientSession, proxy_url: str, body: dict[str, A
                 out.status = resp.status
                 if resp.status != 200:
                     raw = await resp.read()
-                    out.error, out.clear = _error_of(raw)
+                    out.error, out.clear = error_of(raw)
                     out.kind = ("refused" if resp.status == 503 else
                                 "rejected" if 400 <= resp.status < 500 else "error")
                 elif not body.get("stream"):
@@ -87,9 +88,19 @@ async def chat(session: aiohttp.ClientSession, proxy_url: str, body: dict[str, A
 
 async def _read_sse(resp: aiohttp.ClientResponse, chunks: list[str], out: Outcome, abort_after: int | None) -> str:
     """The stream's events into `chunks`; the outcome's kind."""
+    kind = await read_events(resp.content.iter_any(), chunks, out, abort_after)
+    if kind == "aborted":
+        resp.close()  # the client goes away mid-stream
+    return kind
+
+
+async def read_events(pieces: AsyncIterable[bytes], chunks: list[str], out: Outcome, abort_after: int | None) -> str:
+    """An SSE answer's events, from its body's `pieces` as they come, into `chunks` (their content) and `out`
+    (an error event's message); the outcome's kind: ``ok`` at ``[DONE]`` with no error event, ``aborted`` after
+    `abort_after` content chunks (the caller closes the stream), else ``error``."""
     buffer = b""
     content_chunks = 0
-    async for piece in resp.content.iter_any():
+    async for piece in pieces:
         buffer += piece
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
@@ -100,7 +111,7 @@ async def _read_sse(resp: aiohttp.ClientResponse, chunks: list[str], out: Outcom
                 return "ok" if not out.error else "error"
             obj = json.loads(data)
             if "error" in obj:
-                out.error, out.clear = _error_of(data)
+                out.error, out.clear = error_of(data)
                 continue
             for choice in obj.get("choices", []):
                 text = choice.get("delta", {}).get("content")
@@ -108,13 +119,12 @@ async def _read_sse(resp: aiohttp.ClientResponse, chunks: list[str], out: Outcom
                     chunks.append(text)
                     content_chunks += 1
             if abort_after is not None and content_chunks >= abort_after:
-                resp.close()  # the client goes away mid-stream
                 return "aborted"
     out.error = out.error or "the stream ended without [DONE]"
     return "error"
 
 
-def _error_of(raw: bytes) -> tuple[str, bool]:
+def error_of(raw: bytes) -> tuple[str, bool]:
     """An error body's message, and whether it was an OpenAI error object with a message."""
     try:
         obj = json.loads(raw)

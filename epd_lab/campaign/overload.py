@@ -9,7 +9,9 @@
    many were admitted and how many refused (and by whom), the refusals' latency (all, and split: the proxy's,
    from the headers, and those after it, by the prefill), the admitted ones' latency against the deadline (at
    the client, and from their arrival at the proxy: its ``e2e`` spans), the processes' peak RSS and the pools back at idle. Target: what cannot finish is
-   refused within 0.5 s, what is admitted finishes within the deadline, memory stays bounded.
+   refused within 0.5 s, what is admitted finishes within the deadline, memory stays bounded. The client is
+   `epd_lab.campaign.rawburst`'s: every connection open and every request's bytes built before the burst, all
+   written back to back; a latency runs from its own request's write (and, recorded too, from the burst's start).
 3. ``floor``: the same client's 1,000 concurrent requests (the same bodies and deadline header) against a server
    that answers each with a 503 as soon as its headers are in (raw asyncio, no framework, no cluster): the refusal
    latency this client on this host measures for a server that costs nothing, the floor under part 2's.
@@ -38,6 +40,7 @@ import aiohttp
 import httpx
 
 from epd_lab.bench import write_json
+from epd_lab.campaign import rawburst
 from epd_lab.campaign.client import Outcome, chat, client_session, counts, judge
 from epd_lab.campaign.load import run_topology
 from epd_lab.campaign.metrics import Sampler, parse_metrics, refusals, wait_idle
@@ -72,14 +75,18 @@ def burst(name: str, count: int = 200, timeout: float = 10.0) -> dict[str, Any]:
 async def burst_with_deadline(url: str, prompts: Prompts, count: int, deadline_s: float,
                               client_timeout: float) -> list[Outcome]:
     """`count` streamed chats at once to `url`, each with a `deadline_s` ``X-EPD-Deadline-Ms``, cycling through
-    `prompts`: their outcomes, in order."""
-    headers = {DEADLINE_HEADER: f"{deadline_s * 1000:.0f}"}
+    `prompts`: their outcomes, in order, each request's latency from the moment its bytes were written
+    (`epd_lab.campaign.rawburst`: connections open and bytes built before the burst; ``t_start + latency_s`` is
+    the latency from the burst's start)."""
     raws = [json.dumps(prompts.body(p)).encode() for p in range(prompts.count)]
-    async with client_session(count) as session:
-        return list(await asyncio.gather(*(chat(session, url, prompts.body(i % prompts.count), client_timeout,
-                                                index=i, prompt=i % prompts.count, headers=headers,
-                                                raw=raws[i % prompts.count])
-                                           for i in range(count))))
+    order = [i % prompts.count for i in range(count)]
+    return await rawburst.burst(url, [raws[p] for p in order], order, client_timeout,
+                                headers={DEADLINE_HEADER: f"{deadline_s * 1000:.0f}"})
+
+
+def _from_start(outcomes: list[Outcome]) -> list[float]:
+    """The outcomes' latencies from the burst's start rather than from their own request's write."""
+    return [o.t_start + o.latency_s for o in outcomes]
 
 
 def deadline(count: int = 1000, deadline_s: float = 10.0, prompts_n: int = 32, bursts: int = 2) -> list[dict[str, Any]]:
@@ -139,10 +146,14 @@ def _deadline_result(n: int, outcomes: list[Outcome], prompts: Prompts, rows: li
             # the proxy read the head, adds to the line above is the client's floor (part 3)
             "admitted_at_proxy_s": percentiles(at_proxy),
             "admitted_past_deadline_at_proxy": sum(t > deadline_s for t in at_proxy),
+            # from each request's own write (the target's), and from the burst's start (the client's writes of
+            # the requests before it in it, with the server's reading of them)
             "refusal_latency_s": percentiles([o.latency_s for o in refused]),
+            "refusal_latency_from_burst_start_s": percentiles(_from_start(refused)),
             "refusals_past_0_5_s": len(slow_refusals), "refused_by": by_whom,
             "refusal_latency_by": {"proxy": percentiles([o.latency_s for o in by_proxy]),
                                    "after the proxy": percentiles([o.latency_s for o in past_proxy])},
+            "writes_s": max(o.t_start for o in outcomes),  # the burst's last write, after its first
             "refusal_detail_example": refused[0].error if refused else None,
             "errors": sorted({o.error[:200] for o in outcomes if o.kind in ("error", "timeout")})[:5],
             "peak_queue_length": queue, "peak_rss_mib": {k: round(v / 2**20, 1) for k, v in rss.items()},
@@ -200,8 +211,10 @@ def floor(count: int = 1000, deadline_s: float = 10.0, bursts: int = 3) -> dict[
         runs = []
         for _ in range(bursts):
             outcomes = asyncio.run(burst_with_deadline(url, prompts, count, deadline_s, 60.0))
-            runs.append({"counts": counts(outcomes),
-                         "refusal_latency_s": percentiles([o.latency_s for o in outcomes if o.kind == "refused"])})
+            refused = [o for o in outcomes if o.kind == "refused"]
+            runs.append({"counts": counts(outcomes), "refusal_latency_s": percentiles([o.latency_s for o in refused]),
+                         "refusal_latency_from_burst_start_s": percentiles(_from_start(refused)),
+                         "writes_s": max(o.t_start for o in outcomes)})
             time.sleep(1.0)
     finally:
         proc.kill()

@@ -43,10 +43,10 @@ backend failure (its ``detail`` passed on). After a stream has begun, a failure 
 ``data: {"error": ...}`` event, which the ``openai`` client raises as ``APIError``.
 
 Overload (issue 18, ``docs/architecture.md``): a client's ``X-EPD-Deadline-Ms`` (capped at ``--timeout``, which
-is the default) is the request's deadline. A request that the prefills' lowest recent rate (or this proxy's own
-measure of their drain, if slower), the proxy's own pending requests and decode's expected time predict past it
-is refused with 503 before its body is read (`_admit`); the prefill is sent what is left of it, less the
-decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
+is the default) is the request's deadline. A request that the prefills' lowest recent rate (0.7 of one still at
+its prior; or this proxy's own measure of their drain, if slower), the proxy's own pending requests and
+decode's expected time predict past it is refused with 503 before its body is read (`_admit`); the prefill is
+sent what is left of it, less the decode's expected time. A prompt whose text alone is longer than the prefills take (their /health's
 ``max_prompt_tokens``) is answered 400 ``context_length_exceeded`` before it is forwarded; bodies over 64 KiB are
 parsed in a thread, so that /health keeps answering. ``epd_proxy_refused_total{reason}`` counts both.
 
@@ -110,12 +110,19 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
 DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
 QUANTILES = (0.5, 0.9, 0.99)
+# the ASGI scope's key for (when, behind how many pending) `Proxy.gate` admitted the request
+ADMITTED = "epd.admitted"
 # decode gives up on a request's KV this long before the request's deadline (`_kv_deadline`), so that its 504
 # crosses decode → proxy → client within the deadline even on a loaded host
 KV_ANSWER_S = 0.2
 # the prefills' rate is planned with at its lowest of this many told (each probe, 0.5 s, may tell a new one while
 # they work): a 1,000-burst and a half
 RATE_MEMORY = 32
+# a prefill's rate until it has measured one with every worker busy is its --service-prior, a guess, and a fresh
+# cluster's first burst is judged on it before anything is measured: planned at this share of it, so that the
+# proxy refuses at once what the prefill would refuse seconds later if the host is slower than the guess (a
+# loaded host's first 1,000-burst ran at 29 per second on a prior of 40, and the prefill refused 116 at 3.4 s)
+PRIOR_RATE_SHARE = 0.7
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -344,18 +351,25 @@ class Proxy:
         """The prefills up that told their admission in /health."""
         return [b for b in self.prefills.backends if b.workers and b.rate and b.service_s and b.up(time.monotonic())]
 
+    def planned_rate(self, known: list[Backend]) -> float:
+        """The prefills' summed rate this proxy plans with: the lowest of the last `RATE_MEMORY` they told, and
+        at most `PRIOR_RATE_SHARE` of a rate that is still a prior (no request measured with every worker busy)."""
+        rate = self.low_rate.seen(sum(b.rate for b in known))
+        return min(rate, sum(b.rate * (1.0 if b.rate_measured else PRIOR_RATE_SHARE) for b in known))
+
     def predicted_wait(self) -> tuple[float, float] | None:
         """(the wait, the service) a request arriving now is predicted at the prefills, from what they tell in
         /health (workers, measured rate and service time) and what this proxy has on its way to them (`pending`:
         being read, parsed or prefilled): a newcomer starts once the `pending` beyond their workers are through,
         at their summed rate, the lowest of the last `RATE_MEMORY` they told (a prefill rechecks its queue by its
-        rate's swings: planned at its median, a burst's tail was refused there, seconds later); with none
+        rate's swings: planned at its median, a burst's tail was refused there, seconds later), a share of a prior
+        (`planned_rate`); with none
         pending, at once, in the prefills' best case. None before any prefill told its admission."""
         known = self._admitting()
         if not known:
             return None
         workers = sum(b.workers for b in known)
-        rate = self.low_rate.seen(sum(b.rate for b in known))
+        rate = self.planned_rate(known)
         if not self.pending:  # none on its way: judged by the prefills' best case, as an idle prefill judges it
             return 0.0, min(b.service_s if b.best_case_s is None else b.best_case_s for b in known)
         return max(0, self.pending + 1 - workers) / rate, max(b.service_s for b in known)
@@ -376,6 +390,10 @@ class Proxy:
             return exc
         except BadRequest as exc:
             return exc
+        # pending from here, not from its handler: the gate lets the loop judge the rest of a burst before an
+        # admitted request goes on (`Gate`), and each of those must count the ones admitted before it
+        scope[ADMITTED] = (time.monotonic_ns(), self.pending)
+        self.pending += 1
         return None
 
     def _admit(self, budget: float) -> None:
@@ -483,12 +501,11 @@ class Proxy:
             raise
 
     async def _complete(self, request: Request, kind: str) -> Response:
-        t0 = time.monotonic_ns()  # before the body is read: TTFT counts the proxy's reading and parsing too
-        # admitted already (`gate`, before routing), at most --timeout like it
-        budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
-        ahead = self.pending
-        self.pending += 1
+        # admitted (`gate`) before its body was read: TTFT counts the proxy's reading and parsing too
+        t0, ahead = request.scope[ADMITTED]  # `gate` counted it pending
         try:
+            # admitted already (`gate`, before routing), at most --timeout like it
+            budget = min(deadline_budget(request.headers, self.settings.timeout), self.settings.timeout)
             body = await read_body(request)
             if len(body) <= SMALL_BODY_BYTES:
                 job, prompt, images = self._parse(body, kind, t0)
@@ -580,6 +597,9 @@ class Proxy:
             Metric.of("pending", "gauge", "requests admitted here and not yet answered by a prefill", self.pending),
             Metric.of("predicted_wait_seconds", "gauge", "the wait at the prefills a request arriving now is predicted",
                       round((self.predicted_wait() or (0.0, 0.0))[0], 6)),
+            Metric.of("planned_rate_per_second", "gauge", "the prefills' summed rate the prediction is made with: "
+                      "the lowest told lately, a share of a prior (0 before any told one)",
+                      round(self.planned_rate(self._admitting()) if self._admitting() else 0.0, 6)),
             Metric.of("decode_token_seconds", "gauge", "decode's time per token as the proxy sees it (weighted "
                       "mean): the part of a deadline kept back from prefill", round(self.decode_token_s, 6)),
             *backend_metrics(self.prefills.backends + self.decodes.backends, "backend", ("role", "url")),

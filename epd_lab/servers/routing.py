@@ -53,7 +53,8 @@ class Backend:
     workers: int | None = None  # a prefill's admission, from its /health: requests it runs at once ...
     service_s: float | None = None  # ... its measured service time (median; `best_case_s`: idle) ...
     best_case_s: float | None = None
-    rate: float | None = None  # ... and completions per second: the proxy predicts the wait from them
+    rate: float | None = None  # ... and completions per second: the proxy predicts the wait from them ...
+    rate_measured: bool = False  # ... once measured with every worker busy (till then its prior, a guess)
     probed: bool = False  # its /health has answered once
     stalls: int = 0  # times it was found stalled
     # set when it is found stalled: exchanges waiting on it give up; a fresh one once it answers again
@@ -76,6 +77,7 @@ class Backend:
             self.workers, self.service_s = admission.get("workers"), admission.get("service_s")
             self.best_case_s = admission.get("best_case_s")
             self.rate = admission.get("rate_per_s")
+            self.rate_measured = admission.get("loaded_measured") is True
 
     def finish(self, response: aiohttp.ClientResponse, reuse: bool) -> None:
         """An exchange with it is over: the connection goes back to the pool (`reuse`: read to its end) or is
