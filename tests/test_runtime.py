@@ -214,6 +214,8 @@ def test_vision_tower_computes_hf_s_tower():
 def test_graph_buckets():
     assert token_buckets(1) == [64] and token_buckets(64) == [64]
     assert token_buckets(1000) == [64, 128, 256, 512, 1024]
+    assert token_buckets(4096) == [64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096]
+    assert token_buckets(1100)[-1] == 1536 and token_buckets(300, step=128) == [64, 128, 256, 384]
     assert buckets_up_to(1) == [1]
     assert buckets_up_to(16) == [1, 2, 4, 8, 16]
     assert buckets_up_to(40) == [1, 2, 4, 8, 16, 24, 32, 40]
