@@ -38,8 +38,9 @@ def buckets_up_to(max_batch: int) -> list[int]:
 def token_buckets(max_tokens: int, smallest: int = 64, step: int = 512) -> list[int]:
     """Prefill buckets: powers of two from `smallest` up to `step`, then multiples of `step`, up to the first that
     holds `max_tokens`. A prompt pays for its bucket's rows: in powers of two a 4 x 448² prompt (~1,100 tokens)
-    ran in 2,048 rows and an 8 x 448² one (~2,130) in 4,096 (H200 grid, seventh session); in steps of 512 they run
-    in 1,536 and 2,560, for four more graphs up to 4,096."""
+    ran in 2,048 rows and an 8 x 448² one (~2,090) in 4,096; in steps of 512 they run in 1,536 and 2,560, for four
+    more graphs up to 4,096: 2B prefill 9.0 against 11.4 ms and 14.3 against 22.1 ms on an H200, one image's
+    unchanged (`data/bench/prefill-buckets-h200-s7.json`)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     sizes = [smallest]
