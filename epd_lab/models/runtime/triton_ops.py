@@ -4,8 +4,8 @@ Four kernels replace the ~20 small torch ops of a decoder layer (norms in float3
 cache writes, the activation) so that a layer is 10 launches: add+RMSNorm, QKV GEMM, rotary+store, paged
 attention (split, combine), O GEMM, add+RMSNorm, gate-up GEMM, SiLU*up, down GEMM. Two more serve the vision
 tower (`runtime.vision`): its rotary, which also lays q, k and v out for attention (~20 float32 ops and copies
-a block in torch), and its QuickGELU (three ops). Every kernel computes in
-float32 and rounds once into the model's dtype. Each program's work depends only on its own row (or sequence), never on the batch
+a block in torch), and its QuickGELU (three ops). Every kernel computes in float32 and rounds once into the
+model's dtype. Each program's work depends only on its own row (or sequence), never on the batch
 around it, so these kernels are batch-invariant; the GEMMs between them are cuBLAS's.
 """
 from __future__ import annotations

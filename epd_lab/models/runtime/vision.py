@@ -109,9 +109,9 @@ class VisionTower:
         rows = x.shape[0]
         pad = rows - sum(lengths)
         sizes = [*lengths, pad] if pad else list(lengths)
+        real = len(lengths)  # the padding's share of each split is left out
         for block in tower.blocks:
             q, k, v = ops.vision_rope(block.attn.qkv(block.norm1(x)), cos, sin, self.num_heads)  # [heads, rows, D]
-            real = len(lengths)  # the padding's share of the split is left out
             outs = [F.scaled_dot_product_attention(qi[None], ki[None], vi[None]) for qi, ki, vi in zip(
                 q.split(sizes, dim=1)[:real], k.split(sizes, dim=1)[:real], v.split(sizes, dim=1)[:real])]
             if pad:
