@@ -488,6 +488,7 @@ class EmbeddingReceiver:
                 pending.setdefault(key, now)
             self.counters["parts_release_deferred"] += 1
             return
+        self._encoders.liveness[encoder].heard()  # an answer, as to /encode and /send
         self.counters["parts_released" if status == 200 else "parts_release_failed"] += 1
 
     def _start_part(self, rid: str, num_parts: int, plan: PartPlan) -> tuple[PartPlan, EncodeResponse]:
