@@ -8,11 +8,9 @@ decodes of `epd_lab.launch.Cluster`, driven by the campaign's streaming chat cli
 - A burst far past what its deadline allows is refused at once, each refusal stating the predicted wait, and
   what is admitted is served with the right answer; on a fresh cluster (the prefill's rate still its prior) the
   proxy plans at a share of that prior.
-- A second burst of 1,000 is refused by the proxy, before the bodies: next to nothing it admits is refused by
-  the prefill after it was read and forwarded.
 
-Behaviour only: the speeds (refusal latency, the 1,000-request burst, RSS) are `epd-lab bench overload`'s,
-in ``data/bench/overload.json``.
+Behaviour only: the speeds (refusal latency, the 1,000-request burst, RSS) and who refuses a second 1,000-burst
+(a property that moves with the host's load) are `epd-lab bench overload`'s, in ``data/bench/overload*.json``.
 """
 from __future__ import annotations
 

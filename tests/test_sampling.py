@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from epd_lab.models.sampling import _noise, _row_key, random_seed, sample
+from epd_lab.models.sampling import _noise, _row_key, request_seed, sample
 
 M32 = 0xFFFFFFFF
 
@@ -92,9 +92,10 @@ def test_bad_arguments_are_refused() -> None:
         sample(logits, [1.0, math.nan], [1, 2], [0, 0])
 
 
-def test_random_seeds_are_int64_and_differ() -> None:
-    seeds = {random_seed() for _ in range(100)}
+def test_a_request_without_a_seed_gets_a_random_int64_one() -> None:
+    seeds = {request_seed(None) for _ in range(100)}
     assert len(seeds) == 100 and all(0 <= s < 2 ** 63 for s in seeds)
+    assert request_seed(-5) == -5 and request_seed(0) == 0  # a request's own seed, as given
 
 
 @pytest.mark.cuda

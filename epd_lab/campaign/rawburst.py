@@ -26,11 +26,13 @@ __all__ = ["burst"]
 CONNECT_AT_ONCE = 64  # connections opened concurrently before the burst (the listen backlog is far larger)
 
 
-def request_bytes(host: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-    """A whole HTTP/1.1 POST of the JSON `body`, head and body, as written on the wire."""
-    lines = [f"POST {path} HTTP/1.1", f"host: {host}", "content-type: application/json",
-             f"content-length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+def request_bytes(method: str, host: str, path: str, headers: dict[str, str], body: bytes | None = None) -> bytes:
+    """A whole HTTP/1.1 request as written on the wire: head, then the JSON `body` if any."""
+    lines = [f"{method} {path} HTTP/1.1", f"host: {host}"]
+    if body is not None:
+        lines += ["content-type: application/json", f"content-length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
 
 async def _connect(host: str, port: int, count: int,
@@ -113,9 +115,8 @@ async def burst(url: str, bodies: Sequence[bytes], prompts: Sequence[int], timeo
     if parts.scheme != "http" or parts.hostname is None or parts.port is None:
         raise ValueError(f"the burst client takes http://host:port URLs, got {url!r}")
     extra = {**auth_headers(), **(headers or {})}
-    wire = [request_bytes(parts.netloc, path, body, extra) for body in bodies]
-    prime = "\r\n".join([f"GET {prime_path} HTTP/1.1", f"host: {parts.netloc}",
-                          *(f"{k}: {v}" for k, v in auth_headers().items()), "", ""]).encode("latin-1")
+    wire = [request_bytes("POST", parts.netloc, path, extra, body) for body in bodies]
+    prime = request_bytes("GET", parts.netloc, prime_path, auth_headers())
     outcomes = [Outcome(i, prompts[i]) for i in range(len(bodies))]
     conns = await _connect(parts.hostname, parts.port, len(bodies), prime)
     sent = [0.0] * len(bodies)

@@ -15,7 +15,7 @@ entry. The uniforms are not drawn from a generator's state but hashed from ``(se
   logits to the host, no per-row kernel), in the same integer bits on the CPU and on a GPU.
 
 The uniforms take 23 bits (``(2k + 1) / 2**24``, exact in float32): a draw's probabilities are the softmax's to
-within about ``2**-23`` of each. A request without a seed gets a random one per role (`random_seed`): its draws are still
+within about ``2**-23`` of each. A request without a seed gets a random one per role (`request_seed`): its draws are still
 independent, only not reproducible. The CPU and a GPU compute ``log`` and the scaled logits to their own
 rounding, so a token drawn where two candidates nearly tie may differ between devices; on one device the same
 inputs give the same token.
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["random_seed", "sample"]
+__all__ = ["request_seed", "sample"]
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -37,9 +37,10 @@ _NOISE_BITS = 23  # 2k + 1 < 2**24: exact in float32's 24-bit significand
 _INDICES: dict[tuple[torch.device, int], torch.Tensor] = {}  # arange(vocab) per device, built once
 
 
-def random_seed() -> int:
-    """A seed for a request that gave none (a non-negative int64, as a request's ``seed`` may be)."""
-    return secrets.randbits(63)
+def request_seed(seed: int | None) -> int:
+    """The seed a request's draws use: its own, or for a request that gave none a random one (a non-negative
+    int64, as a request's ``seed`` may be)."""
+    return secrets.randbits(63) if seed is None else seed
 
 
 def _splitmix64(x: int) -> int:

@@ -72,7 +72,7 @@ from epd_lab.failpoints import failpoint
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
 from epd_lab.models.runtime import open_runtime
-from epd_lab.models.sampling import random_seed
+from epd_lab.models.sampling import request_seed
 from epd_lab.servers.messages import (
     DecodeRequest,
     DecodeResponse,
@@ -279,7 +279,7 @@ class DecodeServer:
         (the request's KV reservation)."""
         p = req.kv_transfer_params
         gen = Generation(req.request_id, block_table, p.prompt_len, p.prompt_len + p.rope_delta, req.max_tokens,
-                         req.temperature, random_seed() if req.seed is None else req.seed, emit, [p.first_token],
+                         req.temperature, request_seed(req.seed), emit, [p.first_token],
                          spans,
                          [] if req.return_logits else None, released=give_back)
         self._count("requests_admitted", tokens_generated=1)

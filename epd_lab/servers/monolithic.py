@@ -33,7 +33,7 @@ from epd_lab.ep.media import MAX_MEDIA_BYTES, MediaError, MediaPolicy, fetch_med
 from epd_lab.ep.messages import DTYPES
 from epd_lab.kv import BlockManager, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.models.runtime import open_runtime
-from epd_lab.models.sampling import random_seed, sample
+from epd_lab.models.sampling import request_seed, sample
 from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request, usage
 from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.servers.text import Detokenizer, detokenize
@@ -107,7 +107,7 @@ class MonolithicServer:
         try:
             with torch.inference_mode():
                 out = self.runtime.prefill(input_ids, embeds, grid, table)
-            seed = random_seed() if job.seed is None else job.seed
+            seed = request_seed(job.seed)
             first = int(sample(out.logits[None], [job.temperature], [seed], [0]))
         except BaseException:
             self.blocks.free(table)

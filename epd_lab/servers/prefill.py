@@ -54,7 +54,7 @@ from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, bloc
 from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
 from epd_lab.models.runtime import PrefillOutput, open_runtime
-from epd_lab.models.sampling import random_seed, sample
+from epd_lab.models.sampling import request_seed, sample
 from epd_lab.servers.messages import (
     AbortRequest,
     AbortResponse,
@@ -254,7 +254,7 @@ class PrefillServer:
                     raise BadRequest(f"prefill failed: {exc}") from None
                 # read back: the span ends when the GPU's work did
                 first_token = int(sample(result.logits[None], [req.temperature],
-                                         [random_seed() if req.seed is None else req.seed], [0]))
+                                         [request_seed(req.seed)], [0]))
             params = kv.keep(result, first_token) if kv.remote else None
         finally:
             kv.drop()  # a no-op once the producer holds the blocks
