@@ -16,6 +16,9 @@
 #               $CONCURRENCY, for this tree ("head") and for $AB_BASE (another commit's tree inside this one, e.g.
 #               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times:
 #               $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own monolithic row)
+#     hops      what one cross-process hop costs on this host: scripts/wakeup_latency.py (a ping-pong after idle gaps,
+#               with and without /dev/cpu_dma_latency held at 0) and `epd-lab bench http` (one kept-alive POST per
+#               server stack and client): $OUT/wakeup-latency.json, $OUT/http.json
 #     runtime   epd-lab bench runtime --device cuda --models $RT_MODELS (default qwen2-vl-2b,qwen2-vl-7b): the model
 #               runtimes $RT_RUNTIMES (default hf,fast) in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)
 #
@@ -23,7 +26,7 @@
 # $OUT/e2e-cuda-<model>[-$TAG].json. One call of the device tool runs at most 10 minutes: give each call the stages
 # that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
 # Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), SIZES (448,896), IMAGES (1,4,8),
-# CONCURRENCY (1,4,16), MEDIA (data-uri or url: how the e2e requests carry their images), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
+# CONCURRENCY (1,4,16), QOS (1: every bench e2e runs with /dev/cpu_dma_latency held at 0 µs), MEDIA (data-uri or url: how the e2e requests carry their images), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
 # TESTS (pytest arguments, e.g. node ids, instead of every file with cuda tests), EPD_LAB_COMMIT (the commit sent:
 # the device copy's .git may be older; the setup line and bench runtime record it).
 set -uo pipefail
@@ -63,7 +66,9 @@ bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $O
     local model=$1
     shift
     say "bench e2e --device cuda --model $model $*"
-    timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" --requests "$REQUESTS" \
+    local hold=()
+    [ "${QOS:-0}" = 1 ] && hold=(python3 scripts/wakeup_latency.py --hold --)
+    timeout "$STAGE_TIMEOUT" "${hold[@]}" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" --requests "$REQUESTS" \
         --max-tokens "$MAX_TOKENS" --media "${MEDIA:-data-uri}" --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" \
         2>&1 | stamp
     say "bench $model: exit ${PIPESTATUS[0]}"
@@ -82,6 +87,13 @@ for stage in "$@"; do
             say "tests: exit ${PIPESTATUS[0]}"
             ;;
         tiny) bench tiny ;;
+        hops)
+            say "wakeup latency; bench http"
+            timeout "$STAGE_TIMEOUT" python3 scripts/wakeup_latency.py --json "$OUT/wakeup-latency.json" 2>&1 | tail -3 | stamp
+            timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench http --rounds 10 --load-rounds 2 \
+                --json "$OUT/http.json" 2>&1 | tail -40 | stamp
+            say "hops: exit ${PIPESTATUS[0]}"
+            ;;
         2b) bench qwen2-vl-2b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 \
                 ${BACKENDS_2B:+--backends "$BACKENDS_2B"} ;;
         7b) bench qwen2-vl-7b --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" --kv-tokens 4096 \
@@ -134,7 +146,7 @@ for stage in "$@"; do
                 say "notebook skipped: papermill, plotly or ipykernel is not installed here"
             fi
             ;;
-        *) say "unknown stage '$stage' (tests, tiny, 2b, 7b, ab, rates, runtime, notebook)"; exit 2 ;;
+        *) say "unknown stage '$stage' (tests, tiny, hops, 2b, 7b, ab, rates, runtime, notebook)"; exit 2 ;;
     esac
 done
 say "done"
