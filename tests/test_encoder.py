@@ -357,16 +357,8 @@ def test_encode_answers_from_the_header_before_the_image_is_decoded(servers, rec
     meanwhile: its answer comes before its `decode` span even starts (/encode read the header only).
     672² (576 tokens): a ViT long enough to outlast an /encode, short enough for the servers' timeout."""
     server, (sock, port) = servers["mooncake"], pull
-    answers = {}
-    for req_id, seed in (("hdr_busy", 31), ("hdr", 32)):
-        path = tmp_path / f"{req_id}.png"
-        path.write_bytes(png_bytes((672, 672), seed))
-        resp = server.client.post("/encode", json=encode_body(req_id, [str(path)]))
-        answered = time.monotonic_ns()  # CLOCK_MONOTONIC, which the encoder's spans share
-        assert resp.status_code == 200, resp.text
-        answers[req_id] = resp.json(), answered
-    spans = {}
-    for req_id, (meta, _) in answers.items():
+
+    def send(meta: dict) -> EmbeddingNotify:
         buf = torch.zeros(meta["embedding_size"], dtype=torch.uint8)
         base, _, _ = receiver.register_buffer(buf)
         try:
@@ -375,8 +367,24 @@ def test_encode_answers_from_the_header_before_the_image_is_decoded(servers, rec
             msg = recv(sock)
         finally:
             receiver.deregister_buffer(buf)
-        assert msg.error is None and msg.req_id == req_id
-        spans[req_id] = {s.stage: s for s in msg.spans}
+        assert msg.error is None and msg.req_id == meta["req_id"]
+        return msg
+
+    # The encoder's first write to this receiver settles its shm copy (`transfer.shm_copy`: a calibration, seconds
+    # when loaded). Done first: during the first /send below, the second part would be held past its TTL (404).
+    send(server.client.post("/encode", json=encode_body("hdr_warm", [data_uri(IMG_B)])).json())
+    answers, paths = {}, {}
+    # Both images are made before the first /encode: making a 672² noise PNG takes as long as the ViT
+    # (~0.3 s, more when loaded), and between the two /encodes it let the busy ViT end first.
+    for req_id, seed in (("hdr_busy", 31), ("hdr", 32)):
+        paths[req_id] = tmp_path / f"{req_id}.png"
+        paths[req_id].write_bytes(png_bytes((672, 672), seed))
+    for req_id, path in paths.items():
+        resp = server.client.post("/encode", json=encode_body(req_id, [str(path)]))
+        answered = time.monotonic_ns()  # CLOCK_MONOTONIC, which the encoder's spans share
+        assert resp.status_code == 200, resp.text
+        answers[req_id] = resp.json(), answered
+    spans = {req_id: {s.stage: s for s in send(meta).spans} for req_id, (meta, _) in answers.items()}
     meta, answered = answers["hdr"]
     assert meta["grid_thw"] == [[1, 48, 48]] and meta["embedding_len"] == 576
     load, decode, vit = (spans["hdr"][stage] for stage in ("load", "decode", "vit"))

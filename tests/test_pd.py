@@ -233,24 +233,35 @@ def test_two_requests_concurrently(stack, model, images):
 
 
 def test_concurrent_decodes_interleave_steps(stack, model):
-    """Two long streams at once: the scheduler runs them round-robin, so their decode steps interleave in
-    time, and each one's tokens are still exactly its single-request (monolithic) tokens."""
-    n = 120
+    """Two streams at once: the scheduler runs them round-robin, so their decode steps interleave in time, and
+    each one's tokens are still exactly its single-request (monolithic) tokens.
+
+    `rr-a` is generating (its first step done) before `rr-b` is sent, and its client leaves only once `rr-b`
+    ended: the two overlap whatever the load. (Sent at once, 120 tokens each, one could end before a loaded
+    machine admitted the other.)"""
+    n, a_max = 120, 2000  # rr-a asks for far more than it generates here; its KV reservation leaves room for rr-b
     prompts = {"rr-a": "first of two " * 2, "rr-b": "second, longer prompt " * 3}
     kvs = {rid: stack.prefill(stack.main, rid, p).json()["kv_transfer_params"] for rid, p in prompts.items()}
-
-    def stream(rid: str) -> tuple[list[int], list]:
-        with stack.http.stream("POST", stack.decode.url + "/v1/decode",
-                               json=stack.decode_body(rid, kvs[rid], n, stream=True)) as r:
-            assert r.status_code == 200
-            lines = [json.loads(line) for line in r.iter_lines() if line]
-        return [ln["token"] for ln in lines[:-1]], [s for s in lines[-1]["spans"] if s[2] == "decode_step"]
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        got = dict(zip(prompts, pool.map(stream, prompts)))
+    url = stack.decode.url + "/v1/decode"
+    with stack.http.stream("POST", url, json=stack.decode_body("rr-a", kvs["rr-a"], a_max, stream=True)) as ra:
+        assert ra.status_code == 200
+        a_lines = (json.loads(line) for line in ra.iter_lines() if line)
+        a_tokens = [next(a_lines)["token"] for _ in range(2)]  # token 1 came from rr-a's first step
+        with stack.http.stream("POST", url, json=stack.decode_body("rr-b", kvs["rr-b"], n, stream=True)) as rb:
+            assert rb.status_code == 200
+            b_lines = [json.loads(line) for line in rb.iter_lines() if line]
+        assert b_lines[-1]["type"] == "done", b_lines[-1]
+        # rr-a still generates: its steps so far from the decode's recorder (its own last line never comes)
+        spans = stack.http.get(stack.decode.url + "/v1/spans", params={"request_id": "rr-a"}).json()["spans"]
+        a = [s for s in spans if s[2] == "decode_step"]
+        while len(a_tokens) <= len(a) and (line := next(a_lines))["type"] == "token":  # streamed already
+            a_tokens.append(line["token"])
+    # leaving the stream cancels rr-a (the pools_back fixture checks its blocks come back)
+    b = [s for s in b_lines[-1]["spans"] if s[2] == "decode_step"]
+    got = {"rr-a": a_tokens, "rr-b": [ln["token"] for ln in b_lines[:-1]]}
+    assert len(got["rr-b"]) == n
     for rid, prompt in prompts.items():
-        assert got[rid][0] == monolithic_generate(model, build_input_ids(prompt, []), None, None, n)
-    a, b = (got[rid][1] for rid in prompts)
+        assert got[rid] == monolithic_generate(model, build_input_ids(prompt, []), None, None, len(got[rid])), rid
     # some step of each falls strictly between two steps of the other: interleaved, not one after the other
     assert any(a[0][4] < s[4] < a[-1][5] for s in b) and any(b[0][4] < s[4] < b[-1][5] for s in a)
 
