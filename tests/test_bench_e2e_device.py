@@ -60,7 +60,7 @@ def _check(data: dict, device: str, dtype: str, image_size: int, image_tokens: i
 def test_a_small_cpu_run_writes_device_model_and_timings(tmp_path):
     data, stdout = _bench(tmp_path, "--device", "cpu", "--model", "tiny", "--image-size", "112", "--images", "1,2")
     _check(data, "cpu", "float32", 112, 16, (1, 2))  # 112² → 8×8 patches → 16 tokens after the 2×2 merge
-    assert data["gpu"] is None
+    assert data["gpu"] is None and data["recv_buffer"] == "host"  # auto, on the CPU
     assert "tiny on cpu (no GPU), float32" in stdout
 
 
@@ -92,6 +92,8 @@ def test_cuda_without_a_gpu_fails_at_once_with_the_reason():
     (["--images", "1,x"], "invalid _ints value"),
     (["--dtype", "float16"], "invalid choice"),
     (["--media", "path"], "invalid choice"),
+    (["--recv-buffer", "device"], "a device receive buffer needs a CUDA device"),
+    (["--recv-buffer", "gpu"], "invalid choice"),
 ])
 def test_bad_options_are_refused_before_anything_runs(capsys, args, message):
     from epd_lab.bench.e2e import main

@@ -33,6 +33,7 @@ from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings, create_app as proxy_app
 from epd_lab.serving import (BadRequest, Conflict, GatewayTimeout, Metric, Unavailable, from_argv, json_response,
                              parser, read_body, read_struct, role_app, to_argv)
+from epd_lab.serving.app import DirectPosts
 from epd_lab.trace import Recorder
 
 NON_DEFAULT = [
@@ -151,7 +152,7 @@ class Role:
 @pytest.fixture()
 def role() -> tuple[TestClient, Role]:
     it = Role()
-    app = role_app("test", lambda: it, ("/raise/{status}", "/body", "/struct"))
+    app = role_app("test", lambda: it, ("/raise/{status}", "/body", "/struct", "/plain"))
 
     @app.post("/raise/{status}")
     async def raise_(status: int) -> None:
@@ -165,6 +166,15 @@ def role() -> tuple[TestClient, Role]:
     @app.post("/struct")
     async def struct(request: Request):
         return json_response(await read_struct(request, dict[str, int]))
+
+    @app.post("/plain")
+    async def plain(request: Request):
+        what = bytes(await read_body(request))
+        if what == b"conflict":
+            raise Conflict("raised in a plain route")
+        if what == b"bug":
+            raise RuntimeError("a bug in a plain route")
+        return json_response({"echo": what.decode()})
 
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, it
@@ -182,6 +192,25 @@ def test_typed_errors_answer_their_status_and_detail(role) -> None:
     assert r.status_code == 404 and set(r.json()) == {"detail"}
     r = client.get("/raise/400")
     assert r.status_code == 405 and set(r.json()) == {"detail"}
+
+
+def test_plain_posts_skip_the_framework_and_answer_as_it_would(role) -> None:
+    """`DirectPosts`: a POST to a static route taking only the request calls it directly; its answers, errors
+    and counts are what the framework's way gives (a route with a path parameter still goes that way)."""
+    client, _ = role
+    assert client.post("/plain", content=b"hi").json() == {"echo": "hi"}
+    r = client.post("/plain", content=b"conflict")
+    assert (r.status_code, r.json()) == (409, {"detail": "raised in a plain route"})
+    r = client.post("/plain", content=b"bug")  # on to the framework's error middleware: 500, the server serves on
+    assert (r.status_code, r.json()) == (500, {"detail": "RuntimeError: a bug in a plain route"})
+    assert client.get("/plain").status_code == 405
+    direct = client.app.middleware_stack
+    while not isinstance(direct, DirectPosts):
+        direct = direct.app
+    assert set(direct.table) == {"/body", "/struct", "/plain"}  # not /raise/{status}
+    text = client.get("/metrics").text
+    for status in (200, 409, 500, 405):
+        assert f'epd_test_requests_total{{route="/plain",status="{status}"}} 1' in text, status
 
 
 def test_one_body_limit_and_one_decoder(role) -> None:

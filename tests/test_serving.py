@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
+from fastapi.responses import Response
 
 from epd_lab import serving
 from epd_lab.bench import http as bench_http
 from epd_lab.launch import Cluster, Topology
+from helpers import wait_for
 
 BODY = bench_http.bodies()["small"]
 N = 50
@@ -148,3 +154,46 @@ def test_bench_http_writes_the_json_schema(tmp_path):
         (*stack, body) for stack in bench_http.STACKS for body in ("small", "image")}
     assert all(r["median_rps"] > 0 and r["connections"] == 4 for r in data["load"])  # one per request in flight
     assert data["nagle"]["nodelay_median_us"] > 0 and data["machine"]["cores"] >= 1
+
+
+@pytest.mark.parametrize("loop,parser", [("uvloop", "httptools"), ("asyncio", "h11")])
+def test_client_gone_reads_a_closed_connection_and_leaves_an_open_one_serving(loop, parser):
+    """`serving.client_gone` (the proxy's, prefill's and encoder's check before they start work) on a real
+    uvicorn, both stacks: a client still connected reads False, twice, and its request is still answered (the
+    stepped receive left the exchange whole); a client that sent its body and closed the socket reads True."""
+    app, seen = FastAPI(), []
+
+    @app.post("/check")
+    async def check(request: Request) -> Response:
+        await serving.read_body(request)
+        return Response(json.dumps([serving.client_gone(request), serving.client_gone(request)]))
+
+    @app.post("/watch")
+    async def watch(request: Request) -> Response:
+        await serving.read_body(request)
+        for _ in range(1000):  # at most 5 s: the client closes at once
+            if serving.client_gone(request):
+                break
+            await asyncio.sleep(0.005)
+        seen.append(serving.client_gone(request))
+        return Response(b"{}")
+
+    sock = serving.bind_tcp("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, loop=loop, http=parser, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 10, "uvicorn did not start")
+        url = serving.url_of("127.0.0.1", sock)
+        r = httpx.post(url + "/check", content=BODY, headers=bench_http.HEADERS)
+        assert r.status_code == 200 and r.json() == [False, False]
+        with socket.create_connection(sock.getsockname()) as client:
+            client.sendall(b"POST /watch HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+        wait_for(lambda: seen, 10, "the route did not finish")
+        assert seen == [True]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+    assert not thread.is_alive()

@@ -53,6 +53,7 @@ from epd_lab.bench import write_json
 from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.ep.media import MediaPolicy, fetch_media
 from epd_lab.ep.messages import BACKENDS, DTYPES
+from epd_lab.ep.receiver import RECV_BUFFERS, resolve_recv_buffer
 from epd_lab.launch import Cluster, Topology
 from epd_lab.kv import PagedKVCache, blocks_needed
 from epd_lab.models import (
@@ -95,6 +96,8 @@ class Setup:
         runtime: the model runtime of the floor and of every model role (`epd_lab.models.runtime`).
         media: how a request carries its images: ``data-uri`` (inside the JSON) or ``url`` (fetched by the
             encoders, and by the floor, from the bench's media server).
+        recv_buffer: where the prefill's E→P receive buffer lives (`epd_lab.ep.receiver.RECV_BUFFERS`; ``auto``:
+            pinned host memory on CUDA, pageable on the CPU).
     """
 
     device: str = "cpu"
@@ -105,6 +108,7 @@ class Setup:
     kv_tokens: int = 512
     runtime: str = "fast"
     media: str = "data-uri"
+    recv_buffer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.image_size < MIN_IMAGE_SIZE:
@@ -117,6 +121,7 @@ class Setup:
             raise ValueError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
         if self.media not in MEDIA:
             raise ValueError(f"unknown media {self.media!r}; choose one of {', '.join(MEDIA)}")
+        resolve_recv_buffer(self.recv_buffer, self.device)  # a buffer this device cannot have fails here
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -349,7 +354,8 @@ def cluster_for(setup: Setup, backend: str = "mooncake", pipelined: bool = False
     return Cluster(setup.topology(encoders=2, backend=backend, prefills=1, decodes=1, proxy=True, timeout=60,
                                   pipelined=pipelined, kv_blocks=room.kv_blocks,
                                   settings={"encoder": {"max_held_bytes": room.max_held_bytes,
-                                                        "media_private_hosts": setup.media == "url"}}))
+                                                        "media_private_hosts": setup.media == "url"},
+                                            "prefill": {"recv_buffer": setup.recv_buffer}}))
 
 
 def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setup = Setup(),
@@ -513,7 +519,8 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
             return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
                     "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
-                    "media": setup.media, "media_fetches": None if media.server is None else media.server.requests,
+                    "media": setup.media, "recv_buffer": resolve_recv_buffer(setup.recv_buffer, setup.device),
+                    "media_fetches": None if media.server is None else media.server.requests,
                     "max_tokens": max_tokens, "concurrency": list(concurrency), "kv_blocks": room.kv_blocks,
                     "max_held_bytes": room.max_held_bytes,
                     "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
@@ -596,10 +603,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--media", default="data-uri", choices=MEDIA,
                     help="how requests carry their images: inside the JSON (data-uri), or by URL from the bench's "
                          "media server (fetched by the encoders and by the floor)")
+    ap.add_argument("--recv-buffer", default="auto", choices=RECV_BUFFERS,
+                    help="the prefill's E→P receive buffer: host, pinned or device (GPU) memory; auto: pinned on "
+                         "CUDA, host on the CPU")
     args = ap.parse_args(argv)
     try:
         setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens,
-                      args.runtime, args.media)
+                      args.runtime, args.media, args.recv_buffer)
         grid = [(size, images) for size in args.image_size for images in args.images]
         for size, images in grid:
             replace(setup, image_size=size, images=images)  # each point's sizes checked here, not mid-run

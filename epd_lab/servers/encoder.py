@@ -97,7 +97,7 @@ from epd_lab.ep.messages import (
 from epd_lab.ep.push import PushSockets
 from epd_lab.failpoints import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
-                             Metric, NotFound, ServingError, Ticket, Unavailable, decode_body, engine_metrics,
+                             Metric, NotFound, ServingError, Ticket, Unavailable, client_gone, decode_body, engine_metrics,
                              json_response, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.models.runtime import open_runtime
 from epd_lab.serving.placement import ModelSettings, check_transport, synchronize, transport_option, use_device
@@ -666,7 +666,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
 
         async def body() -> bytes:
             raw = await read_body(request)
-            if await request.is_disconnected():  # e.g. read on waking from a freeze the receiver passed over
+            if client_gone(request):  # e.g. read on waking from a freeze the receiver passed over
                 raise ClientClosed("the client closed /encode before it was read: nothing is held for it")
             return raw
 

@@ -64,9 +64,9 @@ from epd_lab.servers.messages import (
     encode,
 )
 from epd_lab.servers.text import prompt_tokens
-from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, deadline_budget,
-                             decode_body, engine_metrics, error_for_status, option, read_body, read_struct, role_app,
-                             serve_main)
+from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, client_gone,
+                             deadline_budget, decode_body, engine_metrics, error_for_status, option, read_body,
+                             read_struct, role_app, serve_main)
 from epd_lab.serving.placement import PagedKVSettings, check_transport, synchronize, transport_option, use_device
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive, check_urls
 from epd_lab.trace import Recorder, Span
@@ -360,7 +360,7 @@ def create_app(settings: PrefillSettings) -> FastAPI:
 
     async def _prefill(server: PrefillServer, request: Request, deadline: float, t_in: int) -> Response:
         body = await read_body(request)
-        if await request.is_disconnected():  # e.g. read on waking from a freeze the proxy passed over: no compute
+        if client_gone(request):  # e.g. read on waking from a freeze the proxy passed over: no compute
             raise ClientClosed("the client closed the request before its prefill began")
 
         def run() -> bytes:  # one hop off the loop: the body (data: URIs, MiBs) decodes in the worker too

@@ -98,7 +98,7 @@ from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, P
 from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
 from epd_lab.serving import (DEADLINE_HEADER, KV_DEADLINE_HEADER, PROBE_INTERVAL, STALL_MISSES, BadGateway,
                              BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, ServingError,
-                             Unavailable, deadline_budget, decode_body, json_response, option, read_body, role_app,
+                             Unavailable, client_gone, deadline_budget, decode_body, json_response, option, read_body, role_app,
                              serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT, Drain, RecentLow
 from epd_lab.serving.body import SMALL_BODY_BYTES
@@ -528,7 +528,7 @@ class Proxy:
         if workers:
             self.drain.add(time.monotonic() - t0 / 1e9, ahead, workers)
         try:
-            if await request.is_disconnected():
+            if client_gone(request):
                 raise ClientClosed("the client closed the request before decode began")
             if job.stream:  # the stream starts with prefill's token; decode (asked already, or now) does the rest
                 stream = _TokenStream(self, job, prefill_backend, prefill, decode)

@@ -17,7 +17,7 @@
 """
 from epd_lab.serving.admission import DEADLINE_HEADER, KV_DEADLINE_HEADER, Admission, Ticket, deadline_budget
 from epd_lab.serving.app import Role, json_response, role_app
-from epd_lab.serving.body import MAX_BODY_BYTES, decode_body, read_body, read_struct
+from epd_lab.serving.body import MAX_BODY_BYTES, client_gone, decode_body, read_body, read_struct
 from epd_lab.serving.errors import (BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                                     NotFound, PayloadTooLarge, ServingError, Unavailable, error_for_status)
 from epd_lab.serving.liveness import PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE, Circuits, Liveness
@@ -30,7 +30,7 @@ __all__ = ["CLIENT_KEEPALIVE_S", "DEADLINE_HEADER", "KEEPALIVE_S", "KV_DEADLINE_
            "PARSERS", "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE",
            "Admission", "BadGateway", "BadRequest", "Circuits", "ClientClosed",
            "Conflict", "Forbidden", "GatewayTimeout", "Liveness", "Metric", "NotFound", "PayloadTooLarge", "Role",
-           "ServingError", "Ticket", "Unavailable", "bind_tcp", "deadline_budget", "decode_body", "engine_metrics",
+           "ServingError", "Ticket", "Unavailable", "bind_tcp", "client_gone", "deadline_budget", "decode_body", "engine_metrics",
            "error_for_status", "from_argv", "http_info", "http_stack", "json_response", "metrics_text", "option",
            "parser", "read_body", "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main",
            "to_argv", "url_of"]

@@ -16,7 +16,7 @@ import collections
 import contextlib
 import inspect
 import math
-from typing import Any, AsyncIterator, Callable, Iterable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Protocol
 
 import msgspec
 
@@ -25,7 +25,7 @@ from epd_lab.serving.errors import ServingError, error_for_status
 from epd_lab.serving.metrics import CountRequests, Metric, metrics_text
 from epd_lab.serving.stack import http_info
 
-__all__ = ["Gate", "RequireBearer", "Role", "error_response", "json_response", "role_app"]
+__all__ = ["DirectPosts", "Gate", "RequireBearer", "Role", "error_response", "json_response", "role_app"]
 
 STATUS_ROUTES = ("/health", "/metrics", "/v1/spans", "/v1/clock")
 
@@ -110,6 +110,52 @@ class Gate:
         await error_response(exc, self.error_body)(scope, receive, send)
 
 
+class DirectPosts:
+    """ASGI middleware: a POST to one of the app's plain routes (a static path, ``async def route(request)``)
+    calls its function directly, without the framework's routing, dependency solving and exception middleware
+    between: each role's request route (/v1/prefill, /encode, /v1/chat/completions...) is a hop on a split
+    request's critical path, and that machinery cost a lone POST about a third of its round trip
+    (`data/bench/direct-posts-cpu-amd-epyc.json`). Answers are the framework's: a `ServingError` is answered
+    here with the role's error body; any other exception goes on to the framework's outermost error middleware,
+    which answers it 500 (`role_app`'s handler) and raises it on for the server's log, as before. Other methods
+    and paths, and routes taking anything else, go the framework's way.
+
+    `routes()` gives the app's routes; the table is built at the first request, once every route is added."""
+
+    def __init__(self, app: Any, routes: Callable[[], Iterable[Any]],
+                 error_body: Callable[[ServingError], Any]) -> None:
+        self.app, self.routes, self.error_body = app, routes, error_body
+        self.table: dict[str, Callable[[Any], Awaitable[Any]]] | None = None
+
+    def _plain_posts(self) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+        table = {}
+        for route in self.routes():
+            endpoint, path = getattr(route, "endpoint", None), getattr(route, "path", "")
+            if (getattr(route, "methods", None) == {"POST"} and "{" not in path
+                    and inspect.iscoroutinefunction(endpoint)
+                    and list(inspect.signature(endpoint).parameters) == ["request"]):
+                table[path] = endpoint
+        return table
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        if self.table is None:
+            self.table = self._plain_posts()
+        endpoint = self.table.get(scope["path"])
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        from starlette.requests import Request
+
+        try:
+            response = await endpoint(Request(scope, receive, send))
+        except ServingError as exc:
+            response = error_response(exc, self.error_body)
+        await response(scope, receive, send)
+
+
 def error_response(exc: ServingError, error_body: Callable[[ServingError], Any]) -> Any:
     """`exc` answered: its status, the role's error body, and ``Retry-After`` (whole seconds, at least 1) when
     it says when to retry."""
@@ -152,7 +198,8 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
 
     app = FastAPI(title=f"epd_lab {role}", lifespan=lifespan)
     app.state.requests = requests
-    if gate is not None:  # innermost of the three: only a request with the secret is judged, and it is counted
+    app.add_middleware(DirectPosts, routes=lambda: app.router.routes, error_body=error_body)  # innermost
+    if gate is not None:  # inside the secret's check and the counter: only a request with the secret is judged
         app.add_middleware(Gate, check=gate, error_body=error_body)
     secret = security.resolve(secret)
     if secret is not None:  # inside the counter (added later is outer), so refusals are counted as 401s
