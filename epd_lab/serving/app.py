@@ -114,7 +114,7 @@ class DirectPosts:
     """ASGI middleware: a POST to one of the app's plain routes (a static path, ``async def route(request)``)
     calls its function directly, without the framework's routing, dependency solving and exception middleware
     between: each role's request route (/v1/prefill, /encode, /v1/chat/completions...) is a hop on a split
-    request's critical path, and that machinery cost a lone POST about a third of its round trip
+    request's critical path, and that machinery took about a quarter of a lone POST's round trip
     (`data/bench/direct-posts-cpu-amd-epyc.json`). Answers are the framework's: a `ServingError` is answered
     here with the role's error body; any other exception goes on to the framework's outermost error middleware,
     which answers it 500 (`role_app`'s handler) and raises it on for the server's log, as before. Other methods
