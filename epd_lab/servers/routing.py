@@ -60,7 +60,6 @@ class Backend:
     # set when it is found stalled: exchanges waiting on it give up; a fresh one once it answers again
     stall: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     streams: set[aiohttp.ClientResponse] = dataclasses.field(default_factory=set)  # open decode streams
-    cuts: set[Callable[[], None]] = dataclasses.field(default_factory=set)  # `progressing`'s waits on it, cut on a stall
 
     def up(self, now: float) -> bool:
         return self.liveness.up(now)
@@ -123,8 +122,6 @@ class Pool:
         if backend.liveness.probed(False):
             backend.stalls += 1
             backend.stall.set()
-            for cut in list(backend.cuts):
-                cut()
             for response in list(backend.streams):
                 response.close()
 
@@ -135,32 +132,20 @@ class Stalled(Exception):
 
 async def progressing(backend: Backend, aw: Awaitable[T], timeout: float | None = None) -> T:
     """`aw`'s result, unless `backend` is found stalled first (then `aw` is cancelled and `Stalled` raised) or
-    `timeout` seconds pass (`asyncio.TimeoutError`). `aw` runs in the caller's own task, which a stall cancels
-    (`Pool.probed`): no task of its own and no watcher task, two turns of the loop fewer on each exchange with a
-    backend (a split request makes one with its prefill on its critical path)."""
-    task = asyncio.current_task()
-    assert task is not None, "progressing runs in a task"
-    stalled = False
-
-    def cut() -> None:
-        nonlocal stalled
-        stalled = True
-        task.cancel()
-
-    if backend.stall.is_set():
-        if hasattr(aw, "close"):
-            aw.close()  # a coroutine never awaited
-        raise Stalled()
-    backend.cuts.add(cut)
+    `timeout` seconds pass (`asyncio.TimeoutError`)."""
+    task = asyncio.ensure_future(aw)
+    stall = asyncio.ensure_future(backend.stall.wait())
     try:
-        async with asyncio.timeout(timeout):
-            return await aw
-    except asyncio.CancelledError:
-        if stalled and task.uncancel() == 0:  # cancelled by the stall alone, not by this task's caller too
-            raise Stalled() from None
-        raise
+        done, _ = await asyncio.wait((task, stall), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        backend.cuts.discard(cut)
+        stall.cancel()
+        if not task.done():
+            task.cancel()  # stalled, timed out, or this caller cancelled
+    if task in done:
+        return task.result()
+    if stall in done:
+        raise Stalled()
+    raise asyncio.TimeoutError()
 
 
 class PoolClient:
