@@ -26,8 +26,8 @@
 # $OUT/e2e-cuda-<model>[-$TAG].json. One call of the device tool runs at most 10 minutes: give each call the stages
 # that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
 # Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), SIZES (448,896), IMAGES (1,4,8),
-# CONCURRENCY (1,4,16), QOS (1: every bench e2e runs with /dev/cpu_dma_latency held at 0 µs), RECV_BUFFER (the prefill's
-# --recv-buffer: pinned, device or host; unset: auto), MEDIA (data-uri or url: how the e2e requests carry their images), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
+# CONCURRENCY (1,4,16), QOS (1: every bench e2e runs with /dev/cpu_dma_latency held at 0 µs), RECV_BUFFER
+# (the prefill's --recv-buffer: pinned, device or host; unset: auto), MEDIA (data-uri or url: how the e2e requests carry their images), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
 # TESTS (pytest arguments, e.g. node ids, instead of every file with cuda tests), EPD_LAB_COMMIT (the commit sent:
 # the device copy's .git may be older; the setup line and bench runtime record it).
 set -uo pipefail
@@ -69,9 +69,9 @@ bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $O
     say "bench e2e --device cuda --model $model $*"
     local hold=()
     [ "${QOS:-0}" = 1 ] && hold=(python3 scripts/wakeup_latency.py --hold --)
-    timeout "$STAGE_TIMEOUT" "${hold[@]}" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" --requests "$REQUESTS" \
-        --max-tokens "$MAX_TOKENS" --media "${MEDIA:-data-uri}" ${RECV_BUFFER:+--recv-buffer "$RECV_BUFFER"} \
-        --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" \
+    timeout "$STAGE_TIMEOUT" "${hold[@]}" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" \
+        --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --media "${MEDIA:-data-uri}" \
+        ${RECV_BUFFER:+--recv-buffer "$RECV_BUFFER"} --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" \
         2>&1 | stamp
     say "bench $model: exit ${PIPESTATUS[0]}"
 }
@@ -91,7 +91,8 @@ for stage in "$@"; do
         tiny) bench tiny ;;
         hops)
             say "wakeup latency; bench http"
-            timeout "$STAGE_TIMEOUT" python3 scripts/wakeup_latency.py --json "$OUT/wakeup-latency.json" 2>&1 | tail -3 | stamp
+            timeout "$STAGE_TIMEOUT" python3 scripts/wakeup_latency.py --json "$OUT/wakeup-latency.json" 2>&1 |
+                tail -3 | stamp
             timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench http --rounds 10 --load-rounds 2 \
                 --json "$OUT/http.json" 2>&1 | tail -40 | stamp
             say "hops: exit ${PIPESTATUS[0]}"

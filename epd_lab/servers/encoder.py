@@ -97,8 +97,8 @@ from epd_lab.ep.messages import (
 from epd_lab.ep.push import PushSockets
 from epd_lab.failpoints import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
-                             Metric, NotFound, ServingError, Ticket, Unavailable, client_gone, decode_body, engine_metrics,
-                             json_response, option, read_body, read_struct, role_app, serve_main)
+                             Metric, NotFound, ServingError, Ticket, Unavailable, client_gone, decode_body,
+                             engine_metrics, json_response, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.models.runtime import open_runtime
 from epd_lab.serving.placement import ModelSettings, check_transport, synchronize, transport_option, use_device
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive

@@ -98,8 +98,8 @@ from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, P
 from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
 from epd_lab.serving import (DEADLINE_HEADER, KV_DEADLINE_HEADER, PROBE_INTERVAL, STALL_MISSES, BadGateway,
                              BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, ServingError,
-                             Unavailable, client_gone, deadline_budget, decode_body, json_response, option, read_body, role_app,
-                             serve_main)
+                             Unavailable, client_gone, deadline_budget, decode_body, json_response, option, read_body,
+                             role_app, serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT, Drain, RecentLow
 from epd_lab.serving.body import SMALL_BODY_BYTES
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls

@@ -30,7 +30,7 @@ __all__ = ["CLIENT_KEEPALIVE_S", "DEADLINE_HEADER", "KEEPALIVE_S", "KV_DEADLINE_
            "PARSERS", "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE",
            "Admission", "BadGateway", "BadRequest", "Circuits", "ClientClosed",
            "Conflict", "Forbidden", "GatewayTimeout", "Liveness", "Metric", "NotFound", "PayloadTooLarge", "Role",
-           "ServingError", "Ticket", "Unavailable", "bind_tcp", "client_gone", "deadline_budget", "decode_body", "engine_metrics",
-           "error_for_status", "from_argv", "http_info", "http_stack", "json_response", "metrics_text", "option",
-           "parser", "read_body", "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main",
+           "ServingError", "Ticket", "Unavailable", "bind_tcp", "client_gone", "deadline_budget", "decode_body",
+           "engine_metrics", "error_for_status", "from_argv", "http_info", "http_stack", "json_response",
+           "metrics_text", "option", "parser", "read_body", "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main",
            "to_argv", "url_of"]

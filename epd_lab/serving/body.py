@@ -40,10 +40,11 @@ async def read_body(request: Any, limit: int = MAX_BODY_BYTES) -> bytearray:
 
 def client_gone(request: Any) -> bool:
     """Whether the client closed the connection, once the body was read: Starlette's `Request.is_disconnected`
-    without its cancel scope, about a thirteenth of its cost (`data/bench/client-gone-check-cpu-amd-epyc.json`; a lone
-    split request makes three such checks on its critical path: proxy, prefill, encoder). The ASGI ``receive`` is stepped once: a message it has now is
-    read, one it would wait for is not waited for (the step is closed, as a cancel would end it). A receive that
-    suspends for any other reason reads as "not gone", never as a hang."""
+    without its cancel scope, about a thirteenth of its cost (`data/bench/client-gone-check-cpu-amd-epyc.json`; a
+    lone split request makes three such checks on its critical path: proxy, prefill, encoder). The ASGI
+    ``receive`` is stepped once: a message it has now is read, one it would wait for is not waited for (the step
+    is closed, as a cancel would end it). A receive that suspends for any other reason reads as "not gone", never
+    as a hang."""
     if request._is_disconnected:  # Starlette's own flag, which its `is_disconnected` keeps too
         return True
     step = request.receive()
