@@ -5,7 +5,7 @@ A ping-pong of one byte between two processes over a socketpair: the round trip 
 ``/dev/cpu_dma_latency`` held at 0 µs (the PM QoS request of tuned's latency-performance profile: idle CPUs poll
 instead of halting; released when the file closes). Conditions alternate per round. Prints one JSON object.
 
-    python3 scripts/wakeup_latency.py [--rounds 4] [--json PATH]
+    python3 scripts/wakeup_latency.py [--rounds 4] [--json PATH]   # epd_lab importable (venv or PYTHONPATH=.)
     python3 scripts/wakeup_latency.py --hold -- CMD ARGS...   # run CMD with the QoS request held (root)
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+
+from epd_lab.transfer.shm_copy import cpu_info
 
 QOS_PATH = "/dev/cpu_dma_latency"
 GAPS_S = (0.0, 0.001, 0.005)
@@ -77,7 +79,7 @@ def measure(rounds: int, n: int) -> dict:
         rows[key] = {"p50_us": statistics.median(xs), "p10_us": xs[len(xs) // 10], "p90_us": xs[len(xs) * 9 // 10],
                      "n": len(xs)}
     return {"what": "one-byte socketpair round trip between two processes after an idle gap",
-            "cpu": _cpu(), "kernel": platform.release(), "cpus": os.cpu_count(),
+            "cpu": cpu_info()["model"], "kernel": platform.release(), "cpus": os.cpu_count(),
             "cpuidle": _read("/sys/devices/system/cpu/cpuidle/current_driver"), "rounds": rounds, "cells": rows}
 
 
@@ -86,13 +88,6 @@ def _read(path: str) -> str | None:
         with open(path) as f:
             return f.read().strip()
     return None
-
-
-def _cpu() -> str:
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> int:

@@ -124,7 +124,9 @@ class DirectPosts:
 
     def __init__(self, app: Any, routes: Callable[[], Iterable[Any]],
                  error_body: Callable[[ServingError], Any]) -> None:
-        self.app, self.routes, self.error_body = app, routes, error_body
+        from starlette.requests import Request  # imported with the app, not per request
+
+        self.app, self.routes, self.error_body, self.request = app, routes, error_body, Request
         self.table: dict[str, Callable[[Any], Awaitable[Any]]] | None = None
 
     def _plain_posts(self) -> dict[str, Callable[[Any], Awaitable[Any]]]:
@@ -147,10 +149,8 @@ class DirectPosts:
         if endpoint is None:
             await self.app(scope, receive, send)
             return
-        from starlette.requests import Request
-
         try:
-            response = await endpoint(Request(scope, receive, send))
+            response = await endpoint(self.request(scope, receive, send))
         except ServingError as exc:
             response = error_response(exc, self.error_body)
         await response(scope, receive, send)
