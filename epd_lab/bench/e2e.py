@@ -33,6 +33,7 @@ import argparse
 import gc
 import http.client
 import io
+import itertools
 import statistics
 import threading
 import time
@@ -80,6 +81,9 @@ BLOCK_SIZE = 16  # tokens per KV block: the roles' default (--block-size), the f
 CONCURRENCY = (1, 4, 16)
 MIN_IMAGE_SIZE = 56  # the processor's smallest image side (MIN_PIXELS = 56²)
 MEDIA = ("data-uri", "url")
+# the floor's TTFT in host marks (`stages_ms`): the fetch, the PNG decode with the preprocessing, the tower's
+# call, then the prefill to the first token's read (which waits for whatever GPU work the tower left queued)
+FLOOR_STAGES = ("fetch", "preprocess", "encode", "prefill")
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,7 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: to
     prompt_len = len(build_input_ids(prompt, [image_grid((setup.image_size,) * 2)] * setup.images).view(-1))
     table = list(range(blocks_needed(prompt_len + max_tokens, BLOCK_SIZE)))
     ttft, tpot = [], []
+    stages: dict[str, list[float]] = {name: [] for name in FLOOR_STAGES}
     with PagedKVCache.from_config(model.config, num_blocks=len(table), block_size=BLOCK_SIZE,
                                   dtype=setup.torch_dtype, device=model_device(model)) as cache, \
             open_runtime(setup.runtime, model, cache) as rt:
@@ -221,8 +226,11 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: to
             items = [media.item(raw) for raw in _images(1000 + r, setup)]
             t0 = time.perf_counter()
             raws = [media.raw(item) for item in items]
+            t_fetched = time.perf_counter()
             pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)) for raw in raws], model_device(model))
+            t_preprocessed = time.perf_counter()
             embeds = rt.encode(pixel_values, grid)
+            t_encoded = time.perf_counter()
             input_ids = build_input_ids(prompt, grid.tolist())
             result = rt.prefill(input_ids, embeds, grid, table)
             token = int(result.logits.argmax(-1))  # a host read: waits for the GPU's work
@@ -233,11 +241,14 @@ def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: to
             t2 = time.perf_counter()
             if r:
                 ttft.append((t1 - t0) * 1e3)
+                for name, (a, b) in zip(FLOOR_STAGES, itertools.pairwise((t0, t_fetched, t_preprocessed, t_encoded,
+                                                                         t1))):
+                    stages[name].append((b - a) * 1e3)
                 tpot.append((t2 - t1) * 1e3 / max(1, max_tokens - 1))
         media.forget()
         reference = monolithic_chat(model, _messages(_images(0, setup)), max_tokens, runtime=rt)
     return {"path": "monolithic", "concurrency": 1, **_point(setup), "media": media.kind, "ttft_ms": _summary(ttft),
-            "tpot_ms": _summary(tpot),
+            "tpot_ms": _summary(tpot), "stages_ms": {name: _summary(v) for name, v in stages.items()},
             "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1)),
             "reference": reference, "prompt_tokens": input_ids.shape[-1], "image_tokens": int(embeds.shape[0]),
             "embedding_bytes": embeds.nbytes}
