@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 from PIL import Image
 
-from epd_lab.ep.receiver import EmbeddingReceiver, ReceivedEmbeddings
+from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceivedEmbeddings
 from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids, monolithic_prefill, preprocess
 from epd_lab.serving.placement import synchronize
 from epd_lab.trace import Span
@@ -55,12 +55,24 @@ class EPDPrefill:
             synchronize(result.logits.device)  # GPU kernels run asynchronously: the span ends when they did
         return EPDResult(rid, result, prompt.received, self.receiver.recorder.spans(rid))
 
-    def receive(self, text: str, mm_items: list[str], rid: str) -> ReceivedPrompt:
+    def receive(self, text: str, mm_items: list[str], rid: str,
+                on_prompt: Callable[[torch.Tensor], None] | None = None) -> ReceivedPrompt:
         """The E→P part alone: encode `mm_items` on the encoders, collect the embeddings, build the prompt (the
-        images, then `text`). A prefill server runs its own runtime's forward on the result."""
-        got = self.receiver.receive(mm_items, rid)
+        images, then `text`). A prefill server runs its own runtime's forward on the result. The prompt's ids are
+        built from the encoders' /encode answers, while the embeddings are on their way, and handed to
+        `on_prompt` then (the prefill server checks the prompt's length and holds its KV there)."""
+        early: list = []
+
+        def on_sizes(grids: dict[str, list[list[int]]]) -> None:
+            early[:] = [grids["image"], build_input_ids(text, grids["image"])]
+            if on_prompt is not None:
+                on_prompt(early[1])
+
+        got = self.receiver.receive(mm_items, rid, on_sizes=on_sizes)
         grids = got.grid_thw["image"]
-        return ReceivedPrompt(build_input_ids(text, grids), got.embeddings["image"], torch.tensor(grids), got)
+        if grids != early[0]:  # the notifies must describe what the /encode answers announced
+            raise EPDError(f"request {rid}: the embeddings' grids {grids} are not the /encode answers' {early[0]}")
+        return ReceivedPrompt(early[1], got.embeddings["image"], torch.tensor(grids), got)
 
 
 def reference_prefill(model: torch.nn.Module, text: str, images: Sequence[Image.Image]) -> torch.Tensor:

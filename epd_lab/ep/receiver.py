@@ -42,7 +42,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -78,6 +78,7 @@ from epd_lab.transfer import TransferEngine, as_array, open_engine
 
 
 RELEASE_RETRY_S = 120.0  # a part whose /release got no answer is retried while its encoder may still hold it
+SizesCallback = Callable[[dict[str, list[list[int]]]], None]  # `receive`'s on_sizes: each modality's grids
 RECV_BUFFERS = ("auto", "host", "pinned", "device")  # where a request's buffer lives; auto: `resolve_recv_buffer`
 
 
@@ -312,12 +313,16 @@ class EmbeddingReceiver:
                 self.counters["stray_messages"] += 1  # a part that already failed or timed out
 
     # ---- the request ----
-    def receive(self, mm_items: list[str], rid: str | None = None, modality: str = "image") -> ReceivedEmbeddings:
-        """Encode `mm_items` on the encoders and return their embeddings (raises `EPDError`)."""
-        return self.receive_by_modality({modality: list(mm_items)}, rid)
+    def receive(self, mm_items: list[str], rid: str | None = None, modality: str = "image",
+                on_sizes: SizesCallback | None = None) -> ReceivedEmbeddings:
+        """Encode `mm_items` on the encoders and return their embeddings (raises `EPDError`). `on_sizes(grids)`,
+        when given, is called in this thread with each modality's grids once every /encode answered (mooncake:
+        and every /send went out), while the embeddings are still on their way: what their prompt needs can be
+        made ready meanwhile; what it raises fails the request as it is."""
+        return self.receive_by_modality({modality: list(mm_items)}, rid, on_sizes)
 
-    def receive_by_modality(self, items_by_modality: dict[str, list[str]],
-                            rid: str | None = None) -> ReceivedEmbeddings:
+    def receive_by_modality(self, items_by_modality: dict[str, list[str]], rid: str | None = None,
+                            on_sizes: SizesCallback | None = None) -> ReceivedEmbeddings:
         """As `receive`, for several modalities at once (parts numbered across them). A modality is a
         `Modality` name in any case (``"image"``); `ValueError` for another."""
         for modality in items_by_modality:  # refused before any encoder hears of the request
@@ -335,8 +340,11 @@ class EmbeddingReceiver:
         sent: set[str] = set()  # mooncake: parts whose /send the encoder answered (so it holds them no more)
         try:
             plans, responses = map(list, zip(*self._parallel(plans, lambda p: self._start_part(rid, len(plans), p))))
+            sized = (lambda: on_sizes(_grids(plans, responses))) if on_sizes is not None else None
             if self.config.backend == "mooncake":
-                return self._receive_mooncake(rid, plans, responses, futures, deadline, sent)
+                return self._receive_mooncake(rid, plans, responses, futures, deadline, sent, sized)
+            if sized is not None:
+                sized()
             messages = self._wait(rid, plans, futures, deadline)
             with self.recorder.span("reassemble", rid, nbytes=sum(len(m.data) for m in messages)):
                 tensors = [_tensor_from_bytes(m, bytearray(m.data)) for m in messages]
@@ -355,7 +363,8 @@ class EmbeddingReceiver:
                     self._owner.pop(key, None)
 
     def _receive_mooncake(self, rid: str, plans: list[PartPlan], responses: list[EncodeResponse],
-                          futures: dict[str, Future], deadline: float, sent: set[str]) -> ReceivedEmbeddings:
+                          futures: dict[str, Future], deadline: float, sent: set[str],
+                          sized: Callable[[], None] | None) -> ReceivedEmbeddings:
         sizes = [r.embedding_size for r in responses]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         total = sum(sizes)
@@ -378,6 +387,8 @@ class EmbeddingReceiver:
                 for plan, send in zip(plans, sends):
                     send.add_done_callback(partial(_fail_part, futures[part_req_id(rid, plan.part_idx)]))
                 try:
+                    if sized is not None:
+                        sized()
                     messages = self._wait(rid, plans, futures, deadline)
                 except BaseException as exc:
                     # every /send settled first: the caller then knows what each encoder holds; an error notify
@@ -412,13 +423,11 @@ class EmbeddingReceiver:
                   tensors: list[torch.Tensor]) -> ReceivedEmbeddings:
         """`MultiModalEmbeddingData`: concatenate each modality's parts in part order."""
         by_mod: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
-        grids: dict[str, list[list[int]]] = collections.defaultdict(list)
-        for plan, msg, t in zip(plans, messages, tensors, strict=True):
+        for plan, t in zip(plans, tensors, strict=True):
             by_mod[plan.modality].append(t)
-            grids[plan.modality].extend(msg.grid_thw)
         embeddings = {m: ts[0] if len(ts) == 1 else torch.cat(ts) for m, ts in by_mod.items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return ReceivedEmbeddings(rid, embeddings, dict(grids), nbytes, plans)
+        return ReceivedEmbeddings(rid, embeddings, _grids(plans, messages), nbytes, plans)
 
     def _wait(self, rid: str, plans: list[PartPlan], futures: dict[str, Future],
               deadline: float) -> list[EmbeddingNotify]:
@@ -614,6 +623,14 @@ def _fail_part(part: Future, send: Future) -> None:
     if exc is not None:
         with contextlib.suppress(InvalidStateError):
             part.set_exception(exc)
+
+
+def _grids(plans: list[PartPlan], answers: Sequence[EncodeResponse | EmbeddingNotify]) -> dict[str, list[list[int]]]:
+    """Each modality's image grids, its parts' in part order (from their /encode answers or their notifies)."""
+    grids: dict[str, list[list[int]]] = collections.defaultdict(list)
+    for plan, answer in zip(plans, answers, strict=True):
+        grids[plan.modality].extend(answer.grid_thw)
+    return dict(grids)
 
 
 def _tensor_from_bytes(msg: EmbeddingNotify, raw, copy: bool = False) -> torch.Tensor:

@@ -116,6 +116,7 @@ class _KeptKV:
     def __init__(self, server: "PrefillServer", rid: str, remote: bool, deadline: float) -> None:
         self.server, self.rid, self.remote, self.deadline = server, rid, remote, deadline
         self.ids: list[int] | None = None
+        self.announced = False
         self.readied = False
         self.conflict = False  # another request with this id holds KV on the producer: never abort that one
 
@@ -124,6 +125,8 @@ class _KeptKV:
         blocks (the forward's block table). A pool exhausted by KV that waits for decode is waited on until the
         request's deadline (503 then): decode behind is backpressure, which slows the workers, and with them the
         admission's measured rate, instead of failing requests already encoded."""
+        if self.announced:  # early, from the encoders' answers (`PrefillServer._receive`)
+            return self.ids
         server, prompt_len = self.server, input_ids.shape[1]
         n = blocks_needed(prompt_len, server.cache.block_size)
         while self.ids is None:
@@ -134,6 +137,7 @@ class _KeptKV:
                     server.counters["kv_pool_exhausted"] += 1
                     raise Unavailable(f"KV pool exhausted: {exc}") from None
                 time.sleep(KV_WAIT_POLL_S)
+        self.announced = True
         if not self.remote:
             return self.ids
         try:
@@ -240,7 +244,7 @@ class PrefillServer:
             # all, for seconds: the event loop, and /health with it, would stop answering)
             self._check_length(prompt_tokens(req.prompt))
             if req.images:
-                input_ids, embeds, grid = self._receive(req, rid)
+                input_ids, embeds, grid = self._receive(req, rid, kv)
             else:
                 input_ids, embeds, grid = models.build_input_ids(req.prompt, []), None, None
                 if input_ids.shape[1] == 0:
@@ -263,14 +267,21 @@ class PrefillServer:
         spans = [s for s in self.recorder.spans(rid) if s.t_start_ns >= t0]
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
 
-    def _receive(self, req: PrefillRequest,
-                 rid: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """E→P: the request's images through the encoders; the prompt's ids, embeddings and grids."""
+    def _receive(self, req: PrefillRequest, rid: str,
+                 kv: _KeptKV) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """E→P: the request's images through the encoders; the prompt's ids, embeddings and grids. Once the
+        encoders answered the sizes, while the embeddings are on their way, the whole prompt's length is checked
+        and its KV blocks held (`kv`): off the critical path."""
         if self.epd is None:
             raise BadRequest("this prefill server has no encoders (started without --encoders): "
                              "images are not allowed, text-only prompts are")
+
+        def on_prompt(input_ids: torch.Tensor) -> None:
+            self._check_length(input_ids.shape[1])
+            kv.announce(input_ids)
+
         try:
-            prompt = self.epd.receive(req.prompt, req.images, rid)
+            prompt = self.epd.receive(req.prompt, req.images, rid, on_prompt)
         except EPDError as exc:
             # an encoder that refused the input (an image that does not decode, ...) is the client's error
             if exc.status == 503:  # every encoder at capacity: so is this request's prefill, for now
