@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -336,8 +337,10 @@ class MMEncoder:
         """`_run_vit(*args)` into `vit`, unless it was cancelled before it started (the part refused or released)."""
         if not vit.set_running_or_notify_cancel():
             return
+        # a CUDA device is current per thread: this one may never have had the role's made current
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
-            with self._vit_running:
+            with self._vit_running, on_device:
                 result = self._run_vit(*args)
         except BaseException as exc:
             vit.set_exception(exc)
