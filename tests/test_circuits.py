@@ -4,13 +4,9 @@ the proxy, the front and the receiver share. Their I/O over it runs through real
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 
-import pytest
-
-from epd_lab.servers.routing import Backend, Pool, Stalled, progressing
 from epd_lab.serving import STALL_MISSES, Circuits
 
 
@@ -62,56 +58,3 @@ def test_cancel_probes_cancels_those_under_way():
     circuits.probe_due(futures.__getitem__)
     circuits.cancel_probes()
     assert all(f.cancelled() for f in futures)
-
-
-def _stalled_pool() -> tuple[Pool, Backend]:
-    """A pool of one prefill that has never been heard from (so the probes' misses alone make it stalled)."""
-    pool = Pool("prefill", ("http://127.0.0.1:1",), "round_robin", 1.0)
-    pool.backends[0].liveness.heard_at = -1e9
-    return pool, pool.backends[0]
-
-
-def _find_stalled(pool: Pool, backend: Backend) -> None:
-    for _ in range(STALL_MISSES):
-        Pool.probed(backend, False)
-    assert backend.stall.is_set()
-
-
-def test_progressing_answers_cuts_on_a_stall_or_timeout_and_leaves_the_task_uncancelled():
-    """`progressing` runs the exchange in the caller's task: its answer comes back; a probe that finds the backend
-    stalled cuts it with `Stalled`, a timeout with `TimeoutError`, the caller's task not left cancelling; an
-    outside cancellation stays a cancellation; a backend already stalled is not asked."""
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        pool, backend = _stalled_pool()
-        assert await progressing(backend, asyncio.sleep(0.01, "answer")) == "answer"
-
-        async def in_flight(cut) -> tuple[type[BaseException] | None, int]:
-            waiting = loop.create_future()  # an exchange that never answers
-            loop.call_later(0.02, cut)
-            try:
-                await progressing(backend, waiting, timeout=0.05)
-            except (Stalled, asyncio.TimeoutError) as exc:
-                assert waiting.cancelled()
-                return type(exc), asyncio.current_task().cancelling()
-            return None, asyncio.current_task().cancelling()
-
-        assert await in_flight(lambda: _find_stalled(pool, backend)) == (Stalled, 0)
-        assert backend.waiters == set()
-        pool, backend = _stalled_pool()
-        assert await in_flight(lambda: None) == (asyncio.TimeoutError, 0)
-
-        outer = asyncio.ensure_future(progressing(backend, loop.create_future(), timeout=5.0))
-        loop.call_later(0.02, outer.cancel)
-        with pytest.raises(asyncio.CancelledError):
-            await outer
-        assert backend.waiters == set()
-
-        _find_stalled(pool, backend)
-        never = asyncio.sleep(1)
-        with pytest.raises(Stalled):
-            await progressing(backend, never)
-        assert never.cr_frame is None  # closed, never run
-
-    asyncio.run(main())

@@ -59,7 +59,6 @@ class Backend:
     stalls: int = 0  # times it was found stalled
     # set when it is found stalled: exchanges waiting on it give up; a fresh one once it answers again
     stall: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    waiters: set[Callable[[], None]] = dataclasses.field(default_factory=set)  # `progressing`'s: called when stalled
     streams: set[aiohttp.ClientResponse] = dataclasses.field(default_factory=set)  # open decode streams
 
     def up(self, now: float) -> bool:
@@ -123,8 +122,6 @@ class Pool:
         if backend.liveness.probed(False):
             backend.stalls += 1
             backend.stall.set()
-            for waiter in list(backend.waiters):
-                waiter()
             for response in list(backend.streams):
                 response.close()
 
@@ -135,45 +132,20 @@ class Stalled(Exception):
 
 async def progressing(backend: Backend, aw: Awaitable[T], timeout: float | None = None) -> T:
     """`aw`'s result, unless `backend` is found stalled first (then `aw` is cancelled and `Stalled` raised) or
-    `timeout` seconds pass (`asyncio.TimeoutError`).
-
-    `aw` runs in the caller's task, which the watch cancels (uncancelled after, as `asyncio.timeout` does), rather
-    than in a task of its own raced against the stall with `asyncio.wait`: that cost a loop turn at each end of
-    every POST the proxy makes (170 µs of a lone request's 2-vCPU path,
-    `data/bench/gap-breakdown-proxy-prefill-cpu-amd-epyc.json`)."""
-    if backend.stall.is_set():
-        close = getattr(aw, "close", None)  # never awaited: closed, not left to warn
-        if close is not None:
-            close()
-        raise Stalled()
-    task = asyncio.current_task()
-    assert task is not None
-    why: list[type[Exception]] = []
-
-    def cut(reason: type[Exception]) -> None:
-        if not why:
-            why.append(reason)
-            task.cancel()
-
-    def stalled() -> None:
-        cut(Stalled)
-
-    backend.waiters.add(stalled)
-    timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, cut, asyncio.TimeoutError)
+    `timeout` seconds pass (`asyncio.TimeoutError`)."""
+    task = asyncio.ensure_future(aw)
+    stall = asyncio.ensure_future(backend.stall.wait())
     try:
-        result = await aw
-    except asyncio.CancelledError:
-        if why and task.uncancel() == 0:  # cut here, and not cancelled from outside as well
-            raise why[0]() from None
-        raise
-    else:
-        if why:  # cut, but `aw` ended anyway (it swallowed the cancellation): the count goes back
-            task.uncancel()
-        return result
+        done, _ = await asyncio.wait((task, stall), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        backend.waiters.discard(stalled)
-        if timer is not None:
-            timer.cancel()
+        stall.cancel()
+        if not task.done():
+            task.cancel()  # stalled, timed out, or this caller cancelled
+    if task in done:
+        return task.result()
+    if stall in done:
+        raise Stalled()
+    raise asyncio.TimeoutError()
 
 
 class PoolClient:
