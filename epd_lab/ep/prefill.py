@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from PIL import Image
@@ -61,18 +61,19 @@ class EPDPrefill:
         images, then `text`). A prefill server runs its own runtime's forward on the result. The prompt's ids are
         built from the encoders' /encode answers, while the embeddings are on their way, and handed to
         `on_prompt` then (the prefill server checks the prompt's length and holds its KV there)."""
-        early: list = []
+        announced: dict[str, Any] = {}  # from the /encode answers: "grids", and the prompt's "ids"
 
         def on_sizes(grids: dict[str, list[list[int]]]) -> None:
-            early[:] = [grids["image"], build_input_ids(text, grids["image"])]
+            announced["grids"], announced["ids"] = grids["image"], build_input_ids(text, grids["image"])
             if on_prompt is not None:
-                on_prompt(early[1])
+                on_prompt(announced["ids"])
 
         got = self.receiver.receive(mm_items, rid, on_sizes=on_sizes)
         grids = got.grid_thw["image"]
-        if grids != early[0]:  # the notifies must describe what the /encode answers announced
-            raise EPDError(f"request {rid}: the embeddings' grids {grids} are not the /encode answers' {early[0]}")
-        return ReceivedPrompt(early[1], got.embeddings["image"], torch.tensor(grids), got)
+        if grids != announced["grids"]:  # the notifies must describe what the /encode answers announced
+            raise EPDError(f"request {rid}: the embeddings' grids {grids} are not the /encode answers' "
+                           f"{announced['grids']}")
+        return ReceivedPrompt(announced["ids"], got.embeddings["image"], torch.tensor(grids), got)
 
 
 def reference_prefill(model: torch.nn.Module, text: str, images: Sequence[Image.Image]) -> torch.Tensor:

@@ -116,7 +116,6 @@ class _KeptKV:
     def __init__(self, server: "PrefillServer", rid: str, remote: bool, deadline: float) -> None:
         self.server, self.rid, self.remote, self.deadline = server, rid, remote, deadline
         self.ids: list[int] | None = None
-        self.announced = False
         self.readied = False
         self.conflict = False  # another request with this id holds KV on the producer: never abort that one
 
@@ -125,8 +124,6 @@ class _KeptKV:
         blocks (the forward's block table). A pool exhausted by KV that waits for decode is waited on until the
         request's deadline (503 then): decode behind is backpressure, which slows the workers, and with them the
         admission's measured rate, instead of failing requests already encoded."""
-        if self.announced:  # early, from the encoders' answers (`PrefillServer._receive`)
-            return self.ids
         server, prompt_len = self.server, input_ids.shape[1]
         n = blocks_needed(prompt_len, server.cache.block_size)
         while self.ids is None:
@@ -137,7 +134,6 @@ class _KeptKV:
                     server.counters["kv_pool_exhausted"] += 1
                     raise Unavailable(f"KV pool exhausted: {exc}") from None
                 time.sleep(KV_WAIT_POLL_S)
-        self.announced = True
         if not self.remote:
             return self.ids
         try:
@@ -243,14 +239,14 @@ class PrefillServer:
             # the text alone, before E→P, measured without building its ids (50 MB of them hold a worker, GIL and
             # all, for seconds: the event loop, and /health with it, would stop answering)
             self._check_length(prompt_tokens(req.prompt))
-            if req.images:
+            if req.images:  # its KV held from the encoders' answers, while the embeddings came
                 input_ids, embeds, grid = self._receive(req, rid, kv)
+                table = kv.ids
             else:
                 input_ids, embeds, grid = models.build_input_ids(req.prompt, []), None, None
                 if input_ids.shape[1] == 0:
                     raise BadRequest("empty prompt and no images: nothing to prefill")
-            self._check_length(input_ids.shape[1])  # the whole prompt is known: check, then hold its KV
-            table = kv.announce(input_ids)
+                table = self._hold(kv, input_ids)
             with self.recorder.span("prefill", rid):
                 try:
                     result = self.runtime.prefill(input_ids, embeds, grid, table)
@@ -277,8 +273,7 @@ class PrefillServer:
                              "images are not allowed, text-only prompts are")
 
         def on_prompt(input_ids: torch.Tensor) -> None:
-            self._check_length(input_ids.shape[1])
-            kv.announce(input_ids)
+            self._hold(kv, input_ids)
 
         try:
             prompt = self.epd.receive(req.prompt, req.images, rid, on_prompt)
@@ -289,6 +284,11 @@ class PrefillServer:
             status = exc.status if exc.status in (400, 409, 413) else 502
             raise error_for_status(status, f"E→P failed: {exc}") from None
         return prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw
+
+    def _hold(self, kv: _KeptKV, input_ids: torch.Tensor) -> list[int]:
+        """The whole prompt is known: check its length, then hold its KV (`_KeptKV.announce`); its block table."""
+        self._check_length(input_ids.shape[1])
+        return kv.announce(input_ids)
 
     def _check_length(self, prompt_len: int) -> None:
         """A prompt the model cannot hold with one generated token, or whose KV outgrows the whole cache, is the
