@@ -7,6 +7,7 @@ proxy must equal the monolithic use of the roles' runtime (the fast one, the def
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import httpx
@@ -99,13 +100,32 @@ def gpu_model():
     return open_model(None, dtype=torch.bfloat16, device="cuda")
 
 
-def _reference(model: torch.nn.Module, messages: list, max_tokens: int, temperature: float = 0.0,
-               seed: int = 0) -> str:
-    """The answer of the roles' runtime used monolithically, in this process, on the same GPU (greedy, or drawn
-    with `seed` on the GPU as the servers draw)."""
-    with PagedKVCache.from_config(model.config, num_blocks=256, dtype=model.dtype, device="cuda") as cache, \
-            open_runtime("fast", model, cache) as runtime:
-        return monolithic_chat(model, messages, max_tokens, runtime=runtime, temperature=temperature, seed=seed)
+class _Reference:
+    """The answers of the roles' runtime used monolithically, in this process, on the same GPU (greedy, or drawn
+    with a seed on the GPU as the servers draw): one runtime for all of a model's calls, its graphs captured once."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._stack = contextlib.ExitStack()
+        cache = self._stack.enter_context(PagedKVCache.from_config(model.config, num_blocks=256, dtype=model.dtype,
+                                                                   device="cuda"))
+        self.runtime = self._stack.enter_context(open_runtime("fast", model, cache))
+
+    def __enter__(self) -> "_Reference":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __call__(self, messages: list, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> str:
+        return monolithic_chat(self.model, messages, max_tokens, runtime=self.runtime, temperature=temperature,
+                               seed=seed)
+
+
+@pytest.fixture(scope="module")
+def reference(gpu_model):
+    with _Reference(gpu_model) as ref:
+        yield ref
 
 
 def _chat(cluster: Cluster, messages: list, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> str:
@@ -128,7 +148,7 @@ def _metric(url: str, name: str) -> float:
 @needs_gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("recv_buffer", ["pinned", "device", "host"])
-def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_buffer):
+def test_every_role_on_the_gpu_answers_as_the_monolithic_model(reference, recv_buffer):
     """2 encoders, a prefill and a decode on the GPU in bfloat16: embeddings and KV in GPU memory, moved by
     the engine (GPU to GPU over CUDA IPC, or into the receiver's pinned or pageable host buffer); the streamed
     answers (greedy, and drawn with a seed) equal the monolithic model's on the same GPU, and every pool is idle
@@ -144,9 +164,9 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(gpu_model, recv_b
             content = [{"type": "image_url", "image_url": {"url": image_uri(seed * 10 + i, 224)}}
                        for i in range(n_images)] + [{"type": "text", "text": "what do you see?"}]
             messages = [{"role": "user", "content": content}]
-            assert _chat(cluster, messages, 12) == _reference(gpu_model, messages, 12)
+            assert _chat(cluster, messages, 12) == reference(messages, 12)
         # a seeded draw: token 0 on the prefill's GPU, the rest on decode's, as the monolithic use draws them
-        assert _chat(cluster, messages, 12, 1.0, 11) == _reference(gpu_model, messages, 12, 1.0, 11)
+        assert _chat(cluster, messages, 12, 1.0, 11) == reference(messages, 12, 1.0, 11)
         # the KV went GPU to GPU; the embeddings too into a GPU buffer, else through pinned staging
         assert _metric(cluster.prefill_urls[0], "engine_cuda_writes_out_total") > 0
         encoders = {name: sum(_metric(url, name) for url in cluster.encoder_urls)
@@ -170,6 +190,6 @@ def test_a_real_size_shape_on_the_gpu_answers_as_the_monolithic_model():
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri(7, 448)}},
                                              {"type": "text", "text": "describe it"}]}]
     with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True, device="cuda", model="qwen2-vl-2b",
-                          timeout=120)) as cluster:
-        assert _chat(cluster, messages, 8) == _reference(model, messages, 8)
-        assert _chat(cluster, messages, 8, 0.7, 3) == _reference(model, messages, 8, 0.7, 3)
+                          timeout=120)) as cluster, _Reference(model) as reference:
+        assert _chat(cluster, messages, 8) == reference(messages, 8)
+        assert _chat(cluster, messages, 8, 0.7, 3) == reference(messages, 8, 0.7, 3)

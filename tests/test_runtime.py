@@ -10,6 +10,7 @@ against hf within the stated bound.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import re
 import subprocess
@@ -454,6 +455,28 @@ def test_graph_replay_equals_eager_and_split_equals_monolithic_on_cuda(cuda_mode
         split = _run(rt, ids, parts, grid, list(range(30, 42)), N_TOKENS,
                      move_to=(open_runtime("fast", cuda_model, other, max_batch=4), list(range(50, 38, -1))))
         assert all(torch.equal(a, b) for a, b in zip(mono, split)), "split != monolithic"
+
+
+@gpu
+def test_runtime_after_runtime_in_one_process_captures_with_garbage_collected_meanwhile():
+    """A re-run notebook cell (or a test) opens runtime after runtime in one process: each earlier one, left in a
+    reference cycle, is garbage that only a collection frees, and collections run at nearly every allocation
+    meanwhile; every capture (decode, prefill and the tower's) still succeeds, and every runtime answers alike."""
+    model = open_model(None, dtype=torch.bfloat16, device="cuda")
+    ids, pixel_values, grid = _inputs(*CASES[2])
+    threshold = gc.get_threshold()
+    answers = []
+    gc.set_threshold(1)
+    try:
+        for _ in range(6):
+            with _cache(model, 64, "cuda") as cache:
+                rt = open_runtime("fast", model, cache, max_batch=4)
+                rt.itself = rt  # garbage once dropped, left for the collector
+                answers.append(_run(rt, ids, rt.encode(pixel_values, grid), grid, list(range(12)), N_TOKENS))
+            del rt
+    finally:
+        gc.set_threshold(*threshold)
+    assert all(torch.equal(a, b) for other in answers[1:] for a, b in zip(answers[0], other))
 
 
 @gpu

@@ -17,7 +17,9 @@ monolithic use and in the split alike.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -52,14 +54,33 @@ def token_buckets(max_tokens: int, smallest: int = 64, step: int = 512) -> list[
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def capture(fn: Callable[[], T], device: torch.device, pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
-    """A graph of `fn` and the output it captured, into `pool` (None: a new one).
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No garbage collection in any thread meanwhile (`gc` is the interpreter's, not a thread's)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def capture(fn: Callable[[], T], device: torch.device, pool: tuple | None = None,
+            collect: bool = True) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A graph of `fn` and the output it captured, into `pool` (None: a new one); `collect`: collect garbage first.
 
     PyTorch's recipe: `fn` runs once eagerly on the capture stream first (Triton compiles, cuBLAS makes that
     stream's handle and workspace, allocations settle), then is captured on the same stream. Warmed up on the
     default stream instead, a 2B prefill's capture failed once on the H200 with CUBLAS_STATUS_EXECUTION_FAILED
     (`data/bench/logs/issue17-s2-h200-run2.txt`); the recipe removes the likeliest cause, a GEMM creating its
     stream's workspace while capturing. Not reproduced on purpose.
+
+    No garbage is collected during a capture. PyTorch no longer collects before one (``force_cudagraph_gc`` is
+    off), so a collection could start mid-capture and free what an earlier runtime left (its graphs, their
+    pools); a process that opened its ninth runtime (a test, a re-run notebook cell) once failed its decode
+    capture on the H200 with ``cudaErrorStreamCaptureInvalidated`` (`data/bench/logs/issue17-s9-h200-run4-tests.txt`).
+    That garbage is collected before the capture instead, where it is harmless.
     """
     stream = _CAPTURE_STREAMS.get(device)
     if stream is None:
@@ -68,8 +89,10 @@ def capture(fn: Callable[[], T], device: torch.device, pool: tuple | None = None
     with torch.cuda.stream(stream):
         fn()
     stream.synchronize()
+    if collect:
+        gc.collect()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+    with _gc_paused(), torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 
@@ -102,7 +125,8 @@ class _Graphs:
             value, parts = self._step(bucket)
             graphs = []
             for part in parts:  # each part reads the output its predecessor's graph wrote
-                graph, value = capture(lambda part=part, value=value: part(value), device, pool)
+                # garbage collected before the first graph only: once a runtime is enough
+                graph, value = capture(lambda part=part, value=value: part(value), device, pool, pool is None)
                 pool = graph.pool()
                 graphs.append(graph)
             self._graphs[bucket], self._outputs[bucket] = graphs, value
