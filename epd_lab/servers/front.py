@@ -33,11 +33,11 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from epd_lab.aio_http import Answer
 from epd_lab.servers.openai_api import MODEL_ID, error_body, model_list
 from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, backend_health,
                                      backend_metrics)
@@ -79,7 +79,7 @@ def _failed(backend: Backend, exc: BaseException) -> ServingError:
 class _Answered(Exception):
     """A replica's own non-200 answer, which goes back to the client as it gave it."""
 
-    def __init__(self, backend: Backend, response: aiohttp.ClientResponse, raw: bytes) -> None:
+    def __init__(self, backend: Backend, response: Answer, raw: bytes) -> None:
         super().__init__(f"replica {backend.url} answered {response.status}")
         self.response = Response(raw, response.status, media_type=response.content_type,
                                  headers={h: response.headers[h] for h in PASSED_HEADERS if h in response.headers})
@@ -138,7 +138,7 @@ class _Relay:
     """A replica's SSE stream passed on whole event by whole event, so that a failure mid-stream can still end it
     with a well-formed error event."""
 
-    def __init__(self, backend: Backend, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, backend: Backend, response: Answer) -> None:
         self.backend, self.response = backend, response
         self.done = False  # read to its end: the connection can be reused
         self.closed = False
@@ -146,7 +146,7 @@ class _Relay:
     async def events(self) -> AsyncIterator[bytes]:
         pending = b""
         try:
-            async for piece in self.response.content.iter_any():
+            async for piece in self.response.chunks():
                 self.backend.liveness.heard()
                 head, sep, pending = (pending + piece).rpartition(b"\n\n")
                 if sep:

@@ -17,7 +17,7 @@ One request, as vLLM's disaggregated proxy does it:
 
 This module is the orchestration; OpenAI's shapes are `epd_lab.servers.openai_api`'s, the backend pools and the
 client that calls them (probes, choice, a POST passed on to the next backend) `epd_lab.servers.routing`'s, the
-backends' bodies `epd_lab.servers.messages`'s. Backends are called through aiohttp (kept-alive connections).
+backends' bodies `epd_lab.servers.messages`'s. Backends are called through `epd_lab.aio_http` (kept-alive connections).
 
 Choice (``--policy``): ``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts
 them; ties in round-robin order). A backend that refuses connections is marked down and skipped for
@@ -85,11 +85,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from epd_lab.aio_http import Answer
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
 from epd_lab.servers.openai_api import (MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request,
                                         usage)
@@ -156,7 +156,7 @@ def _detail(raw: bytes, reason: str | None) -> str:
     return raw[:500].decode(errors="replace") or reason or ""
 
 
-def _backend_error(backend: Backend, response: aiohttp.ClientResponse, raw: bytes) -> ServingError:
+def _backend_error(backend: Backend, response: Answer, raw: bytes) -> ServingError:
     """A backend's non-200 answer (`raw`, its body) as the client's error (its input errors stay 4xx; its 503,
     with its ``Retry-After``, stays a 503)."""
     status, retry_after = response.status, response.headers.get("Retry-After")
@@ -248,7 +248,7 @@ class Proxy:
         and the backend's ``inflight`` counted down again."""
         backend, response = await self._post(pool, path, body, only, lost, headers)
         try:
-            if response.content.is_eof():  # the whole body came with the headers: no wait to watch
+            if response.complete:  # the whole body came with the headers: no wait to watch
                 raw = await response.read()
             else:
                 raw = await progressing(backend, response.read())
@@ -265,7 +265,7 @@ class Proxy:
 
     async def _post(self, pool: Pool, path: str, body: dict[str, Any], only: Backend | None = None,
                     lost: list[Backend] | None = None,
-                    headers: dict[str, str] | None = None) -> tuple[Backend, aiohttp.ClientResponse]:
+                    headers: dict[str, str] | None = None) -> tuple[Backend, Answer]:
         """POST `body` to a backend of `pool` (`only` that one) through `PoolClient.post`: passed on while
         connections are refused, answer 503 or the backend is found stalled before it answered; a prefill also
         when it closed the connection before answering (it died; marked down). `lost` and `headers` as there.
@@ -633,7 +633,7 @@ class _TokenStream:
         self.prefill = prefill
         self.decode = decode  # decode asked already (pipelined): its (backend, response) to come
         self.backend: Backend | None = None  # the decode server, once it took the request
-        self.response: aiohttp.ClientResponse | None = None
+        self.response: Answer | None = None
         self.outcome = "client_disconnect"  # unless the stream ends otherwise
         self.tokens = 0  # sent to the client, prefill's first token included
         self.t_first = 0
@@ -710,14 +710,14 @@ class _TokenStream:
                 proxy.streams_aborted[self.outcome] += 1
 
 
-async def _decode_stream(backend: Backend, response: aiohttp.ClientResponse, first_token: int,
+async def _decode_stream(backend: Backend, response: Answer, first_token: int,
                          recorder: Recorder) -> AsyncIterator[StreamToken | StreamDone]:
     """Decode's NDJSON stream, checked: its tokens after prefill's first (decode's token 0 must be that one, and is
     not yielded), then its `StreamDone` (whose spans go to `recorder`). A `StreamError` line, a token out of order,
     a malformed line or a stream that ends without its done line raise `ServingError`."""
     due = 0
     try:
-        async for line in _lines(response.content):
+        async for line in _lines(response.chunks()):
             msg = _decode_json(backend, line, StreamLine)
             if isinstance(msg, StreamDone):
                 recorder.extend(msg.spans)
@@ -740,11 +740,11 @@ async def _decode_stream(backend: Backend, response: aiohttp.ClientResponse, fir
     raise BadGateway(f"decode {backend.url} ended its stream before its done line")
 
 
-async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The non-empty NDJSON lines of a stream, however long (aiohttp's own line reader stops at 64 KiB, and a
-    done line carries a span per decode step)."""
+async def _lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The non-empty NDJSON lines of a stream's pieces, however long (a done line carries a span per decode
+    step)."""
     pending = b""
-    async for piece in stream.iter_any():
+    async for piece in pieces:
         *lines, pending = (pending + piece).split(b"\n")
         for line in lines:
             if line.strip():

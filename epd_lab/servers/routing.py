@@ -6,7 +6,7 @@ order). A backend that refused a connection is skipped for ``retry_after`` secon
 its ``/health`` probes, and answered nothing else meanwhile, is skipped until it answers again
 (`epd_lab.serving.Liveness`: busy is not frozen). Which backends are up, and when each is probed, is
 `epd_lab.serving.Circuits`, shared with the prefill's receiver (`epd_lab.ep.receiver`); this module does the I/O
-over it, with aiohttp.
+over it, with `epd_lab.aio_http`.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import aiohttp
 import msgspec
 
 from epd_lab import security
+from epd_lab.aio_http import Answer, AsyncHTTPClient, ClientError, ConnectError, Disconnected
 from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Circuits, Liveness, Metric,
                              ServingError, Unavailable)
 
@@ -30,11 +30,11 @@ __all__ = ["EXCHANGE_ERRORS", "JSON_HEADERS", "POLICIES", "UNANSWERED_ERRORS", "
 
 POLICIES = ("round_robin", "least_loaded")
 JSON_HEADERS = {"content-type": "application/json"}
-# what a failed exchange with a backend raises: aiohttp's errors, and its timeouts (asyncio's TimeoutError)
-EXCHANGE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-# the connection closed or reset before any byte of an answer (aiohttp retries an idempotent request on these):
-# the backend died, or a kept-alive connection to it was stale
-UNANSWERED_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# what a failed exchange with a backend raises: the client's errors, and its timeouts (asyncio's TimeoutError)
+EXCHANGE_ERRORS = (ClientError, asyncio.TimeoutError)
+# the connection closed or reset before any byte of an answer (on a kept-alive connection that went stale, the
+# client has sent the request once more on a fresh one already): the backend died
+UNANSWERED_ERRORS = (Disconnected,)
 T = TypeVar("T")
 
 
@@ -59,7 +59,7 @@ class Backend:
     stalls: int = 0  # times it was found stalled
     # set when it is found stalled: exchanges waiting on it give up; a fresh one once it answers again
     stall: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    streams: set[aiohttp.ClientResponse] = dataclasses.field(default_factory=set)  # open decode streams
+    streams: set[Answer] = dataclasses.field(default_factory=set)  # open decode streams
 
     def up(self, now: float) -> bool:
         return self.liveness.up(now)
@@ -79,7 +79,7 @@ class Backend:
             self.rate = admission.get("rate_per_s")
             self.rate_measured = admission.get("loaded_measured") is True
 
-    def finish(self, response: aiohttp.ClientResponse, reuse: bool) -> None:
+    def finish(self, response: Answer, reuse: bool) -> None:
         """An exchange with it is over: the connection goes back to the pool (`reuse`: read to its end) or is
         closed (which stops the backend's work on a stream), and it counts one request fewer in flight."""
         self.streams.discard(response)
@@ -166,7 +166,7 @@ class PoolClient:
 
     def __init__(self, pools: Sequence[Pool], timeout: float, *,
                  failed: Callable[[Backend, BaseException], ServingError],
-                 answered: Callable[[Backend, aiohttp.ClientResponse, bytes], Exception],
+                 answered: Callable[[Backend, Answer, bytes], Exception],
                  stalled: Callable[[Backend], ServingError] | None = None,
                  disconnected: Callable[[Backend, BaseException], ServingError] | None = None,
                  noun: str = "server") -> None:
@@ -175,24 +175,12 @@ class PoolClient:
         self.failed, self.answered, self.stalled, self.disconnected = failed, answered, stalled, disconnected
         self.noun = noun
         self.retries: collections.Counter[tuple[str, str]] = collections.Counter()  # passed on, by (role, reason)
-        self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """The HTTP client to the backends, made on first use (it must be made on the event loop): aiohttp, at
-        half httpx's round trip (`data/bench/http.json`); kept-alive connections, TCP_NODELAY; `timeout` is an
-        idle timeout (connecting, and each read)."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout),
-                skip_auto_headers=("User-Agent",), headers=security.bearer_header(security.load_secret()))
-        return self._session
+        # kept-alive connections; `timeout` bounds the connect and each wait on an answer
+        self.http = AsyncHTTPClient(timeout, security.bearer_header(security.load_secret()), CLIENT_KEEPALIVE_S)
 
     async def close(self) -> None:
         """Close the HTTP client and its kept-alive connections (the server's end)."""
-        if self._session is not None:
-            await self._session.close()
+        await self.http.close()
 
     async def probe_forever(self) -> None:
         """For the server's life: probe every backend's /health on the pools' schedule (`Circuits.probe_due`),
@@ -210,10 +198,15 @@ class PoolClient:
         """A short exchange (a probe, an abort): (status, body), or None when the backend does not answer
         within `PROBE_TIMEOUT`."""
         try:
-            async with self.session.request(method, url, data=body, headers=JSON_HEADERS if body else None,
-                                            timeout=aiohttp.ClientTimeout(total=min(self.timeout,
-                                                                                    PROBE_TIMEOUT))) as response:
-                return response.status, await response.read()
+            async with asyncio.timeout(min(self.timeout, PROBE_TIMEOUT)):
+                response = await self.http.request(method, url, body, JSON_HEADERS if body else None)
+                try:
+                    raw = await response.read()
+                except BaseException:
+                    response.close()
+                    raise
+                response.release()
+                return response.status, raw
         except EXCHANGE_ERRORS:
             return None
 
@@ -245,7 +238,7 @@ class PoolClient:
 
     async def post(self, pool: Pool, path: str, payload: bytes, *, only: Backend | None = None,
                    lost: list[Backend] | None = None, headers: dict[str, str] | None = None,
-                   resend: bool = False) -> tuple[Backend, aiohttp.ClientResponse]:
+                   resend: bool = False) -> tuple[Backend, Answer]:
         """POST `payload` (JSON) to a backend of `pool` (`only` that one), going on to the next while connections
         are refused, it answers 503 (at capacity: it did not take the request), it is found stalled before it
         answered (with `stalled`), or, with `resend`, it closed the connection before answering (with
@@ -266,13 +259,12 @@ class PoolClient:
             ok = False
             try:
                 try:
-                    post = self.session.post(backend.url + path, data=payload,
-                                             headers={**JSON_HEADERS, **(headers or {})})
+                    post = self.http.request("POST", backend.url + path, payload, {**JSON_HEADERS, **(headers or {})})
                     if self.stalled is None:
                         response = await post
                     else:
                         response = await progressing(backend, post, max(0.0, deadline - time.monotonic()))
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                except ConnectError:
                     backend.liveness.refused()  # the request never reached it: the next one may take it
                     self.retries[pool.role, "refused"] += 1
                     continue
