@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ EXCHANGE_ERRORS = (ClientError, asyncio.TimeoutError)
 # client has sent the request once more on a fresh one already): the backend died
 UNANSWERED_ERRORS = (Disconnected,)
 T = TypeVar("T")
+EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,10 +132,21 @@ class Stalled(Exception):
     """The backend was found stalled while an exchange waited on it."""
 
 
+def _started(aw: Awaitable[T]) -> asyncio.Future[T]:
+    """`aw` as a task, run at once up to its first wait where the loop can (Python 3.12+: a POST's bytes leave
+    now, ahead of any task made before it, such as the decode the proxy asks alongside a prefill), else from the
+    loop's next turn."""
+    if EAGER_TASKS and asyncio.iscoroutine(aw):
+        return asyncio.Task(aw, loop=asyncio.get_running_loop(), eager_start=True)  # type: ignore[call-arg]
+    return asyncio.ensure_future(aw)
+
+
 async def progressing(backend: Backend, aw: Awaitable[T], timeout: float | None = None) -> T:
     """`aw`'s result, unless `backend` is found stalled first (then `aw` is cancelled and `Stalled` raised) or
     `timeout` seconds pass (`asyncio.TimeoutError`)."""
-    task = asyncio.ensure_future(aw)
+    task = _started(aw)
+    if task.done():  # it needed no wait (a body that had come whole)
+        return task.result()
     stall = asyncio.ensure_future(backend.stall.wait())
     try:
         done, _ = await asyncio.wait((task, stall), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
