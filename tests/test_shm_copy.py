@@ -193,10 +193,12 @@ def test_an_unwritable_cache_still_settles_the_policy(fresh_policy, monkeypatch)
     assert (got["source"], got["large_copy"], got["cache"]) == ("calibrated", "stream", None)
 
 
-def test_the_first_shm_peer_settles_the_policy(fresh_policy, monkeypatch, peer):
+def test_an_engine_that_may_use_shm_settles_the_policy_as_it_opens(fresh_policy, monkeypatch, peer):
     monkeypatch.setenv(shm_copy.ENV, "memcpy")
-    assert shm_copy.current()["source"] == "default"
+    with TransferEngine(protocol="tcp", timeout=2.0):
+        assert shm_copy.current()["source"] == "default"  # tcp never copies through shm
     with TransferEngine(protocol="shm", timeout=2.0) as e:
+        assert (shm_copy.current()["source"], shm_copy.current()["large_copy"]) == ("env", "memcpy")
         assert e.path_to(peer.session_id) == "shm"
     assert (shm_copy.current()["source"], shm_copy.current()["large_copy"]) == ("env", "memcpy")
 

@@ -5,7 +5,8 @@ make them: a ~200 B JSON body (``small``) and a ~200 KB one (``image``: a base64
 answered with ~200 B of JSON. The server is a FastAPI app served by `epd_lab.serving` (the path every role
 starts through) in its own process, one per stack: uvicorn's parser (h11 or httptools) on its event loop
 (asyncio or uvloop). The clients: ``httpx.Client``, ``http.client`` (HTTPConnection),
-``httpx.AsyncClient`` and ``aiohttp`` (the proxy's client), the async ones on each loop.
+``httpx.AsyncClient``, ``aiohttp`` and ``aio_http`` (`epd_lab.aio_http`, the proxy's client), the async ones on
+each loop.
 Every client holds one connection to each server for the whole run.
 
 The machine is shared and noisy (2 vCPUs), so the cells are interleaved: each round runs a batch of
@@ -46,13 +47,14 @@ import msgspec
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import Response
 
+from epd_lab.aio_http import AsyncHTTPClient
 from epd_lab.bench import write_json
 from epd_lab.machine import machine_info
 from epd_lab.serving import CLIENT_KEEPALIVE_S, LOOPS, PARSERS, bind_tcp, http_info, serve_and_announce, url_of
 
 STACKS = tuple((loop, parser) for loop in reversed(LOOPS) for parser in reversed(PARSERS))  # asyncio+h11 first
-CLIENTS = ("httpx.Client", "http.client", "httpx.AsyncClient", "aiohttp")
-ASYNC_CLIENTS = ("httpx.AsyncClient", "aiohttp")
+CLIENTS = ("httpx.Client", "http.client", "httpx.AsyncClient", "aiohttp", "aio_http")
+ASYNC_CLIENTS = ("httpx.AsyncClient", "aiohttp", "aio_http")
 HEADERS = {"content-type": "application/json"}
 ANSWER_BYTES = 200
 WARMUP = 20  # round trips per cell before the rounds: connection, first-use costs
@@ -195,6 +197,9 @@ class Clients:
                     session = loop.run_until_complete(self._aiohttp_session())
                     stack.callback(lambda c=session, lp=loop: lp.run_until_complete(c.close()))
                     self.aio[("aiohttp", loop_name, *server)] = self._aiohttp(session, url)
+                lean = AsyncHTTPClient(30)  # its connections are made on the loop of its first request
+                stack.callback(lambda c=lean, lp=loop: lp.run_until_complete(c.close()))
+                self.aio[("aio_http", loop_name, *server)] = self._aio_http(lean, url)
 
     @staticmethod
     def _httpx_sync(client: Any) -> Callable[[bytes], int]:
@@ -237,6 +242,17 @@ class Clients:
                 raw = await r.read()
                 r.raise_for_status()
                 return _answered(raw, body)
+        return post
+
+    @staticmethod
+    def _aio_http(client: AsyncHTTPClient, url: str) -> Callable[[bytes], Awaitable[int]]:
+        async def post(body: bytes) -> int:
+            answer = await client.request("POST", url + "/echo", body, HEADERS)
+            raw = await answer.read()
+            answer.release()
+            if answer.status != 200:
+                raise RuntimeError(f"/echo answered {answer.status}")
+            return _answered(raw, body)
         return post
 
     def cells(self, servers: list[tuple[str, str]], bodies: dict[str, bytes]) -> list[Cell]:

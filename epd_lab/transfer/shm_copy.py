@@ -4,8 +4,8 @@ native/epd_core.c has two copies: glibc's ``memcpy`` and ``stream``, a streaming
 copy (AVX2 or SSE2, chosen at run time), which writes each destination line without reading it into
 the cache first. Which one is faster for large calls depends on the CPU. On AMD EPYC ``stream`` beats
 numpy.copyto (glibc) by 1.3-2.2x at 16 and 256 MiB. On Intel Xeon, glibc's own non-temporal loop
-beat it at 256 MiB (``stream`` at 0.72-0.82x). So the first shm peer of a process settles the
-policy (`ensure`):
+beat it at 256 MiB (``stream`` at 0.72-0.82x). So the first engine of a process that may use shm settles
+the policy as it opens (`ensure`), before any request could wait on it:
 
 1. ``EPD_SHM_COPY=memcpy`` or ``stream`` forces that copy for every large call (for experiments);
    ``auto``, the default, goes on.
@@ -13,7 +13,7 @@ policy (`ensure`):
    (``~/.cache`` without XDG_CACHE_HOME), keyed by the CPU's vendor, model name and flags, the C
    library and the copies' version. A file that does not parse, or that names another machine, is
    ignored and measured again.
-3. Otherwise `calibrate` measures (0.3-0.6 s, with twice the largest size held meanwhile): alternating
+3. Otherwise `calibrate` measures (0.3-0.6 s on Intel, 1.7 s on a 2-vCPU AMD EPYC, with twice the largest size held meanwhile): alternating
    repeats of both copies at 16 and 64 MiB and at a size past glibc's non-temporal threshold (where its
    memcpy switches to a loop of its own: 151 MiB on an Intel Xeon here, 240 MiB on the AMD EPYC), into a
    memfd mapping like a managed buffer. `choose` turns them into the policy, which is written to the
