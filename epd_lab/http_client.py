@@ -2,13 +2,15 @@
 
 Why not httpx: on the 2-core VM, one kept-alive POST round trip to our uvicorn servers took 0.62-0.68 ms with
 `httpx.Client` and 0.26-0.33 ms with `http.client` (200 B bodies), 0.86-0.99 against 0.48-0.49 ms with a 200 KB
-image body (`epd-lab bench http`, `data/bench/http.json`). The receiver makes two such hops per part (`/encode`,
-`/send`) on every request's critical path.
+image body (`epd-lab bench http`, `data/bench/http.json`). Why not `http.client` either (since the tenth
+session): a socket that sends each request in one call and httptools (uvicorn's parser) reading the answer took
+236 against 387 µs for the same 200 B POST (medians of 10 rounds of 200, side by side, 2-vCPU AMD EPYC), as the
+proxy's asyncio client (`epd_lab.aio_http`) did against aiohttp. The receiver makes two such hops per part
+(`/encode`, `/send`), and the /encode one is on every request's critical path.
 
 Connections are pooled per host:port and reused; each is used by one thread at a time, and none is reused after
-`serving.CLIENT_KEEPALIVE_S` idle, before the servers' own keep-alive ends it. `TCP_NODELAY` must be on:
-`http.client` writes the headers and the body in two sends, which Nagle and delayed ACK hold back ~44 ms
-(measured); CPython 3.11's `connect` sets it, and it is set here again rather than trusted. A request that fails
+`serving.CLIENT_KEEPALIVE_S` idle, before the servers' own keep-alive ends it. `TCP_NODELAY` is set on every
+connection (a request is one send, but its answer's reading must not wait on Nagle either). A request that fails
 on a *reused* connection before any answer came (the server closed it meanwhile) is sent once more on a fresh
 one; any other failure is raised.
 
@@ -19,16 +21,27 @@ of waiting out their timeout.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import socket
 import threading
 import time
 import urllib.parse
 
+import httptools
+
 from epd_lab import security
 from epd_lab.serving import CLIENT_KEEPALIVE_S
 
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+class BadAnswer(OSError):
+    """The server's answer was malformed, or its connection ended before the answer's end."""
+
+
+class NoAnswer(ConnectionError):
+    """The connection ended before any byte of an answer (a kept-alive one the server closed while it was idle, a
+    server that died, or an interrupted exchange)."""
+
+
+_STALE = (NoAnswer, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 class Interrupted(ConnectionAbortedError):
@@ -54,6 +67,52 @@ class HTTPError(Exception):
         return isinstance(self.__cause__, Interrupted)
 
 
+class _Connection:
+    """One kept-alive connection (connected on first use): a socket and httptools' parser."""
+
+    def __init__(self, key: tuple[str, int], timeout: float) -> None:
+        self.key, self.timeout = key, timeout
+        self.sock: socket.socket | None = None
+        self._body: list[bytes] = []
+        self._status, self._keep_alive, self._complete = 0, False, False
+
+    def connect(self) -> None:
+        sock = socket.create_connection(self.key, timeout=self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self._parser = sock, httptools.HttpResponseParser(self)
+
+    def round_trip(self, request: bytes) -> tuple[int, bytes, bool]:
+        """Send `request` whole and read its answer: (status, body, whether the connection stays open)."""
+        assert self.sock is not None
+        self._body, self._complete = [], False
+        self.sock.sendall(request)
+        answered = False
+        while not self._complete:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                if answered:
+                    raise BadAnswer("the connection ended before the answer's end")
+                raise NoAnswer("the server closed the connection before answering")
+            answered = True
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserError as exc:
+                raise BadAnswer(f"a malformed answer: {exc}") from None
+        return self._status, b"".join(self._body), self._keep_alive
+
+    def on_body(self, body: bytes) -> None:  # httptools
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:  # httptools; read here: the parser resets for the next answer after
+        self._status, self._keep_alive, self._complete = (self._parser.get_status_code(),
+                                                          self._parser.should_keep_alive(), True)
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+
+
 class KeepAliveClient:
     """Thread-safe POSTs over pooled, kept-alive HTTP/1.1 connections.
 
@@ -67,16 +126,16 @@ class KeepAliveClient:
     def __init__(self, timeout: float, max_idle: int = 64, secret: bytes | str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self._auth = security.bearer_header(security.resolve(secret))
+        self._auth = "".join(f"{k}: {v}\r\n" for k, v in security.bearer_header(security.resolve(secret)).items())
         self.timeout = timeout
         self.max_idle = max_idle
         self.connections_opened = 0
         # host:port -> (connection, when it went idle), the most recently used last
-        self._idle: dict[tuple[str, int], list[tuple[http.client.HTTPConnection, float]]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[_Connection, float]]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._busy: dict[tuple[str, int], set[http.client.HTTPConnection]] = {}  # in use, per host:port
-        self._cut: set[http.client.HTTPConnection] = set()  # in use, and interrupted
+        self._busy: dict[tuple[str, int], set[_Connection]] = {}  # in use, per host:port
+        self._cut: set[_Connection] = set()  # in use, and interrupted
 
     def post(self, url: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
         """POST `body` to `url` (``http://host:port/path``); returns (status, the answer's body).
@@ -87,21 +146,22 @@ class KeepAliveClient:
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"not an http:// URL: {url!r}")
         key = (parts.hostname, parts.port or 80)
-        path = parts.path or "/"
-        headers = {"Content-Type": content_type, "Content-Length": str(len(body)), **self._auth}
+        head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\n{self._auth}\r\n")
+        request = head.encode("latin-1") + body
         conn, reused = self._take(key)
         with self._lock:
             self._busy.setdefault(key, set()).add(conn)
         try:
             try:
-                status, data = self._round_trip(conn, path, body, headers)
+                status, data = self._round_trip(conn, request)
             except _STALE:
                 conn.close()
                 if not reused or conn in self._cut:
                     raise
                 reused = False  # the server closed it while it was idle: once more, on a fresh connection
-                status, data = self._round_trip(conn, path, body, headers)
-        except (OSError, http.client.HTTPException) as exc:
+                status, data = self._round_trip(conn, request)
+        except OSError as exc:
             conn.close()
             if self._done(key, conn):
                 raise HTTPError(f"interrupted: {url} stopped making progress") from Interrupted()
@@ -112,7 +172,7 @@ class KeepAliveClient:
             self._give_back(key, conn)
         return status, data
 
-    def _done(self, key: tuple[str, int], conn: http.client.HTTPConnection) -> bool:
+    def _done(self, key: tuple[str, int], conn: _Connection) -> bool:
         """`conn` is no longer in use; whether it was interrupted."""
         with self._lock:
             self._busy[key].discard(conn)
@@ -133,21 +193,17 @@ class KeepAliveClient:
                 conn.sock.shutdown(socket.SHUT_RDWR)  # the blocked read or write returns at once
         return len(conns)
 
-    def _round_trip(self, conn: http.client.HTTPConnection, path: str, body: bytes,
-                    headers: dict[str, str]) -> tuple[int, bytes]:
+    def _round_trip(self, conn: _Connection, request: bytes) -> tuple[int, bytes]:
         if conn.sock is None:  # new, or closed by the server's last answer
             conn.connect()
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self.connections_opened += 1
-        conn.request("POST", path, body=body, headers=headers)
-        response = conn.getresponse()
-        data = response.read()
-        if response.will_close:
+        status, data, keep_alive = conn.round_trip(request)
+        if not keep_alive:
             conn.close()  # the server ends it: the next request on it reconnects
-        return response.status, data
+        return status, data
 
-    def _take(self, key: tuple[str, int]) -> tuple[http.client.HTTPConnection, bool]:
+    def _take(self, key: tuple[str, int]) -> tuple[_Connection, bool]:
         with self._lock:
             if self._closed:
                 raise HTTPError("the client is closed")
@@ -160,9 +216,9 @@ class KeepAliveClient:
             conn.close()
         if taken is not None:
             return taken, True
-        return http.client.HTTPConnection(*key, timeout=self.timeout), False  # connected on first use
+        return _Connection(key, self.timeout), False  # connected on first use
 
-    def _give_back(self, key: tuple[str, int], conn: http.client.HTTPConnection) -> None:
+    def _give_back(self, key: tuple[str, int], conn: _Connection) -> None:
         with self._lock:
             idle = self._idle.setdefault(key, [])
             if not self._closed and len(idle) < self.max_idle:

@@ -21,6 +21,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         server.peers.add(self.client_address)
         if self.path == "/slow":
             time.sleep(1.0)
+        if self.path in ("/cut", "/garbled"):  # half an answer, or not HTTP: then the connection ends
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhalf" if self.path == "/cut"
+                             else b"HTTQ/9 what\r\n\r\n")
+            self.close_connection = True
+            return
         answer = b"echo:" + body
         self.send_response(404 if self.path == "/missing" else 200)
         self.send_header("Content-Length", str(len(answer)))
@@ -87,6 +92,11 @@ def test_errors_are_raised_within_the_timeout(server: _Server) -> None:
                 client.post(f"http://127.0.0.1:{dead.getsockname()[1]}/x", b"")
         with pytest.raises(ValueError, match="not an http:// URL"):
             client.post("https://127.0.0.1/x", b"")
+        with pytest.raises(HTTPError, match="BadAnswer: the connection ended before the answer's end"):
+            client.post(_url(server, "/cut"), b"")
+        with pytest.raises(HTTPError, match="BadAnswer: a malformed answer"):
+            client.post(_url(server, "/garbled"), b"")
+        assert client.post(_url(server, "/x"), b"ok") == (200, b"echo:ok")  # on a fresh connection
     with pytest.raises(HTTPError, match="closed"):
         client.post(_url(server, "/x"), b"")
 
