@@ -11,7 +11,9 @@ and the front use: POST and GET, bodies given whole, answers read whole (`Answer
 Connections are pooled per host:port, most recently used first, and none is reused after `CLIENT_KEEPALIVE_S`
 idle (before the servers' own keep-alive ends it). A request that fails on a *reused* connection before any byte
 of its answer came (the server closed it meanwhile) is sent once more on a fresh one, as `epd_lab.http_client`
-does; on a fresh connection that is `Disconnected`: the server closed it, it did not answer. An answer read to
+does; on a fresh connection that is `Disconnected`: the server closed it, it did not answer. When the fresh one
+cannot even connect, the server died with the request possibly on it: `Disconnected` too, not `ConnectError`
+(which says the request never reached it). An answer read to
 its end goes back to the pool (`Answer.release`); one cut short is closed (`Answer.close`), which the server sees
 as its client gone (a decode stops generating).
 """
@@ -281,12 +283,19 @@ class AsyncHTTPClient:
         data = head.encode("latin-1") + (body or b"")
         timeout = self.timeout if timeout is None else timeout
         conn = self._reused(key)
+        unanswered: Disconnected | None = None
         if conn is not None:
             try:
                 return await self._exchange(conn, data, timeout)
-            except Disconnected:
-                pass  # stale: the server closed it while it waited here; once more on a fresh one
-        return await self._exchange(await self._connect(key, timeout), data, timeout)
+            except Disconnected as exc:  # stale (closed while it waited here), or the server died: once more
+                unanswered = exc
+        try:
+            fresh = await self._connect(key, timeout)
+        except ConnectError:
+            if unanswered is not None:  # the server is gone, and the request may have reached it before
+                raise unanswered from None
+            raise
+        return await self._exchange(fresh, data, timeout)
 
     async def _exchange(self, conn: _Connection, data: bytes, timeout: float) -> Answer:
         try:

@@ -58,6 +58,12 @@ class _Server:
                          b"content-length: %d\r\n\r\n%s" % (len(answer), answer))
         elif path == "/drop":  # closes without a byte of an answer
             return False
+        elif path == "/die":  # the whole server goes, this request unanswered
+            assert self.server is not None
+            self.server.close()
+            for other in self.writers:
+                other.transport.abort()
+            return False
         elif path == "/silent":  # reads, never answers
             await asyncio.sleep(30)
         elif path == "/garbled":
@@ -134,6 +140,18 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_once():
             server.writers[0].transport.abort()
             assert await _post(client, server.url("/echo")) == (200, b"echo:hi|")
             assert client.connections_opened == 2 and len(server.peers) == 2
+    asyncio.run(main())
+
+
+def test_a_server_that_dies_with_the_request_on_a_kept_alive_connection_is_disconnected_not_refused():
+    async def main():
+        async with _setup() as (server, client):
+            echo, die = server.url("/echo"), server.url("/die")
+            assert await _post(client, echo) == (200, b"echo:hi|")
+            with pytest.raises(Disconnected):  # the resend finds nobody: the request may have reached it
+                await client.request("POST", die, b"")
+            with pytest.raises(ConnectError):  # from then on, nothing can have reached it
+                await client.request("POST", echo, b"")
     asyncio.run(main())
 
 
