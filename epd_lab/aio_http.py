@@ -23,11 +23,11 @@ import asyncio
 import collections
 import socket
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 
 import httptools
 
+from epd_lab.http_client import header_lines, request_bytes
 from epd_lab.serving import CLIENT_KEEPALIVE_S
 
 __all__ = ["Answer", "AsyncHTTPClient", "BrokenAnswer", "ClientError", "ConnectError", "Disconnected"]
@@ -263,7 +263,7 @@ class AsyncHTTPClient:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.timeout = timeout
         self.keepalive = keepalive
-        self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._headers = header_lines(headers)
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self.connections_opened = 0
@@ -272,15 +272,7 @@ class AsyncHTTPClient:
                       headers: Mapping[str, str] | None = None, timeout: float | None = None) -> Answer:
         """Send a request and wait for its answer's head; the body is the `Answer`'s to read. `timeout` overrides
         the client's for this exchange. Raises `ConnectError`, `Disconnected`, `BrokenAnswer`, `TimeoutError`."""
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"not an http:// URL: {url!r}")
-        key = (parts.hostname, parts.port or 80)
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        length = f"content-length: {len(body)}\r\n" if body is not None else ""
-        head = f"{method} {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n{self._headers}{extra}{length}\r\n"
-        data = head.encode("latin-1") + (body or b"")
+        key, data = request_bytes(method, url, body, self._headers + header_lines(headers))
         timeout = self.timeout if timeout is None else timeout
         conn = self._reused(key)
         unanswered: Disconnected | None = None

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Mapping
 
 import httptools
 
@@ -65,6 +66,23 @@ class HTTPError(Exception):
     def interrupted(self) -> bool:
         """Cut by `KeepAliveClient.interrupt`: the server may have the request, and may never answer."""
         return isinstance(self.__cause__, Interrupted)
+
+
+def header_lines(headers: Mapping[str, str] | None) -> str:
+    """`headers` as request header lines, each ending in CRLF."""
+    return "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+
+
+def request_bytes(method: str, url: str, body: bytes | None, headers: str) -> tuple[tuple[str, int], bytes]:
+    """The host:port `url` names and the HTTP/1.1 request to it, head and body in one buffer (one send);
+    `headers`: `header_lines`. Raises `ValueError` for a URL that is not plain http."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"not an http:// URL: {url!r}")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    length = f"Content-Length: {len(body)}\r\n" if body is not None else ""
+    head = f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{headers}{length}\r\n"
+    return (parts.hostname, parts.port or 80), head.encode("latin-1") + (body or b"")
 
 
 class _Connection:
@@ -126,7 +144,7 @@ class KeepAliveClient:
     def __init__(self, timeout: float, max_idle: int = 64, secret: bytes | str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self._auth = "".join(f"{k}: {v}\r\n" for k, v in security.bearer_header(security.resolve(secret)).items())
+        self._auth = header_lines(security.bearer_header(security.resolve(secret)))
         self.timeout = timeout
         self.max_idle = max_idle
         self.connections_opened = 0
@@ -142,13 +160,7 @@ class KeepAliveClient:
 
         Raises `HTTPError` when no answer came, `ValueError` for a URL that is not plain http.
         """
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"not an http:// URL: {url!r}")
-        key = (parts.hostname, parts.port or 80)
-        head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\n{self._auth}\r\n")
-        request = head.encode("latin-1") + body
+        key, request = request_bytes("POST", url, body, f"Content-Type: {content_type}\r\n{self._auth}")
         conn, reused = self._take(key)
         with self._lock:
             self._busy.setdefault(key, set()).add(conn)
