@@ -64,14 +64,26 @@ def test_a_small_cpu_run_writes_device_model_and_timings(tmp_path):
     assert "tiny on cpu (no GPU), float32" in stdout
 
 
-def test_images_by_url_are_fetched_by_the_encoders_and_the_floor(tmp_path):
-    data, stdout = _bench(tmp_path, "--device", "cpu", "--image-size", "112", "--images", "1", "--media", "url")
+def test_images_by_url_are_fetched_by_the_encoders_and_the_floor_and_paired(tmp_path):
+    data, stdout = _bench(tmp_path, "--device", "cpu", "--image-size", "112", "--images", "1", "--media", "url",
+                          "--pairs", "3")
     _check(data, "cpu", "float32", 112, 16, (1,))
     assert data["media"] == "url" and {r["media"] for r in data["rows"]} == {"url"} and "by url" in stdout
     # every image a request named was fetched once from the bench's media server: the floor's 2 timed requests
-    # and its warm-up, then the cluster's 2-image warm-up, its checked request and the 2 timed ones
-    assert data["media_fetches"] == 3 + 2 + 1 + 2
+    # and its warm-up, then the cluster's 2-image warm-up, its checked request and the 2 timed ones; then the
+    # paired rounds (a warm-up and 3), one request each through the floor and the cluster
+    assert data["media_fetches"] == 3 + 2 + 1 + 2 + 2 * 4
     assert {"load", "vit"} <= {p["stage"] for p in data["rows"][1]["critical_path"]}
+    [pair] = data["paired"]
+    assert (pair["path"], pair["images"], pair["image_size"], pair["pairs"]) == ("epd/mooncake", 1, 112, 3)
+    rounds = pair["rounds"]
+    assert [r["first"] for r in rounds] == ["split", "floor", "split"]  # alternating, after a warm-up first
+    assert all(r["floor_ttft_ms"] > 0 and r["split_ttft_ms"] > r["transfer_spans_ms"] > 0 for r in rounds)
+    diff = sorted(r["split_ttft_ms"] - r["floor_ttft_ms"] for r in rounds)
+    assert pair["split_minus_floor_ms"]["p50"] == pytest.approx(diff[1])
+    less = sorted(r["split_ttft_ms"] - r["floor_ttft_ms"] - r["transfer_spans_ms"] for r in rounds)
+    assert pair["split_minus_floor_less_spans_ms"]["p50"] == pytest.approx(less[1])
+    assert "3 alternating pairs: split − floor" in stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda runs")
@@ -94,6 +106,7 @@ def test_cuda_without_a_gpu_fails_at_once_with_the_reason():
     (["--media", "path"], "invalid choice"),
     (["--recv-buffer", "device"], "a device receive buffer needs a CUDA device"),
     (["--recv-buffer", "gpu"], "invalid choice"),
+    (["--pairs", "-1"], "--pairs must be >= 0"),
 ])
 def test_bad_options_are_refused_before_anything_runs(capsys, args, message):
     from epd_lab.bench.e2e import main

@@ -304,6 +304,12 @@ def test_bench_runtime_takes_the_split_overhead_from_bench_e2e():
     assert spans == {"path": "epd/mooncake", "transfer": 1.0, "notify": 0.5, "kv_write": 0.1,
                      "kv_transfer_4k_tokens_p50": 1.9}
     assert bench_runtime.split_overhead(e2e, images=8) == (None, None)
+    # a run with paired rounds (`bench e2e --pairs`): that backend's paired medians at the point, too
+    pair = {"path": "epd/mooncake", "images": 1, "image_size": 448, "pairs": 32,
+            "split_minus_floor_ms": {"p50": 4.0}, "split_minus_floor_less_spans_ms": {"p50": 2.5}}
+    e2e["paired"] = [{**pair, "images": 4}, pair]
+    assert bench_runtime.split_overhead(e2e)[1]["paired"] == {"pairs": 32, "split_minus_floor_ms": 4.0,
+                                                             "less_transfer_spans_ms": 2.5}
 
 
 # ---- on a GPU ----

@@ -74,7 +74,7 @@ from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
 from epd_lab.serving.placement import DEVICE_HELP, MODEL_HELP, use_device
-from epd_lab.trace import critical_path, summarize_critical_paths
+from epd_lab.trace import TRANSFER_STAGES, critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"
 BLOCK_SIZE = 16  # tokens per KV block: the roles' default (--block-size), the floor's too
@@ -84,6 +84,8 @@ MEDIA = ("data-uri", "url")
 # the floor's TTFT in host marks (`stages_ms`): the fetch, the PNG decode with the preprocessing, the tower's
 # call, then the prefill to the first token's read (which waits for whatever GPU work the tower left queued)
 FLOOR_STAGES = ("fetch", "preprocess", "encode", "prefill")
+# image seeds of the paired rounds (`paired`): apart from the floor's (1000 + r) and the levels' (10,000 x level + r)
+PAIRED_SEEDS = (1_000_000, 2_000_000)
 
 
 @dataclass(frozen=True)
@@ -205,53 +207,91 @@ def open_floor_model(setup: Setup) -> torch.nn.Module:
     return open_model(setup.model, dtype=setup.torch_dtype, device=use_device(setup.device))
 
 
+class Floor:
+    """The floor of one grid point, open for as many requests as asked: the same model in this process, its own
+    paged cache and runtime (`setup.runtime`); a context manager (the runtime's graphs and the cache go with it).
+    `request(seed)` times one request; by URL (`media`) its images are fetched inside its TTFT."""
+
+    def __init__(self, model: torch.nn.Module, setup: Setup, max_tokens: int, media: Media) -> None:
+        self.model, self.setup, self.max_tokens, self.media = model, setup, max_tokens, media
+        # the text around the images as the proxy renders the chat request: the floor prefills it too
+        self.prompt, _ = messages_to_prompt(_messages([b""] * setup.images))
+        prompt_len = len(build_input_ids(self.prompt, [image_grid((setup.image_size,) * 2)] * setup.images).view(-1))
+        self.table = list(range(blocks_needed(prompt_len + max_tokens, BLOCK_SIZE)))
+        self.cache = PagedKVCache.from_config(model.config, num_blocks=len(self.table), block_size=BLOCK_SIZE,
+                                              dtype=setup.torch_dtype, device=model_device(model))
+        try:
+            self.runtime = open_runtime(setup.runtime, model, self.cache)
+        except BaseException:
+            self.cache.close()
+            raise
+        self.sizes: dict = {}  # one request's prompt and embedding sizes, once one ran
+
+    def request(self, seed: int) -> tuple[float, float, dict[str, float]]:
+        """One request of images seeded by `seed`: its TTFT and TPOT (ms), and its TTFT by `FLOOR_STAGES`."""
+        rt, device, table = self.runtime, model_device(self.model), self.table
+        items = [self.media.item(raw) for raw in _images(seed, self.setup)]
+        t0 = time.perf_counter()
+        raws = [self.media.raw(item) for item in items]
+        t_fetched = time.perf_counter()
+        pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)) for raw in raws], device)
+        t_preprocessed = time.perf_counter()
+        embeds = rt.encode(pixel_values, grid)
+        t_encoded = time.perf_counter()
+        input_ids = build_input_ids(self.prompt, grid.tolist())
+        result = rt.prefill(input_ids, embeds, grid, table)
+        token = int(result.logits.argmax(-1))  # a host read: waits for the GPU's work
+        t1 = time.perf_counter()
+        for i in range(self.max_tokens - 1):
+            token = int(rt.decode([token], [result.next_position + i], [table], [result.prompt_len + i + 1]).argmax(-1))
+        t2 = time.perf_counter()
+        self.sizes = {"prompt_tokens": input_ids.shape[-1], "image_tokens": int(embeds.shape[0]),
+                      "embedding_bytes": embeds.nbytes}
+        stages = {name: (b - a) * 1e3
+                  for name, (a, b) in zip(FLOOR_STAGES, itertools.pairwise((t0, t_fetched, t_preprocessed, t_encoded,
+                                                                           t1)))}
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / max(1, self.max_tokens - 1), stages
+
+    def reference(self) -> str:
+        """The answer to the clusters' checked request (`_images(0, ...)`), by this runtime."""
+        return monolithic_chat(self.model, _messages(_images(0, self.setup)), self.max_tokens, runtime=self.runtime)
+
+    def close(self) -> None:
+        """Drop the runtime and the cache. Idempotent."""
+        self.runtime.close()
+        self.cache.close()
+
+    def __enter__(self) -> "Floor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def monolithic(requests: int, max_tokens: int, setup: Setup = Setup(), model: torch.nn.Module | None = None,
                media: Media | None = None) -> dict:
-    """The floor: TTFT and TPOT of the same model in this process, one request at a time (`model`, else
-    `open_floor_model`); by URL (`media`) each request's images are fetched inside its TTFT. Also holds the
-    reference answer to the clusters' checked request (``reference``), one request's prompt length
-    (``prompt_tokens``) and the size of its embeddings (``image_tokens``, ``embedding_bytes``)."""
+    """The floor (`Floor`): TTFT and TPOT of the same model in this process, one request at a time (`model`, else
+    `open_floor_model`). Also holds the reference answer to the clusters' checked request (``reference``), one
+    request's prompt length (``prompt_tokens``) and the size of its embeddings (``image_tokens``,
+    ``embedding_bytes``)."""
     model = open_floor_model(setup) if model is None else model
-    # the text around the images as the proxy renders the chat request: the floor prefills it too
-    prompt, _ = messages_to_prompt(_messages([b""] * setup.images))
-    prompt_len = len(build_input_ids(prompt, [image_grid((setup.image_size,) * 2)] * setup.images).view(-1))
-    table = list(range(blocks_needed(prompt_len + max_tokens, BLOCK_SIZE)))
+    media = media or Media()
     ttft, tpot = [], []
     stages: dict[str, list[float]] = {name: [] for name in FLOOR_STAGES}
-    with PagedKVCache.from_config(model.config, num_blocks=len(table), block_size=BLOCK_SIZE,
-                                  dtype=setup.torch_dtype, device=model_device(model)) as cache, \
-            open_runtime(setup.runtime, model, cache) as rt:
-        media = media or Media()
+    with Floor(model, setup, max_tokens, media) as floor:
         for r in range(requests + 1):
-            items = [media.item(raw) for raw in _images(1000 + r, setup)]
-            t0 = time.perf_counter()
-            raws = [media.raw(item) for item in items]
-            t_fetched = time.perf_counter()
-            pixel_values, grid = preprocess([Image.open(io.BytesIO(raw)) for raw in raws], model_device(model))
-            t_preprocessed = time.perf_counter()
-            embeds = rt.encode(pixel_values, grid)
-            t_encoded = time.perf_counter()
-            input_ids = build_input_ids(prompt, grid.tolist())
-            result = rt.prefill(input_ids, embeds, grid, table)
-            token = int(result.logits.argmax(-1))  # a host read: waits for the GPU's work
-            t1 = time.perf_counter()
-            for i in range(max_tokens - 1):
-                token = int(rt.decode([token], [result.next_position + i], [table],
-                                      [result.prompt_len + i + 1]).argmax(-1))
-            t2 = time.perf_counter()
-            if r:
-                ttft.append((t1 - t0) * 1e3)
-                for name, (a, b) in zip(FLOOR_STAGES, itertools.pairwise((t0, t_fetched, t_preprocessed, t_encoded,
-                                                                         t1))):
-                    stages[name].append((b - a) * 1e3)
-                tpot.append((t2 - t1) * 1e3 / max(1, max_tokens - 1))
+            first, step, marks = floor.request(1000 + r)
+            if r:  # the first is a warm-up
+                ttft.append(first)
+                tpot.append(step)
+                for name, ms in marks.items():
+                    stages[name].append(ms)
         media.forget()
-        reference = monolithic_chat(model, _messages(_images(0, setup)), max_tokens, runtime=rt)
+        reference = floor.reference()
     return {"path": "monolithic", "concurrency": 1, **_point(setup), "media": media.kind, "ttft_ms": _summary(ttft),
             "tpot_ms": _summary(tpot), "stages_ms": {name: _summary(v) for name, v in stages.items()},
             "requests_per_s": 1e3 / (statistics.median(ttft) + statistics.median(tpot) * (max_tokens - 1)),
-            "reference": reference, "prompt_tokens": input_ids.shape[-1], "image_tokens": int(embeds.shape[0]),
-            "embedding_bytes": embeds.nbytes}
+            "reference": reference, **floor.sizes}
 
 
 def _point(setup: Setup) -> dict:
@@ -434,6 +474,51 @@ def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setu
     return rows
 
 
+def paired(cluster: Cluster, floor: Floor, pairs: int, max_tokens: int, setup: Setup, media: Media,
+           log=print) -> dict:
+    """Split and floor side by side at concurrency 1: after one warm-up round, `pairs` rounds of one request
+    through `cluster`'s proxy and one through `floor`, the two in alternating order, each on images of its own.
+    A round's difference cancels what drifts over a run (the host's load, the GPU's clocks), which the floor's own
+    block, measured minutes before the cluster's, does not. Each split request's transfer spans
+    (`TRANSFER_STAGES` on its TTFT's critical path) are taken out of its own difference."""
+    path = f"epd/{cluster.topology.backend}" + (" (pipelined)" if cluster.topology.pipelined else "")
+    stream = StreamClient(cluster.proxy_url)
+    floors, splits, ids, order = [], [], [], []
+    try:
+        for i in range(pairs + 1):
+            body = render(media.messages(_images(PAIRED_SEEDS[1] + i, setup)), max_tokens)
+            if i % 2:
+                chat = stream.chat(body, max_tokens)
+                first = floor.request(PAIRED_SEEDS[0] + i)[0]
+            else:
+                first = floor.request(PAIRED_SEEDS[0] + i)[0]
+                chat = stream.chat(body, max_tokens)
+            if i:
+                floors.append(first)
+                splits.append(chat.ttft)
+                ids.append(chat.response_id)
+                order.append("split" if i % 2 else "floor")
+    finally:
+        stream.close()
+    media.forget()
+    frame = cluster.spans()
+    spans = []
+    for rid in ids:
+        cp = critical_path(frame, rid)
+        spans.append(float(cp.loc[cp["stage"].isin(TRANSFER_STAGES), "dur_ms"].sum()))
+    diff = [s - f for s, f in zip(splits, floors)]
+    less = [d - s for d, s in zip(diff, spans)]
+    out = {"path": path, **_point(setup), "pairs": pairs, "floor_ttft_ms": _summary(floors),
+           "split_ttft_ms": _summary(splits), "split_minus_floor_ms": _summary(diff),
+           "transfer_spans_ms": _summary(spans), "split_minus_floor_less_spans_ms": _summary(less),
+           "rounds": [{"first": o, "floor_ttft_ms": f, "split_ttft_ms": s, "transfer_spans_ms": sp}
+                      for o, f, s, sp in zip(order, floors, splits, spans)]}
+    log(f"  {out['images']} x {out['image_size']}² {path}, {pairs} alternating pairs: split − floor "
+        f"{statistics.median(diff):.2f} ms (p10..p90 {np.percentile(diff, 10):.2f}..{np.percentile(diff, 90):.2f}), "
+        f"less its transfer spans {statistics.median(less):.2f} ms")
+    return out
+
+
 def _critical_path(frame: pd.DataFrame, response_ids: list[str]) -> list[dict]:
     """Per stage, the ms on the TTFT's critical path over `response_ids` (`trace.summarize_critical_paths`)."""
     table = summarize_critical_paths(frame, response_ids)
@@ -502,11 +587,13 @@ def _release(device: torch.device) -> None:
 
 def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pipelined: bool = False,
         setup: Setup = Setup(), concurrency: tuple[int, ...] = CONCURRENCY,
-        grid: Sequence[tuple[int, int]] = (), checkpoint: Callable[[dict], None] | None = None) -> dict:
+        grid: Sequence[tuple[int, int]] = (), checkpoint: Callable[[dict], None] | None = None,
+        pairs: int = 0) -> dict:
     """Measure; returns ``{"machine", "device", "gpu", "model", "dtype", "grid", "rows", "kv_transfer",
     "complete", ...}``. `grid`: the (image_size, images) points, each measured by the floor and by every cluster
     (none: `setup`'s own). `pipelined`: each backend also with decode asked while prefill runs, beside the
-    default path. `checkpoint`: called with the result so far (``complete`` False) after each grid point, so that a
+    default path. `pairs`: after each point's levels, that many split and floor requests side by side (`paired`;
+    the floor's model then stays on the device beside the servers), in ``paired``. `checkpoint`: called with the result so far (``complete`` False) after each grid point, so that a
     run cut short keeps what it measured. Raises ValueError at once where `setup.device` is not here (e.g. cuda
     without a GPU)."""
     device = resolve_device(setup.device)
@@ -516,13 +603,14 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
     with Media(setup.media) as media:  # its server, if any, lives for the whole run
         model = open_floor_model(setup)
         floors = [monolithic(requests, max_tokens, point, model, media) for point in points]
-        del model
-        _release(device)
+        if not pairs:
+            del model
+            _release(device)
         references = [floor.pop("reference") for floor in floors]
         for floor in floors:
             log(_fmt(floor) + f"  ({floor['image_tokens']} image tokens, {floor['embedding_bytes']} bytes)")
         room = capacity(floors, max_tokens, max(concurrency), setup.kv_tokens)
-        rows, kv = list(floors), None
+        rows, kv, pair_rows = list(floors), None, []
 
         def result(complete: bool, log=log) -> dict:
             summary = [_summarize(floor, [r for r in rows[len(floors):] if _point(point).items() <= r.items()], log)
@@ -535,13 +623,16 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
                     "max_tokens": max_tokens, "concurrency": list(concurrency), "kv_blocks": room.kv_blocks,
                     "max_held_bytes": room.max_held_bytes,
                     "answers_equal_monolithic": all(r["answer_ok"] for r in rows[len(floors):]), "grid": summary,
-                    "rows": rows, "kv_transfer": kv}
+                    "rows": rows, "kv_transfer": kv, "paired": pair_rows}
 
         for backend in backends:
             for piped in (False, True) if pipelined else (False,):
                 with cluster_for(setup, backend, piped, room) as cluster:
                     for point, reference in zip(points, references):
                         rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency, media)
+                        if pairs:
+                            with Floor(model, point, max_tokens, media) as floor:
+                                pair_rows.append(paired(cluster, floor, pairs, max_tokens, point, media, log))
                         if checkpoint is not None:
                             checkpoint(result(False, log=lambda *_: None))
                     if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
@@ -617,8 +708,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recv-buffer", default="auto", choices=RECV_BUFFERS,
                     help="the prefill's E→P receive buffer: host, pinned or device (GPU) memory; auto: pinned on "
                          "CUDA, host on the CPU")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="after each point's levels, this many split and floor requests side by side at concurrency "
+                         "1, alternating (the floor's model stays on the device beside the servers)")
     args = ap.parse_args(argv)
     try:
+        if args.pairs < 0:
+            raise ValueError(f"--pairs must be >= 0, got {args.pairs}")
         setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens,
                       args.runtime, args.media, args.recv_buffer)
         grid = [(size, images) for size in args.image_size for images in args.images]
@@ -629,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     save = (lambda partial: write_json(args.json, partial)) if args.json else None
     result = run(tuple(args.backends.split(",")), args.requests, args.max_tokens, pipelined=args.pipelined,
-                 setup=setup, concurrency=args.concurrency, grid=grid, checkpoint=save)
+                 setup=setup, concurrency=args.concurrency, grid=grid, checkpoint=save, pairs=args.pairs)
     if args.json:
         write_json(args.json, result)
     return 0

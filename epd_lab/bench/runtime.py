@@ -44,6 +44,7 @@ from epd_lab.models.runtime import RUNTIMES, open_runtime
 from epd_lab.models.runtime.vision import VisionTower
 from epd_lab.models.sampling import sample
 from epd_lab.noise import noise_images
+from epd_lab.trace import TRANSFER_STAGES
 
 PROMPT = "Describe the picture in one sentence, then list what stands out."
 VISION_BUDGETS = (1024, 2048, 4096)  # patch rows per vision call, measured beside the default
@@ -274,7 +275,8 @@ def measure(model_name: str, device: torch.device, dtype: torch.dtype, runtimes:
 
 def split_overhead(e2e: dict, images: int = 1, image_size: int = 448) -> tuple[float | None, dict | None]:
     """From a `bench e2e` result: the split's TTFT over the floor's at concurrency 1 (p50, the first backend that
-    ran the point) and the transfer spans on its critical path (ms)."""
+    ran the point) and the transfer spans on its critical path (ms); where the run paired split and floor
+    requests (`bench e2e --pairs`), that backend's paired medians too (``paired``)."""
     rows = [r for r in e2e.get("rows", []) if r["images"] == images and r["image_size"] == image_size
             and r["concurrency"] == 1]
     floor = next((r for r in rows if r["path"] == "monolithic"), None)
@@ -282,8 +284,13 @@ def split_overhead(e2e: dict, images: int = 1, image_size: int = 448) -> tuple[f
     if floor is None or split is None:
         return None, None
     stages = {s["stage"]: s["median_ms"] for s in split["critical_path"]}
-    spans = {"path": split["path"], **{k: stages.get(k) for k in ("transfer", "notify", "kv_write")},
+    spans = {"path": split["path"], **{k: stages.get(k) for k in TRANSFER_STAGES},
              "kv_transfer_4k_tokens_p50": e2e.get("kv_transfer", {}).get("ms", {}).get("p50")}
+    pair = next((p for p in e2e.get("paired", []) if p["path"] == split["path"] and p["images"] == images
+                 and p["image_size"] == image_size), None)
+    if pair is not None:
+        spans["paired"] = {"pairs": pair["pairs"], "split_minus_floor_ms": pair["split_minus_floor_ms"]["p50"],
+                           "less_transfer_spans_ms": pair["split_minus_floor_less_spans_ms"]["p50"]}
     return split["ttft_ms"]["p50"] - floor["ttft_ms"]["p50"], spans
 
 

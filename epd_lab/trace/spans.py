@@ -28,6 +28,9 @@ STAGES = ("intake", "http_encode", "load", "decode", "vit", "buffer_alloc", "reg
           "notify", "reassemble", "prefill")
 # The P→D stages and the proxy's per-request spans, in the order a request meets them.
 PD_STAGES = ("proxy_parse", "kv_write", "kv_query", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
+# The spans that move bytes between the roles on a split request's TTFT path (issue 17's split target leaves them
+# out: "split − floor ≤ 3 ms plus the transfer spans").
+TRANSFER_STAGES = ("transfer", "notify", "kv_write")
 
 
 @functools.cache
