@@ -27,7 +27,8 @@
 # that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
 # Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), SIZES (448,896), IMAGES (1,4,8),
 # CONCURRENCY (1,4,16), QOS (1: every bench e2e runs with /dev/cpu_dma_latency held at 0 µs), RECV_BUFFER
-# (the prefill's --recv-buffer: pinned, device or host; unset: auto), MEDIA (data-uri or url: how the e2e requests carry their images), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
+# (the prefill's --recv-buffer: pinned, device or host; unset: auto), PAIRS (bench e2e --pairs: split and floor
+# requests side by side at c=1, alternating; both sides of ab need a tree that has the option), MEDIA (data-uri or url: how the e2e requests carry their images), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
 # TESTS (pytest arguments, e.g. node ids, instead of every file with cuda tests), EPD_LAB_COMMIT (the commit sent:
 # the device copy's .git may be older; the setup line and bench runtime record it).
 set -uo pipefail
@@ -71,7 +72,7 @@ bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $O
     [ "${QOS:-0}" = 1 ] && hold=(python3 scripts/wakeup_latency.py --hold --)
     timeout "$STAGE_TIMEOUT" "${hold[@]}" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" \
         --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --media "${MEDIA:-data-uri}" \
-        ${RECV_BUFFER:+--recv-buffer "$RECV_BUFFER"} --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" \
+        ${RECV_BUFFER:+--recv-buffer "$RECV_BUFFER"} ${PAIRS:+--pairs "$PAIRS"} --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" \
         2>&1 | stamp
     say "bench $model: exit ${PIPESTATUS[0]}"
 }
@@ -125,7 +126,7 @@ for stage in "$@"; do
                     (cd "$tree" && PYTHONPATH=$tree:/tmp/site timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e \
                         --device cuda --model "${AB_MODEL:-qwen2-vl-2b}" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
                         --media "${MEDIA:-data-uri}" --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" \
-                        --kv-tokens 4096 --backends mooncake \
+                        --kv-tokens 4096 --backends mooncake ${PAIRS:+--pairs "$PAIRS"} \
                         --json "$OUT/e2e-cuda-${AB_MODEL:-qwen2-vl-2b}-ab-$side-r$round.json") 2>&1 | stamp
                     say "ab $side r$round: exit ${PIPESTATUS[0]}"
                 done
