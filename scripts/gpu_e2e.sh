@@ -16,6 +16,9 @@
 #               $CONCURRENCY, for this tree ("head") and for $AB_BASE (another commit's tree inside this one, e.g.
 #               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times:
 #               $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own monolithic row)
+#     mps       the ab stage's run on this tree, alternating without and with an MPS daemon (nvidia-cuda-mps-control -d,
+#               started and quit here: every CUDA process of the run, the floor's and the servers', is then its
+#               client), $AB_ROUNDS (2) times: $OUT/e2e-cuda-<model>-mps-{off,on}-r<round>.json
 #     hops      what one cross-process hop costs on this host: scripts/wakeup_latency.py (a ping-pong after idle gaps,
 #               with and without /dev/cpu_dma_latency held at 0) and `epd-lab bench http` (one kept-alive POST per
 #               server stack and client): $OUT/wakeup-latency.json, $OUT/http.json
@@ -77,6 +80,15 @@ bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $O
     say "bench $model: exit ${PIPESTATUS[0]}"
 }
 
+ab_bench() {  # ab_bench TREE NAME: `bench e2e` of $AB_MODEL, mooncake only, with TREE's code, into $OUT/e2e-cuda-<model>-NAME.json
+    (cd "$1" && PYTHONPATH=$1:/tmp/site timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e \
+        --device cuda --model "${AB_MODEL:-qwen2-vl-2b}" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
+        --media "${MEDIA:-data-uri}" --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" \
+        --kv-tokens 4096 --backends mooncake ${PAIRS:+--pairs "$PAIRS"} \
+        --json "$OUT/e2e-cuda-${AB_MODEL:-qwen2-vl-2b}-$2.json") 2>&1 | stamp
+    say "$2: exit ${PIPESTATUS[0]}"
+}
+
 for stage in "$@"; do
     case $stage in
         tests)
@@ -123,14 +135,29 @@ for stage in "$@"; do
                     tree=$ROOT
                     [ "$side" = base ] && tree=$(cd "$AB_BASE" && pwd)
                     say "ab round $round: $side ($tree)"
-                    (cd "$tree" && PYTHONPATH=$tree:/tmp/site timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e \
-                        --device cuda --model "${AB_MODEL:-qwen2-vl-2b}" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
-                        --media "${MEDIA:-data-uri}" --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" \
-                        --kv-tokens 4096 --backends mooncake ${PAIRS:+--pairs "$PAIRS"} \
-                        --json "$OUT/e2e-cuda-${AB_MODEL:-qwen2-vl-2b}-ab-$side-r$round.json") 2>&1 | stamp
-                    say "ab $side r$round: exit ${PIPESTATUS[0]}"
+                    ab_bench "$tree" "ab-$side-r$round"
                 done
             done
+            ;;
+        mps)
+            # a daemon that this stage starts and quits; no GPU setting is changed
+            export CUDA_MPS_PIPE_DIRECTORY=/tmp/epd-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epd-mps/log
+            mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+            for round in $(seq "${AB_ROUNDS:-2}"); do
+                for side in off on; do
+                    if [ "$side" = on ]; then
+                        nvidia-cuda-mps-control -d 2>&1 | stamp
+                        [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || { say "mps: the daemon did not start"; exit 1; }
+                    fi
+                    say "mps round $round: $side"
+                    ab_bench "$ROOT" "mps-$side-r$round"
+                    if [ "$side" = on ]; then
+                        echo quit | nvidia-cuda-mps-control 2>&1 | stamp
+                        for _ in $(seq 50); do [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || break; sleep 0.2; done
+                    fi
+                done
+            done
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
             ;;
         runtime)
             say "bench runtime --models ${RT_MODELS:=qwen2-vl-2b,qwen2-vl-7b}"
@@ -150,7 +177,7 @@ for stage in "$@"; do
                 say "notebook skipped: papermill, plotly or ipykernel is not installed here"
             fi
             ;;
-        *) say "unknown stage '$stage' (tests, tiny, hops, 2b, 7b, ab, rates, runtime, notebook)"; exit 2 ;;
+        *) say "unknown stage '$stage' (tests, tiny, hops, 2b, 7b, ab, mps, rates, runtime, notebook)"; exit 2 ;;
     esac
 done
 say "done"

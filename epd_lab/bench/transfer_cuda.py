@@ -467,7 +467,13 @@ def machine_info() -> dict:
     return {**cpu_info(), "gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count(),
             "gpu_memory_gib": round(props.total_memory / GiB, 1), "sm_count": props.multi_processor_count,
             "torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "mps": mps_daemon()}
+
+
+def mps_daemon() -> bool:
+    """Whether an MPS control daemon answers where this process's CUDA clients look for one (its control pipe in
+    ``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps): the GPU's processes then share one context."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
 
 
 def ratios(rows: list[dict], kv: list[dict]) -> list[dict]:
