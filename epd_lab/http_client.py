@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import httptools
 
@@ -85,13 +85,15 @@ def request_bytes(method: str, url: str, body: bytes | None, headers: str) -> tu
     return (parts.hostname, parts.port or 80), head.encode("latin-1") + (body or b"")
 
 
-class _Connection:
-    """One kept-alive connection (connected on first use): a socket and httptools' parser."""
+class Connection:
+    """One kept-alive connection (connected on first use): a socket and httptools' parser. Used by one thread at a
+    time; `KeepAliveClient` pools them, `bench e2e`'s streaming client keeps one per thread."""
 
     def __init__(self, key: tuple[str, int], timeout: float) -> None:
         self.key, self.timeout = key, timeout
         self.sock: socket.socket | None = None
         self._body: list[bytes] = []
+        self._on_body: Callable[[bytes], None] = self._body.append
         self._status, self._keep_alive, self._complete = 0, False, False
 
     def connect(self) -> None:
@@ -99,10 +101,13 @@ class _Connection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self._parser = sock, httptools.HttpResponseParser(self)
 
-    def round_trip(self, request: bytes) -> tuple[int, bytes, bool]:
-        """Send `request` whole and read its answer: (status, body, whether the connection stays open)."""
+    def round_trip(self, request: bytes, on_body: Callable[[bytes], None] | None = None) -> tuple[int, bytes, bool]:
+        """Send `request` whole and read its answer: (status, body, whether the connection stays open). With
+        `on_body`, each piece of the body goes to it as soon as it is parsed (a stream), and the body returned is
+        empty."""
         assert self.sock is not None
         self._body, self._complete = [], False
+        self._on_body = on_body or self._body.append
         self.sock.sendall(request)
         answered = False
         while not self._complete:
@@ -119,7 +124,7 @@ class _Connection:
         return self._status, b"".join(self._body), self._keep_alive
 
     def on_body(self, body: bytes) -> None:  # httptools
-        self._body.append(body)
+        self._on_body(body)
 
     def on_message_complete(self) -> None:  # httptools; read here: the parser resets for the next answer after
         self._status, self._keep_alive, self._complete = (self._parser.get_status_code(),
@@ -149,11 +154,11 @@ class KeepAliveClient:
         self.max_idle = max_idle
         self.connections_opened = 0
         # host:port -> (connection, when it went idle), the most recently used last
-        self._idle: dict[tuple[str, int], list[tuple[_Connection, float]]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[Connection, float]]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._busy: dict[tuple[str, int], set[_Connection]] = {}  # in use, per host:port
-        self._cut: set[_Connection] = set()  # in use, and interrupted
+        self._busy: dict[tuple[str, int], set[Connection]] = {}  # in use, per host:port
+        self._cut: set[Connection] = set()  # in use, and interrupted
 
     def post(self, url: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
         """POST `body` to `url` (``http://host:port/path``); returns (status, the answer's body).
@@ -184,7 +189,7 @@ class KeepAliveClient:
             self._give_back(key, conn)
         return status, data
 
-    def _done(self, key: tuple[str, int], conn: _Connection) -> bool:
+    def _done(self, key: tuple[str, int], conn: Connection) -> bool:
         """`conn` is no longer in use; whether it was interrupted."""
         with self._lock:
             self._busy[key].discard(conn)
@@ -205,7 +210,7 @@ class KeepAliveClient:
                 conn.sock.shutdown(socket.SHUT_RDWR)  # the blocked read or write returns at once
         return len(conns)
 
-    def _round_trip(self, conn: _Connection, request: bytes) -> tuple[int, bytes]:
+    def _round_trip(self, conn: Connection, request: bytes) -> tuple[int, bytes]:
         if conn.sock is None:  # new, or closed by the server's last answer
             conn.connect()
             with self._lock:
@@ -215,7 +220,7 @@ class KeepAliveClient:
             conn.close()  # the server ends it: the next request on it reconnects
         return status, data
 
-    def _take(self, key: tuple[str, int]) -> tuple[_Connection, bool]:
+    def _take(self, key: tuple[str, int]) -> tuple[Connection, bool]:
         with self._lock:
             if self._closed:
                 raise HTTPError("the client is closed")
@@ -228,9 +233,9 @@ class KeepAliveClient:
             conn.close()
         if taken is not None:
             return taken, True
-        return _Connection(key, self.timeout), False  # connected on first use
+        return Connection(key, self.timeout), False  # connected on first use
 
-    def _give_back(self, key: tuple[str, int], conn: _Connection) -> None:
+    def _give_back(self, key: tuple[str, int], conn: Connection) -> None:
         with self._lock:
             idle = self._idle.setdefault(key, [])
             if not self._closed and len(idle) < self.max_idle:

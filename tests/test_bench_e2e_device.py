@@ -4,9 +4,12 @@ test); `--device cuda` without a GPU fails at once with the reason; on a GPU (ma
 machine) the same small run on CUDA."""
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -138,3 +141,52 @@ def test_a_small_cuda_run_records_the_gpu(tmp_path):
     data, _ = _bench(tmp_path, "--device", "cuda", "--image-size", "224", timeout=300)
     _check(data, "cuda:0", "bfloat16", 224, 64, (1,))
     assert data["gpu"] == torch.cuda.get_device_name(0) and data["machine"]["gpu"] == data["gpu"]
+
+
+class _SSEHandler(http.server.BaseHTTPRequestHandler):
+    """Streams three content chunks 0.2 s apart (chunked, as the proxy does), then drops the connection when the
+    path says so (as a server ending an idle kept-alive connection would)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        role = b'data: {"id": "chatcmpl-1", "choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+        events = [role + b'data: {"id": "chatcmpl-1", "choices": [{"delta": {"content": "a"}}]}\n\n',
+                  b'data: {"id": "chatcmpl-1", "choices": [{"delta": {"content": "b"}}]}\n',  # a line split
+                  b'\ndata: {"id": "chatcmpl-1", "choices": [{"delta": {"content": "c"}}]}\n\ndata: [DONE]\n\n']
+        for i, event in enumerate(events):
+            if i:
+                time.sleep(0.2)
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.close_connection = self.path == "/drop/v1/chat/completions"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_stream_client_times_each_chunk_as_it_arrives_and_replaces_a_dropped_connection():
+    from epd_lab.bench.e2e import StreamClient
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SSEHandler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for prefix in ("/drop", ""):  # the first answer ends its connection: the next request opens another
+            client = StreamClient(f"http://127.0.0.1:{srv.server_address[1]}{prefix}")
+            for _ in range(2):
+                chat = client.chat(b"{}", max_tokens=3)
+                assert (chat.text, chat.response_id) == ("abc", "chatcmpl-1")
+                assert chat.ttft < 150  # the first chunk, timed on arrival: not at the stream's end
+                assert 150 < chat.second < 400 and 150 < chat.tpot < 400  # 0.2 s apart
+                time.sleep(0.05)  # the dropping server has closed its end by now
+            client.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
