@@ -6,10 +6,12 @@
   this is the floor. On a GPU every timed region ends on a host read of the chosen token (`int(argmax)`),
   which waits for the kernels queued before it.
 - ``epd/<backend>``: 2 encoders + a prefill server + a decode server + the proxy, on loopback, every model
-  role on `--device`; timed requests go through `StreamClient` (kept-alive `http.client`, bodies rendered
-  before the clock starts), streamed; TTFT = until the first content chunk, TPOT = the rest divided by the
-  remaining tokens. Concurrency 1, 4, 16 (threads), `--requests` per level. The warm-up's answer, asked through
+  role on `--device`; timed requests go through `StreamClient` (a kept-alive socket, httptools parsing the
+  answer as it arrives, bodies rendered before the clock starts), streamed; TTFT = until the first content
+  chunk, TPOT = the rest divided by the remaining tokens. Concurrency 1, 4, 16 (threads), `--requests` per level. The warm-up's answer, asked through
   the official `openai` client, is checked against the monolithic use of the same runtime on the same device.
+- ``paired`` (`--pairs N`): after each point's levels, N rounds at concurrency 1 of one request through the proxy
+  and one through the floor, alternating, so that their difference does not drift with the host (`paired`).
 - ``kv_transfer``: a `--kv-tokens` text prompt (512) prefilled and decoded by the first cluster's servers
   directly; the decode server's `kv_transfer` span (side-channel round trip + one batch write), its bytes and
   GB/s.
