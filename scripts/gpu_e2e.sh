@@ -147,13 +147,14 @@ for stage in "$@"; do
                 for side in off on; do
                     if [ "$side" = on ]; then
                         nvidia-cuda-mps-control -d 2>&1 | stamp
-                        [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || { say "mps: the daemon did not start"; exit 1; }
+                        pgrep -x nvidia-cuda-mps >/dev/null || { say "mps: the daemon did not start"; exit 1; }
                     fi
                     say "mps round $round: $side"
                     ab_bench "$ROOT" "mps-$side-r$round"
                     if [ "$side" = on ]; then
                         echo quit | nvidia-cuda-mps-control 2>&1 | stamp
-                        for _ in $(seq 50); do [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || break; sleep 0.2; done
+                        # its control pipe stays behind: wait for the daemon's process to end
+                        for _ in $(seq 50); do pgrep -x nvidia-cuda-mps >/dev/null || break; sleep 0.2; done
                     fi
                 done
             done

@@ -190,3 +190,20 @@ def test_stream_client_times_each_chunk_as_it_arrives_and_replaces_a_dropped_con
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_an_mps_daemon_is_found_by_its_process_not_by_a_pipe_left_behind():
+    from epd_lab.bench.transfer_cuda import MPS_COMM, mps_daemon
+
+    assert not mps_daemon()  # none runs here (the control pipe a quit daemon leaves does not count)
+    # a process named as the daemon is (its comm), for as long as it runs
+    proc = subprocess.Popen([sys.executable, "-c", f"open('/proc/self/comm', 'w').write({MPS_COMM!r}); "
+                             "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        while not mps_daemon() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mps_daemon()
+    finally:
+        proc.communicate(timeout=10)
+    assert not mps_daemon()

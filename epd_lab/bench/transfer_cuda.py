@@ -23,6 +23,7 @@ shape built on the GPU (seeded random weights, bf16) with one 4096-token prefill
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import pickle
@@ -42,6 +43,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
 SCATTER_BLOCKS, SCATTER_BLOCK = 256, 64 * KiB
 SCATTER_SPAN = 2 * SCATTER_BLOCKS * SCATTER_BLOCK
+MPS_COMM = "nvidia-cuda-mps"  # the MPS control daemon's name as /proc/<pid>/comm holds it (15 characters)
 PATHS = ("d2d", "cuda", "cuda_api", "cuda_loop", "cuda_arrays", "pinned_staging", "zmq_pickle")
 SCATTER_ONLY = ("cuda_api", "cuda_loop", "cuda_arrays")
 ZMQ_MAX = 256 * MiB  # pickling a GiB per repeat adds nothing but minutes
@@ -471,9 +473,17 @@ def machine_info() -> dict:
 
 
 def mps_daemon() -> bool:
-    """Whether an MPS control daemon answers where this process's CUDA clients look for one (its control pipe in
-    ``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps): the GPU's processes then share one context."""
-    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
+    """Whether an MPS control daemon (``nvidia-cuda-mps-control -d``) runs on this host: the GPU's processes are
+    then its clients, sharing one context. Its process is looked for, not its control pipe, which stays behind
+    after the daemon quits."""
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                if f.read().strip() == MPS_COMM:
+                    return True
+        except OSError:  # the process ended meanwhile
+            continue
+    return False
 
 
 def ratios(rows: list[dict], kv: list[dict]) -> list[dict]:
