@@ -8,8 +8,9 @@
 - ``epd/<backend>``: 2 encoders + a prefill server + a decode server + the proxy, on loopback, every model
   role on `--device`; timed requests go through `StreamClient` (a kept-alive socket, httptools parsing the
   answer as it arrives, bodies rendered before the clock starts), streamed; TTFT = until the first content
-  chunk, TPOT = the rest divided by the remaining tokens. Concurrency 1, 4, 16 (threads), `--requests` per level. The warm-up's answer, asked through
-  the official `openai` client, is checked against the monolithic use of the same runtime on the same device.
+  chunk, TPOT = the rest divided by the remaining tokens. Concurrency 1, 4, 16 (threads), `--requests` per
+  level. The warm-up's answer, asked through the official `openai` client, is checked against the monolithic
+  use of the same runtime on the same device.
 - ``paired`` (`--pairs N`): after each point's levels, N rounds at concurrency 1 of one request through the proxy
   and one through the floor, alternating, so that their difference does not drift with the host (`paired`).
 - ``kv_transfer``: a `--kv-tokens` text prompt (512) prefilled and decoded by the first cluster's servers
@@ -625,8 +626,8 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
     "complete", ...}``. `grid`: the (image_size, images) points, each measured by the floor and by every cluster
     (none: `setup`'s own). `pipelined`: each backend also with decode asked while prefill runs, beside the
     default path. `pairs`: after each point's levels, that many split and floor requests side by side (`paired`;
-    the floor's model then stays on the device beside the servers), in ``paired``. `checkpoint`: called with the result so far (``complete`` False) after each grid point, so that a
-    run cut short keeps what it measured. Raises ValueError at once where `setup.device` is not here (e.g. cuda
+    the floor's model then stays on the device beside the servers), in ``paired``. `checkpoint`: called with the
+    result so far (``complete`` False) after each grid point, so that a run cut short keeps what it measured. Raises ValueError at once where `setup.device` is not here (e.g. cuda
     without a GPU)."""
     device = resolve_device(setup.device)
     points = [replace(setup, image_size=size, images=images) for size, images in grid] or [setup]
