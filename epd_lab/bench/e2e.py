@@ -33,6 +33,7 @@ fetch them, and the floor fetches its images the same way, with the same client,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import io
 import itertools
@@ -626,14 +627,16 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
     "complete", ...}``. `grid`: the (image_size, images) points, each measured by the floor and by every cluster
     (none: `setup`'s own). `pipelined`: each backend also with decode asked while prefill runs, beside the
     default path. `pairs`: after each point's levels, that many split and floor requests side by side (`paired`;
-    the floor's model then stays on the device beside the servers), in ``paired``. `checkpoint`: called with the
-    result so far (``complete`` False) after each grid point, so that a run cut short keeps what it measured. Raises ValueError at once where `setup.device` is not here (e.g. cuda
+    the floor's model, and each point's paired floor, then stay on the device beside the servers), in
+    ``paired``. `checkpoint`: called with the result so far (``complete`` False) after each grid point, so that a
+    run cut short keeps what it measured. Raises ValueError at once where `setup.device` is not here (e.g. cuda
     without a GPU)."""
     device = resolve_device(setup.device)
     points = [replace(setup, image_size=size, images=images) for size, images in grid] or [setup]
     log(f"  {setup.model} on {device} ({_gpu_name(device) or 'no GPU'}), {resolve_dtype(setup.dtype, setup.device)}, "
         f"images x side per request: {', '.join(f'{p.images} x {p.image_size}²' for p in points)}, by {setup.media}")
-    with Media(setup.media) as media:  # its server, if any, lives for the whole run
+    # the media server, if any, and the paired rounds' floors (one per point, kept for every backend) live for the run
+    with Media(setup.media) as media, contextlib.ExitStack() as held:
         model = open_floor_model(setup)
         floors = [monolithic(requests, max_tokens, point, model, media) for point in points]
         if not pairs:
@@ -644,6 +647,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
             log(_fmt(floor) + f"  ({floor['image_tokens']} image tokens, {floor['embedding_bytes']} bytes)")
         room = capacity(floors, max_tokens, max(concurrency), setup.kv_tokens)
         rows, kv, pair_rows = list(floors), None, []
+        paired_floors: dict[int, Floor] = {}  # by point: opened at its first paired rounds (its graphs captured once)
 
         def result(complete: bool, log=log) -> dict:
             summary = [_summarize(floor, [r for r in rows[len(floors):] if _point(point).items() <= r.items()], log)
@@ -661,11 +665,12 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
         for backend in backends:
             for piped in (False, True) if pipelined else (False,):
                 with cluster_for(setup, backend, piped, room) as cluster:
-                    for point, reference in zip(points, references):
+                    for i, (point, reference) in enumerate(zip(points, references)):
                         rows += epd(cluster, requests, max_tokens, log, point, reference, concurrency, media)
                         if pairs:
-                            with Floor(model, point, max_tokens, media) as floor:
-                                pair_rows.append(paired(cluster, floor, pairs, max_tokens, point, media, log))
+                            if i not in paired_floors:
+                                paired_floors[i] = held.enter_context(Floor(model, point, max_tokens, media))
+                            pair_rows.append(paired(cluster, paired_floors[i], pairs, max_tokens, point, media, log))
                         if checkpoint is not None:
                             checkpoint(result(False, log=lambda *_: None))
                     if kv is None:  # P→D is the same whatever the E→P backend: measured on the first cluster
