@@ -31,6 +31,7 @@ import zmq
 from epd_lab import models
 from epd_lab.ep import media
 from epd_lab.noise import data_uri, random_png
+from epd_lab.servers import encoder as enc
 from epd_lab.servers.encoder import EmbeddingCache, EncoderSettings
 from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, decode_zmq
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, PartPlan, ReceiverConfig, encode_request, send_request
@@ -206,7 +207,8 @@ def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pul
     assert intake.nbytes > 0  # the /encode body's bytes
     assert load.nbytes == len(img_a) + len(img_b)  # the media's bytes; decode's are the pixels'
     assert decode.nbytes == (224 * 224 + 168 * 112) * 3 and vit.nbytes == meta["embedding_size"]
-    assert intake.t_end_ns <= load.t_start_ns <= load.t_end_ns <= decode.t_start_ns <= decode.t_end_ns \
+    # at one part in flight the decoding may start beside the hash, inside the load span; it ends after it
+    assert intake.t_end_ns <= load.t_start_ns <= decode.t_start_ns and load.t_end_ns <= decode.t_end_ns \
         <= vit.t_start_ns <= msg.spans[4].t_start_ns
     assert not buf[:offset].any()
     landed = buf[offset:].view(torch.float32).reshape(msg.shape)
@@ -354,7 +356,8 @@ def send_body(meta: dict, receiver: TransferEngine, address: int, port: int) -> 
 
 def test_encode_answers_from_the_header_before_the_image_is_decoded(servers, receiver, pull, tmp_path):
     """The worker is kept busy by a first part's ViT; a second part's /encode, a large image, is answered
-    meanwhile: its answer comes before its `decode` span even starts (/encode read the header only).
+    meanwhile: its answer comes before its `decode` span even starts (/encode read the header only; its bytes are
+    hashed after the answer).
     672² (576 tokens): a ViT long enough to outlast an /encode, short enough for the servers' timeout."""
     server, (sock, port) = servers["mooncake"], pull
 
@@ -388,7 +391,8 @@ def test_encode_answers_from_the_header_before_the_image_is_decoded(servers, rec
     meta, answered = answers["hdr"]
     assert meta["grid_thw"] == [[1, 48, 48]] and meta["embedding_len"] == 576
     load, decode, vit = (spans["hdr"][stage] for stage in ("load", "decode", "vit"))
-    assert load.t_end_ns < answered < decode.t_start_ns < decode.t_end_ns <= vit.t_start_ns
+    # answered from the header: before the decode began (the hash, the load span's end, may come after)
+    assert load.t_start_ns < answered < decode.t_start_ns < decode.t_end_ns <= vit.t_start_ns
     assert decode.nbytes == 672 * 672 * 3
     assert spans["hdr_busy"]["vit"].t_end_ns <= decode.t_start_ns  # one worker: it was busy until then
 
@@ -476,7 +480,8 @@ def test_mooncake_cached_image_is_never_decoded(servers, receiver, pull):
 
 # ---- zmq backends ----
 def test_zmq_to_tokenizer_pushes_the_bytes_and_caches(servers, vision, pull):
-    """The second request is a cache hit (same bytes, another request): it is never decoded."""
+    """The second request is a cache hit (same bytes, another request): no decode span (a decode started beside
+    its hash is dropped unused)."""
     server, (sock, port) = servers["zmq_to_tokenizer"], pull
     hits = server.metric("epd_encoder_cache_hits_total")
     img = png_bytes((168, 112), 23)  # not in the cache yet
@@ -675,6 +680,30 @@ def test_cache_evicts_least_recently_used():
     assert cache.get("b") is None and cache.get("c") is not None
     cache.put("huge", torch.zeros(1000))  # larger than the cache: not kept
     assert (cache.hits, cache.misses, cache.evictions, cache.num_bytes, len(cache)) == (2, 1, 1, 1200, 3)
+
+
+def test_decode_items_takes_over_what_the_decoder_did_not_start():
+    """`_decode_items`: an item whose decode the decoder thread had not begun is decoded in the ViT's thread (the
+    decoder's future cancelled), one begun there is awaited, with its start as the decode's; the pixels equal
+    a plain decode, and a truncated item's `MediaError` names it wherever it was decoded."""
+    raws = [png_bytes((64, 48), 1), png_bytes((32, 32), 2), truncated_png((64, 64), 3)]
+    items = [enc._Item(i, f"item{i}", raw, media.open_image(raw)) for i, raw in enumerate(raws)]
+    gate = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as decoder:
+        blocker = decoder.submit(gate.wait)  # the decoder is busy: items 1 and 2 wait behind item 0's start
+        items[0].decoded = concurrent.futures.Future()
+        items[0].decoded.set_running_or_notify_cancel()
+        started = time.monotonic_ns()
+        items[0].decoded.set_result((media.decode_image(raws[0]), started))
+        items[1].decoded = decoder.submit(enc._timed_decode, items[1])
+        images, t0 = enc._decode_items(items[:2])
+        assert items[1].decoded.cancelled() and t0 == started
+        assert [img.tobytes() for img in images] == [media.decode_image(raw).tobytes() for raw in raws[:2]]
+        items[2].decoded = decoder.submit(enc._timed_decode, items[2])
+        gate.set()
+        blocker.result()
+        with pytest.raises(media.MediaError, match=r"mm_items\[2\].*truncated"):
+            enc._decode_items(items[2:])
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

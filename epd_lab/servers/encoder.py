@@ -2,9 +2,11 @@
 
 Routes:
 
-- ``POST /encode`` (`EncodeRequest` → `EncodeResponse`): read each item's bytes, hash them (the cache key) and
-  parse the image header only; answer the sizes, computed from the image sizes alone. The pixels are decoded
-  in the ViT worker, just before the ViT, and only for images not in the cache. The modality is matched by its
+- ``POST /encode`` (`EncodeRequest` → `EncodeResponse`): read each item's bytes and parse the image header only;
+  answer the sizes, computed from the image sizes alone, while the bytes are hashed (the cache key). Only images
+  not in the cache go through the ViT; their pixels are decoded in the ViT's thread, or, when no other ViT runs
+  or waits, in a decoder thread while they are hashed (a cached one's decode is then dropped unused). The
+  modality is matched by its
   `Modality` name in any case; this encoder serves ``IMAGE`` only. Per backend:
   ``mooncake``: answer at once; the ViT runs in a background worker and the embedding is held under
   ``req_id`` until ``/send`` comes (or its TTL passes).
@@ -36,8 +38,9 @@ A media item that cannot be read, or whose header PIL cannot parse, is a 400 fro
 ``mm_items[i]``. Pixel data found corrupt or truncated when the worker decodes it is the same 400, answered
 by /send with an error notify (mooncake), or by /encode with the error pushed to the receivers (zmq backends).
 
-Spans (`epd_lab.trace`): ``load`` (read, hash and header of the part's media; nbytes: their bytes), ``decode``
-(the pixels, in the worker; absent when every image came from the cache; nbytes: the RGB bytes), ``vit``,
+Spans (`epd_lab.trace`): ``load`` (read, header and hash of the part's media; nbytes: their bytes), ``decode``
+(the pixels, from the first decode's start, which may lie inside ``load``, to the last image in hand; absent
+when every image came from the cache; nbytes: the RGB bytes), ``vit``,
 ``transfer`` (the one-sided write, or the ZMQ send of the bytes) and ``notify`` travel in the message's
 ``spans``. The message cannot carry the duration of its own sending, so its last span (``notify`` for
 mooncake, ``transfer`` for the zmq backends) has ``t_end_ns == t_start_ns``, the moment the send began; the
@@ -46,9 +49,9 @@ The encoder's own `Recorder` keeps the full spans.
 
 Threads: the event loop only routes and keeps the state. Whatever costs more than microseconds runs elsewhere,
 in as few hops as the work allows: /encode parses its body (megabytes with data: URIs), reads, base64-decodes,
-hashes and opens the media in one thread, which hands the sizes back to the loop and then decodes and runs the
-ViT itself when no other ViT runs or waits (else it hands them to the worker, behind the others: one ViT at a
-time, in order); /send's write and notify, and the zmq backends' message and push, run as soon as the ViT ends
+opens the media in one thread, which hands the sizes back to the loop, hashes the media and then decodes and runs
+the ViT itself when no other ViT runs or waits (then the decoder thread decodes beside the hash; else it hands
+them to the worker, behind the others: one ViT at a time, in order); /send's write and notify, and the zmq backends' message and push, run as soon as the ViT ends
 (`_after_vit`: no hop through the event loop between), in the thread that ran it when no other ViT waits, else
 in a sender thread. At one request in flight a part thus crosses no thread between its media and its notify:
 each hop spared is a thread wake-up (56-83 µs after an idle spell on the H200's host, `data/bench/hops-s8/`).
@@ -152,14 +155,16 @@ class EncoderSettings(ModelSettings):
         check_at_least(self, 1, "max_parts", "max_held_bytes")
 
 
-@dataclasses.dataclass(slots=True, frozen=True)
+@dataclasses.dataclass(slots=True)
 class _Item:
-    """One media item of a part, as /encode leaves it for the worker."""
+    """One media item of a part, as /encode leaves it for the ViT."""
 
     idx: int  # its place in the part's mm_items: errors name it
     name: str  # the item as the request gave it
-    key: str  # the embedding cache's key
+    raw: bytes  # its bytes, hashed into `key` once its sizes are answered
     image: Image.Image  # opened from the header only: its size is known, its pixels are not decoded yet
+    key: str = ""  # the embedding cache's key
+    decoded: concurrent.futures.Future | None = None  # -> (RGB image, decode start): started beside the hash
 
 
 @dataclasses.dataclass(slots=True)
@@ -210,6 +215,8 @@ class MMEncoder:
                        if settings.backend == "mooncake" else None)
         self.pushers = PushSockets(settings.timeout)
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-vit")
+        # decodes started while their items are hashed, when no other ViT runs or waits (`_read_and_start`)
+        self.decoder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-decode")
         self._vits = 0  # ViTs started or waiting, not done: with none, the next one runs where its media were read
         self._vits_lock = threading.Lock()
         self._vit_running = threading.Lock()  # one ViT at a time, whichever thread runs it
@@ -304,10 +311,16 @@ class MMEncoder:
 
     async def _read_and_start(self, body: bytes | bytearray, t_in: int | None
                               ) -> tuple[EncodeRequest, Modality, list[_Item], concurrent.futures.Future]:
-        """`_read_request` in a thread, which then starts the part's ViT (the future returned: the caller cancels
-        it when it refuses the part) without a hop through this loop: in the same thread when no other ViT runs
-        or waits (one thread wake-up less before it), else behind them on the worker. The part's sizes come back
-        here as soon as its media are read, while its ViT runs."""
+        """`_read_request` in a thread, which then hashes the items (their cache keys) and starts the part's ViT
+        (the future returned: the caller cancels it when it refuses the part) without a hop through this loop: in
+        the same thread when no other ViT runs or waits (one thread wake-up less before it), else behind them on
+        the worker. The part's sizes come back here as soon as its media are read and their headers parsed, while
+        the items are hashed and the ViT runs.
+
+        When no other ViT runs or waits, the items' decoding starts in the decoder thread before they are hashed
+        (a 448² PNG's sha256 is 0.35 ms, its decode 2-3 ms, both outside the GIL): a miss then waits for the
+        longer of the two, not their sum. A cached item's decode is dropped unused (cancelled if not started).
+        Busy, the worker decodes only what misses, as the ViT's turn comes."""
         loop = asyncio.get_running_loop()
         read: asyncio.Future = loop.create_future()
 
@@ -323,6 +336,10 @@ class MMEncoder:
                 self._vits += 1
             vit.add_done_callback(self._vit_done)  # first: counted down before `_after_vit`'s callback looks
             loop.call_soon_threadsafe(_settle, read, (req, modality, items, vit), None)
+            if idle:
+                for item in items:
+                    item.decoded = self.decoder.submit(_timed_decode, item)
+            self._hash(items, spans)
             args = (vit, req.req_id, req.part_idx, items, spans)
             self._run_vit_into(*args) if idle else self.worker.submit(self._run_vit_into, *args)
 
@@ -336,6 +353,9 @@ class MMEncoder:
     def _run_vit_into(self, vit: concurrent.futures.Future, *args: Any) -> None:
         """`_run_vit(*args)` into `vit`, unless it was cancelled before it started (the part refused or released)."""
         if not vit.set_running_or_notify_cancel():
+            for item in args[2]:  # the items: their decodes started beside the hash are not needed
+                if item.decoded is not None:
+                    item.decoded.cancel()
             return
         # a CUDA device is current per thread: this one may never have had the role's made current
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -353,9 +373,9 @@ class MMEncoder:
 
     def _read_request(self, body: bytes | bytearray,
                       t_in: int | None) -> tuple[EncodeRequest, Modality, list[_Item], list[Span]]:
-        """In a thread: the request, checked, and its media items, read, hashed and opened from their headers;
-        with the spans the ViT takes on: ``intake`` (from `t_in`, when given: admission, the body, the hop here, its
-        decoding) and ``load``. A bad item raises `MediaError` naming it."""
+        """In a thread: the request, checked, and its media items, read and opened from their headers; with the
+        spans the ViT takes on: ``intake`` (from `t_in`, when given: admission, the body, the hop here, its
+        decoding) and ``load`` (open: `_hash` ends it). A bad item raises `MediaError` naming it."""
         req = decode_body(body, EncodeRequest)
         modality = self._check_encode(req)
         t0 = time.monotonic_ns()
@@ -365,12 +385,20 @@ class MMEncoder:
         for idx, name in enumerate(req.mm_items):
             try:
                 raw = fetch_media(name, self.settings.timeout, MAX_MEDIA_BYTES, self.media_policy)
-                items.append(_Item(idx, name, self._cache_key(content_hash(raw)), open_image(raw, name)))
+                items.append(_Item(idx, name, raw, open_image(raw, name)))
             except MediaError as exc:
                 raise _item_error(idx, exc) from None
             nbytes += len(raw)
-        spans.append(Span(req.req_id, req.part_idx, "load", node, t0, time.monotonic_ns(), nbytes))
+        spans.append(Span(req.req_id, req.part_idx, "load", node, t0, t0, nbytes))
         return req, modality, items, spans
+
+    def _hash(self, items: list[_Item], spans: list[Span]) -> None:
+        """Each item's cache key (none with the cache off: nothing would look it up); the ``load`` span (the last of
+        `spans`) ends here."""
+        if self.cache.capacity_bytes:
+            for item in items:
+                item.key = self._cache_key(content_hash(item.raw))
+        spans[-1] = msgspec.structs.replace(spans[-1], t_end_ns=time.monotonic_ns())
 
     def _check_encode(self, req: EncodeRequest) -> Modality:
         """The request's modality, once the request is known to be servable (a 400 otherwise)."""
@@ -396,15 +424,19 @@ class MMEncoder:
     def _run_vit(self, req_id: str, part_idx: int, items: list[_Item],
                  spans: list[Span]) -> tuple[torch.Tensor, list[Span]]:
         """In one ViT thread at a time (`_run_vit_into`): the embedding of all items, from the cache where
-        possible, else decoded (just before the ViT: only what is not cached is ever decoded) and encoded; with
+        possible, else decoded (only what is not cached goes to the ViT; a decode started beside the hash of an
+        item found cached is dropped) and encoded; with
         the spans so far (`intake`, `load`), then `decode` when anything was decoded and `vit`. An image that does
         not decode raises `MediaError`."""
         spans = list(spans)
         pieces: list[torch.Tensor | None] = [self.cache.get(item.key) for item in items]
         missing = [i for i, piece in enumerate(pieces) if piece is None]
+        for item, piece in zip(items, pieces):
+            if piece is not None and item.decoded is not None:
+                item.decoded.cancel()  # cached: its decode is not needed (one already running ends unused)
         t0 = time.monotonic_ns()
         if missing:
-            images = [_decode_item(items[i]) for i in missing]
+            images, t0 = _decode_items([items[i] for i in missing])
             t_decoded = time.monotonic_ns()
             spans.append(Span(req_id, part_idx, "decode", self.recorder.node, t0, t_decoded,
                               sum(img.width * img.height * 3 for img in images)))
@@ -683,6 +715,7 @@ class MMEncoder:
     def close(self) -> None:
         """Stop the worker, close the sockets and the engine."""
         self.worker.shutdown(wait=True, cancel_futures=True)
+        self.decoder.shutdown(wait=True, cancel_futures=True)
         with self._vit_running:  # a ViT running where its media were read ends first
             pass
         self.sender.shutdown(wait=True, cancel_futures=True)
@@ -726,6 +759,27 @@ def _decode_item(item: _Item) -> Image.Image:
         return load_rgb(item.image, item.name)
     except MediaError as exc:
         raise _item_error(item.idx, exc) from None
+
+
+def _timed_decode(item: _Item) -> tuple[Image.Image, int]:
+    """`_decode_item` in the decoder thread, with when it began (the ``decode`` span's start)."""
+    t0 = time.monotonic_ns()
+    return _decode_item(item), t0
+
+
+def _decode_items(items: list[_Item]) -> tuple[list[Image.Image], int]:
+    """The items' pixels, and when their decoding began: those whose decode did not start in the decoder thread
+    are decoded here, from the last (the decoder takes them from the first), the others awaited."""
+    t0 = time.monotonic_ns()
+    images: list[Image.Image | None] = [None] * len(items)
+    for k in reversed(range(len(items))):
+        if items[k].decoded is None or items[k].decoded.cancel():
+            images[k] = _decode_item(items[k])
+    for k, item in enumerate(items):
+        if images[k] is None:
+            images[k], started = item.decoded.result()  # its MediaError, if any, raised here
+            t0 = min(t0, started)
+    return images, t0
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
