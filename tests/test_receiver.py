@@ -6,11 +6,13 @@ import random
 import time
 from concurrent.futures import Future
 
+import msgspec
 import pytest
 import torch
 import zmq
 
-from epd_lab.ep.messages import EmbeddingData, encode_zmq, part_req_id
+from epd_lab.ep import receiver
+from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, encode_zmq, part_req_id
 from epd_lab.ep.receiver import (
     EmbeddingReceiver,
     EPDError,
@@ -93,6 +95,25 @@ def test_parts_reassemble_in_part_order_whatever_the_arrival_order():
         assert torch.equal(got.embeddings["image"], torch.cat(parts))
         assert got.grid_thw["image"] == [[1, 2, 2]] * 4
         assert rx.counters["invalid_messages"] == 1
+
+
+def test_a_mooncake_part_is_viewed_as_its_answer_announced_and_its_notify_must_agree():
+    """The request's buffer is viewed per part from the /encode answers before the wait; a region that does not
+    hold the answer's tensor, an unknown dtype, or a notify describing another tensor is an `EPDError`."""
+    answer = EncodeResponse("r_local_part_0", 0, 3 * 4 * 2, 3, 4, "bfloat16", [[1, 2, 6]])
+    buf = torch.arange(64, dtype=torch.uint8)
+    view = receiver._answered_view(answer, buf[8:32])
+    assert (view.shape, view.dtype) == (torch.Size([3, 4]), torch.bfloat16)
+    assert view.data_ptr() == buf[8:].data_ptr()  # in place: no copy
+    with pytest.raises(EPDError, match="do not hold shape"):
+        receiver._answered_view(answer, buf[8:30])
+    with pytest.raises(EPDError, match="unknown dtype"):
+        receiver._answered_view(msgspec.structs.replace(answer, dtype="float8"), buf[8:32])
+    notify = EmbeddingNotify("r_local_part_0", 0, "IMAGE", [3, 4], "bfloat16", [[1, 2, 6]])
+    receiver._check_notified(notify, answer)
+    for wrong in ({"shape": [4, 3]}, {"dtype": "float32"}):
+        with pytest.raises(EPDError, match="its /encode answer"):
+            receiver._check_notified(msgspec.structs.replace(notify, **wrong), answer)
 
 
 def test_encoder_down_is_an_error_not_a_hang():

@@ -120,6 +120,29 @@ def test_split_equals_monolithic_bit_for_bit(model):
     assert all(torch.equal(a, b) for a, b in zip(mono, split))
 
 
+@pytest.mark.parametrize("name", ["hf", "fast"])
+def test_a_prefill_planned_before_its_embeddings_equals_one_planned_in_it(model, name):
+    """`plan_prefill` (what a prefill server makes while the embeddings travel) gives the same logits as the
+    prefill making its own inputs; a plan for other blocks, or given other embeddings, is refused."""
+    ids, pixel_values, grid = _inputs(*CASES[2])
+    table = list(range(10))
+    with _cache(model) as cache:
+        rt = open_runtime(name, model, cache)
+        embeds = rt.encode(pixel_values, grid)
+        plan = rt.plan_prefill(ids, grid, table)
+        assert plan.num_image_tokens == len(embeds) and plan.positions.shape == (3, ids.shape[-1])
+        planned = rt.prefill(ids, embeds, grid, table, plan=plan)
+        unplanned = rt.prefill(ids, embeds, grid, table)
+        assert torch.equal(planned.logits, unplanned.logits)
+        assert (planned.rope_delta, planned.prompt_len) == (unplanned.rope_delta, unplanned.prompt_len)
+        with pytest.raises(ValueError, match="block table"):
+            rt.prefill(ids, embeds, grid, list(range(10, 20)), plan=plan)
+        with pytest.raises(ValueError, match="image embeddings"):
+            rt.prefill(ids, embeds[:-1], grid, table, plan=plan)
+        with pytest.raises(ValueError, match="do not match the grids"):
+            rt.plan_prefill(ids, grid[:1], table)
+
+
 def test_batched_decode_equals_single_steps(model):
     """Three sequences of different lengths in one `decode` against each alone."""
     with _cache(model) as cache:

@@ -56,24 +56,26 @@ class EPDPrefill:
         return EPDResult(rid, result, prompt.received, self.receiver.recorder.spans(rid))
 
     def receive(self, text: str, mm_items: list[str], rid: str,
-                on_prompt: Callable[[torch.Tensor], None] | None = None) -> ReceivedPrompt:
+                on_prompt: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> ReceivedPrompt:
         """The E→P part alone: encode `mm_items` on the encoders, collect the embeddings, build the prompt (the
-        images, then `text`). A prefill server runs its own runtime's forward on the result. The prompt's ids are
-        built from the encoders' /encode answers, while the embeddings are on their way, and handed to
-        `on_prompt` then (the prefill server checks the prompt's length and holds its KV there)."""
-        announced: dict[str, Any] = {}  # from the /encode answers: "grids", and the prompt's "ids"
+        images, then `text`). A prefill server runs its own runtime's forward on the result. The prompt's ids and
+        grids are built from the encoders' /encode answers, while the embeddings are on their way, and handed to
+        `on_prompt(input_ids, image_grid_thw)` then (the prefill server checks the prompt's length, holds its KV
+        and plans its forward there)."""
+        announced: dict[str, Any] = {}  # from the /encode answers: "grids" (and as a tensor), the prompt's "ids"
 
         def on_sizes(grids: dict[str, list[list[int]]]) -> None:
             announced["grids"], announced["ids"] = grids["image"], build_input_ids(text, grids["image"])
+            announced["grid_thw"] = torch.tensor(grids["image"])
             if on_prompt is not None:
-                on_prompt(announced["ids"])
+                on_prompt(announced["ids"], announced["grid_thw"])
 
         got = self.receiver.receive(mm_items, rid, on_sizes=on_sizes)
         grids = got.grid_thw["image"]
         if grids != announced["grids"]:  # the notifies must describe what the /encode answers announced
             raise EPDError(f"request {rid}: the embeddings' grids {grids} are not the /encode answers' "
                            f"{announced['grids']}")
-        return ReceivedPrompt(announced["ids"], got.embeddings["image"], torch.tensor(grids), got)
+        return ReceivedPrompt(announced["ids"], got.embeddings["image"], announced["grid_thw"], got)
 
 
 def reference_prefill(model: torch.nn.Module, text: str, images: Sequence[Image.Image]) -> torch.Tensor:

@@ -376,6 +376,9 @@ class EmbeddingReceiver:
                 buf = self._buffer(total)
         base = buf.data_ptr()
         try:
+            # each part's tensor, viewed as its /encode answer describes it, before the wait: the thread that wakes
+            # when the notifies come goes on at once (after a wait its first tensor operations run cold)
+            views = [_answered_view(r, buf[offsets[i]:offsets[i] + sizes[i]]) for i, r in enumerate(responses)]
             with self.recorder.span("register", rid, nbytes=total):
                 rkey = self.engine.register(base, total)
             try:
@@ -402,9 +405,10 @@ class EmbeddingReceiver:
             finally:
                 self.engine.deregister(base)  # no write can land once this returns
             with self.recorder.span("reassemble", rid, nbytes=total):
+                for m, r in zip(messages, responses, strict=True):
+                    _check_notified(m, r)
                 # pool memory goes back to the pool: copy out; a per-request buffer is viewed in place
-                tensors = [_tensor_from_bytes(m, buf[offsets[i]:offsets[i] + sizes[i]], copy=self._pool is not None)
-                           for i, m in enumerate(messages)]
+                tensors = [v.clone() for v in views] if self._pool is not None else views
                 got = self._assemble(rid, plans, messages, tensors)
                 got.part_ranges = list(zip(offsets, sizes))
                 return got
@@ -633,16 +637,34 @@ def _grids(plans: list[PartPlan], answers: Sequence[EncodeResponse | EmbeddingNo
     return dict(grids)
 
 
-def _tensor_from_bytes(msg: EmbeddingNotify, raw, copy: bool = False) -> torch.Tensor:
-    """View (or copy) the part's bytes as the tensor the notification describes."""
-    dtype = DTYPES.get(msg.dtype)
+def _tensor_from_bytes(msg: EmbeddingNotify, raw: bytearray) -> torch.Tensor:
+    """The part's bytes (the zmq backends' message) viewed as the tensor the message describes."""
+    return _viewed(msg.req_id, torch.frombuffer(raw, dtype=torch.uint8), msg.shape, msg.dtype)
+
+
+def _answered_view(answer: EncodeResponse, region: torch.Tensor) -> torch.Tensor:
+    """A mooncake part's region of the request's buffer viewed as its /encode answer's tensor."""
+    return _viewed(answer.req_id, region, [answer.embedding_len, answer.embedding_dim], answer.dtype)
+
+
+def _check_notified(msg: EmbeddingNotify, answer: EncodeResponse) -> None:
+    """A mooncake notify must describe the tensor its part's /encode answer announced (and its buffer was sized
+    and viewed for); `EPDError` otherwise."""
+    announced = [answer.embedding_len, answer.embedding_dim]
+    if (msg.shape, msg.dtype) != (announced, answer.dtype):
+        raise EPDError(f"{msg.req_id}: the notify describes {msg.shape} of {msg.dtype}, its /encode answer "
+                       f"{announced} of {answer.dtype}")
+
+
+def _viewed(req_id: str, raw: torch.Tensor, shape: list[int], dtype_name: str) -> torch.Tensor:
+    """`raw` (uint8) viewed as `shape` of `dtype_name`; `EPDError` when the dtype is unknown or the bytes do not
+    hold exactly that."""
+    dtype = DTYPES.get(dtype_name)
     if dtype is None:
-        raise EPDError(f"{msg.req_id}: unknown dtype {msg.dtype!r}")
-    t = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8)
+        raise EPDError(f"{req_id}: unknown dtype {dtype_name!r}")
     want = 1
-    for d in msg.shape:
+    for d in shape:
         want *= d
-    if t.numel() != want * torch.empty((), dtype=dtype).element_size():
-        raise EPDError(f"{msg.req_id}: {t.numel()} bytes do not hold shape {msg.shape} of {msg.dtype}")
-    out = t.view(dtype).view(msg.shape)
-    return out.clone() if copy else out
+    if raw.numel() != want * dtype.itemsize:
+        raise EPDError(f"{req_id}: {raw.numel()} bytes do not hold shape {shape} of {dtype_name}")
+    return raw.view(dtype).view(shape)

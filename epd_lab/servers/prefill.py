@@ -53,7 +53,7 @@ from epd_lab.ep.receiver import RECV_BUFFERS, EmbeddingReceiver, EPDError, Recei
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
-from epd_lab.models.runtime import PrefillOutput, open_runtime
+from epd_lab.models.runtime import PrefillOutput, PrefillPlan, open_runtime
 from epd_lab.models.sampling import request_seed, sample
 from epd_lab.servers.messages import (
     AbortRequest,
@@ -239,17 +239,16 @@ class PrefillServer:
             # the text alone, before E→P, measured without building its ids (50 MB of them hold a worker, GIL and
             # all, for seconds: the event loop, and /health with it, would stop answering)
             self._check_length(prompt_tokens(req.prompt))
-            if req.images:  # its KV held from the encoders' answers, while the embeddings came
-                input_ids, embeds, grid = self._receive(req, rid, kv)
-                table = kv.ids
+            if req.images:  # KV held, forward planned from the encoders' answers while the embeddings come
+                input_ids, embeds, grid, plan = self._receive(req, rid, kv)
             else:
-                input_ids, embeds, grid = models.build_input_ids(req.prompt, []), None, None
+                input_ids, embeds, grid, plan = models.build_input_ids(req.prompt, []), None, None, None
                 if input_ids.shape[1] == 0:
                     raise BadRequest("empty prompt and no images: nothing to prefill")
-                table = self._hold(kv, input_ids)
+                self._hold(kv, input_ids)
             with self.recorder.span("prefill", rid):
                 try:
-                    result = self.runtime.prefill(input_ids, embeds, grid, table)
+                    result = self.runtime.prefill(input_ids, embeds, grid, kv.ids, plan=plan)
                 except ValueError as exc:  # the prompt and the embeddings disagree
                     raise BadRequest(f"prefill failed: {exc}") from None
                 # read back: the span ends when the GPU's work did
@@ -264,16 +263,22 @@ class PrefillServer:
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
 
     def _receive(self, req: PrefillRequest, rid: str,
-                 kv: _KeptKV) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """E→P: the request's images through the encoders; the prompt's ids, embeddings and grids. Once the
-        encoders answered the sizes, while the embeddings are on their way, the whole prompt's length is checked
-        and its KV blocks held (`kv`): off the critical path."""
+                 kv: _KeptKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PrefillPlan]:
+        """E→P: the request's images through the encoders; the prompt's ids, embeddings, grids and forward's plan.
+        Once the encoders answered the sizes, while the embeddings are on their way, the whole prompt's length is
+        checked, its KV blocks held (`kv`) and its forward's host inputs made (`plan_prefill`): off the critical
+        path, where the thread that wakes when the embeddings land would make them cold."""
         if self.epd is None:
             raise BadRequest("this prefill server has no encoders (started without --encoders): "
                              "images are not allowed, text-only prompts are")
+        planned: list[PrefillPlan] = []
 
-        def on_prompt(input_ids: torch.Tensor) -> None:
-            self._hold(kv, input_ids)
+        def on_prompt(input_ids: torch.Tensor, grid: torch.Tensor) -> None:
+            table = self._hold(kv, input_ids)
+            try:
+                planned.append(self.runtime.plan_prefill(input_ids, grid, table))
+            except ValueError as exc:  # the prompt and the grids disagree
+                raise BadRequest(f"prefill failed: {exc}") from None
 
         try:
             prompt = self.epd.receive(req.prompt, req.images, rid, on_prompt)
@@ -283,7 +288,7 @@ class PrefillServer:
                 raise Unavailable(f"E→P failed: {exc}", retry_after=1) from None
             status = exc.status if exc.status in (400, 409, 413) else 502
             raise error_for_status(status, f"E→P failed: {exc}") from None
-        return prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw
+        return prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw, planned[0]
 
     def _hold(self, kv: _KeptKV, input_ids: torch.Tensor) -> list[int]:
         """The whole prompt is known: check its length, then hold its KV (`_KeptKV.announce`); its block table."""

@@ -4,6 +4,8 @@ prefill to the last decode step (issue 17).
     runtime = open_runtime("fast", model, cache)               # or "hf": HF transformers, eager (the baseline)
     embeds = runtime.encode(pixel_values, image_grid_thw)      # encoder: images -> embeddings [tokens, hidden]
     out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table)  # prefill: KV written into the blocks
+    plan = runtime.plan_prefill(input_ids, image_grid_thw, block_table)    # its host inputs, before the embeddings
+    out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table, plan=plan)
     logits = runtime.decode(tokens, positions, block_tables, seq_lens)     # decode: attends over the blocks
 
 Block ids come from the caller's `BlockManager`; a runtime keeps no per-request state. Names map to
@@ -25,11 +27,11 @@ import torch
 from transformers import Qwen2VLForConditionalGeneration
 
 from epd_lab.kv.paged_cache import PagedKVCache
-from epd_lab.models.runners import prompt_positions
+from epd_lab.models.runners import _on_cpu, prompt_positions
 from epd_lab.models.sampling import sample
 
-__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "RuntimeBase", "continue_tokens", "generate", "open_runtime",
-           "prompt_positions", "token_slot"]
+__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "PrefillPlan", "RuntimeBase", "continue_tokens", "generate",
+           "open_runtime", "prompt_positions", "token_slot"]
 
 RUNTIMES: dict[str, str] = {
     "hf": "epd_lab.models.runtime.hf:HFRuntime",
@@ -51,6 +53,20 @@ class PrefillOutput:
         return self.prompt_len + self.rope_delta
 
 
+@dataclass(slots=True, frozen=True)
+class PrefillPlan:
+    """A prompt's host-side prefill inputs, made from its ids, grids and blocks alone (`RuntimeBase.plan_prefill`):
+    a prefill server makes them while the embeddings are on their way, so that the thread that wakes when they
+    land goes straight to the forward."""
+
+    ids: torch.Tensor  # [T] on the CPU
+    positions: torch.Tensor  # mrope positions [3, T] on the CPU
+    rope_delta: int
+    slots: torch.Tensor  # each token's cache row [T] on the CPU
+    num_image_tokens: int  # the prompt's image_pad tokens: the embeddings the forward must be given
+    block_table: tuple[int, ...]
+
+
 class ModelRuntime(Protocol):
     """What every runtime offers; see the module docstring."""
 
@@ -61,10 +77,16 @@ class ModelRuntime(Protocol):
     def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged vision embeddings [tokens, hidden] of every image, in order, on the model's device."""
 
+    def plan_prefill(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                     block_table: Sequence[int]) -> PrefillPlan:
+        """The prompt's host-side inputs, before its embeddings exist (`PrefillPlan`)."""
+
     def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
-                image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
+                image_grid_thw: torch.Tensor | None, block_table: Sequence[int],
+                plan: PrefillPlan | None = None) -> PrefillOutput:
         """Run the prompt (ids [1, T] or [T]) with `image_embeds` in place of its image_pad tokens; its KV goes
-        into the blocks `block_table` (enough for T tokens)."""
+        into the blocks `block_table` (enough for T tokens). `plan`: the same prompt's `plan_prefill`, made
+        earlier (a runtime may compute them again instead)."""
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
                seq_lens: Sequence[int]) -> torch.Tensor:
@@ -76,7 +98,37 @@ class ModelRuntime(Protocol):
 
 
 class RuntimeBase:
-    """What every runtime shares: it is a context manager whose exit calls `close`."""
+    """What every runtime shares: `plan_prefill`, and it is a context manager whose exit calls `close`."""
+
+    model: Qwen2VLForConditionalGeneration
+    cache: PagedKVCache | None
+
+    def plan_prefill(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                     block_table: Sequence[int]) -> PrefillPlan:
+        """The prompt's ids, mrope positions and rope delta, and its tokens' cache rows in `block_table`, on the
+        CPU. Raises ValueError when the prompt's image_pad runs do not match `image_grid_thw`, or the blocks
+        cannot hold it."""
+        if self.cache is None:
+            raise ValueError("this runtime was opened without a KV cache: it only encodes")
+        ids = _on_cpu(input_ids).reshape(-1)
+        num_image_tokens = int((ids == self.model.config.image_token_id).sum())
+        positions, rope_delta = prompt_positions(self.model, ids, num_image_tokens, image_grid_thw)
+        return PrefillPlan(ids, positions[:, 0], rope_delta, self.cache.slots(block_table, len(ids), device="cpu"),
+                           num_image_tokens, tuple(block_table))
+
+    def checked_plan(self, plan: PrefillPlan | None, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+                     image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillPlan:
+        """`plan`, checked against the prefill it is used for (ValueError when its embeddings or blocks are not
+        the planned ones), else the plan made now."""
+        if plan is None:
+            plan = self.plan_prefill(input_ids, image_grid_thw, block_table)
+        num_embeds = 0 if image_embeds is None else len(image_embeds)
+        if num_embeds != plan.num_image_tokens:
+            raise ValueError(f"prompt has {plan.num_image_tokens} image_pad tokens but {num_embeds} image embeddings "
+                             f"were given")
+        if plan.block_table != tuple(block_table):
+            raise ValueError("the prefill's block table is not the one its plan was made for")
+        return plan
 
     def close(self) -> None:
         """Release what the runtime holds besides the model and the cache (none here). Idempotent."""

@@ -17,8 +17,8 @@ from transformers import Qwen2VLForConditionalGeneration
 from epd_lab.kv.block_manager import blocks_needed
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.catalog import model_device
-from epd_lab.models.runners import VisionEncoder, _on_cpu, _to
-from epd_lab.models.runtime import PrefillOutput, RuntimeBase, prompt_positions, token_slot
+from epd_lab.models.runners import VisionEncoder, _to
+from epd_lab.models.runtime import PrefillOutput, PrefillPlan, RuntimeBase, token_slot
 from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
 from epd_lab.models.runtime.qwen2 import Qwen2LM
 from epd_lab.models.runtime.vision import VisionTower
@@ -82,25 +82,23 @@ class FastRuntime(RuntimeBase):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
-                image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
+                image_grid_thw: torch.Tensor | None, block_table: Sequence[int],
+                plan: PrefillPlan | None = None) -> PrefillOutput:
         if self.lm is None:
             raise ValueError("this runtime was opened without a KV cache: it only encodes")
-        ids = _on_cpu(input_ids).reshape(-1)
-        positions, rope_delta = prompt_positions(self.model, ids, 0 if image_embeds is None else len(image_embeds),
-                                                 image_grid_thw)
-        positions = positions[:, 0]
+        plan = self.checked_plan(plan, input_ids, image_embeds, image_grid_thw, block_table)
+        ids = plan.ids
         if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.max_tokens:
-            slots = self.cache.slots(block_table, len(ids), device="cpu")
             with self._lock:
-                logits = self.prefill_graphs.run(ids, positions, slots, image_embeds)
-            return PrefillOutput(logits, rope_delta, len(ids))
+                logits = self.prefill_graphs.run(ids, plan.positions, plan.slots, image_embeds)
+            return PrefillOutput(logits, plan.rope_delta, len(ids))
         ids = _to(ids, self.device)
         embeds = self.lm.embed_tokens(ids)
         if image_embeds is not None:
             mask = ids == self.model.config.image_token_id
             embeds = embeds.masked_scatter(mask[:, None], _to(image_embeds, self.device).to(embeds.dtype))
-        logits = self.lm.prefill(embeds, _to(positions, self.device), self.cache.slots(block_table, len(ids)))
-        return PrefillOutput(logits, rope_delta, len(ids))
+        logits = self.lm.prefill(embeds, _to(plan.positions, self.device), _to(plan.slots, self.device))
+        return PrefillOutput(logits, plan.rope_delta, len(ids))
 
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],

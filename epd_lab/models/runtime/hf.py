@@ -15,7 +15,7 @@ from transformers import DynamicCache, Qwen2VLForConditionalGeneration
 
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.runners import DecodeRunner, PrefillRunner, VisionEncoder
-from epd_lab.models.runtime import PrefillOutput, RuntimeBase
+from epd_lab.models.runtime import PrefillOutput, PrefillPlan, RuntimeBase
 
 
 class HFRuntime(RuntimeBase):
@@ -31,7 +31,10 @@ class HFRuntime(RuntimeBase):
         return self._vision.encode(pixel_values, image_grid_thw)
 
     def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
-                image_grid_thw: torch.Tensor | None, block_table: Sequence[int]) -> PrefillOutput:
+                image_grid_thw: torch.Tensor | None, block_table: Sequence[int],
+                plan: PrefillPlan | None = None) -> PrefillOutput:
+        if plan is not None:  # checked only: HF's forward makes its own positions
+            self.checked_plan(plan, input_ids, image_embeds, image_grid_thw, block_table)
         result = self._prefill.prefill(input_ids.reshape(1, -1), image_embeds, image_grid_thw)
         self.cache.write_from(result.kv_tensors(), block_table, result.prompt_len)
         return PrefillOutput(result.logits[0], result.rope_delta, result.prompt_len)
