@@ -14,7 +14,8 @@
 #               $OUT/goodput-h200-<model>-<images>x<side>/ (a later call adds its topologies to the same folder)
 #     ab        before/after, side by side: `bench e2e` of $AB_MODEL (qwen2-vl-2b), mooncake only, $SIZES x $IMAGES at
 #               $CONCURRENCY, for this tree ("head") and for $AB_BASE (another commit's tree inside this one, e.g.
-#               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times:
+#               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times
+#               in the order $AB_ORDER ("base head"; "head base" to see whether the order moves the result):
 #               $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own monolithic row)
 #     mps       the ab stage's run on this tree, alternating without and with an MPS daemon (nvidia-cuda-mps-control -d,
 #               started and quit here: every CUDA process of the run, the floor's and the servers', is then its
@@ -131,7 +132,7 @@ for stage in "$@"; do
             (cd "$AB_BASE" && python3 setup.py -q build_ext --inplace > /tmp/build-base.log 2>&1) ||
                 { tail -20 /tmp/build-base.log | stamp; exit 1; }
             for round in $(seq "${AB_ROUNDS:-2}"); do
-                for side in base head; do
+                for side in ${AB_ORDER:-base head}; do
                     tree=$ROOT
                     [ "$side" = base ] && tree=$(cd "$AB_BASE" && pwd)
                     say "ab round $round: $side ($tree)"
