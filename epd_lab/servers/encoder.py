@@ -48,10 +48,11 @@ receiver closes it with its receipt time (one host shares CLOCK_MONOTONIC).
 The encoder's own `Recorder` keeps the full spans.
 
 Threads: the event loop only routes and keeps the state. Whatever costs more than microseconds runs elsewhere,
-in as few hops as the work allows: /encode parses its body (megabytes with data: URIs), reads, base64-decodes,
-opens the media in one thread, which hands the sizes back to the loop, hashes the media and then decodes and runs
-the ViT itself when no other ViT runs or waits (then the decoder thread decodes beside the hash; else it hands
-them to the worker, behind the others: one ViT at a time, in order); /send's write and notify, and the zmq backends' message and push, run as soon as the ViT ends
+in as few hops as the work allows: /encode parses its body (megabytes with data: URIs), reads, base64-decodes
+and opens the media in one thread, which hands the sizes back to the loop, hashes the media and then runs the
+ViT itself when no other ViT runs or waits (the decoder thread decoding the pixels beside the hash), else hands
+them to the worker, behind the others (one ViT at a time, in order); /send's write and notify, and the zmq
+backends' message and push, run as soon as the ViT ends
 (`_after_vit`: no hop through the event loop between), in the thread that ran it when no other ViT waits, else
 in a sender thread. At one request in flight a part thus crosses no thread between its media and its notify:
 each hop spared is a thread wake-up (56-83 µs after an idle spell on the H200's host, `data/bench/hops-s8/`).
