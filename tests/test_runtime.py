@@ -475,6 +475,9 @@ def test_graph_replay_equals_eager_and_split_equals_monolithic_on_cuda(cuda_mode
         mono = _run(rt, ids, embeds, grid, list(range(12)), N_TOKENS)
         again = _run(eager, ids, embeds, grid, list(range(12, 24)), N_TOKENS)
         assert all(torch.equal(a, b) for a, b in zip(mono, again)), "graph replay != eager"
+        table = list(range(52, 64))
+        planned = rt.prefill(ids, embeds, grid, table, plan=rt.plan_prefill(ids, grid, table)).logits
+        assert torch.equal(planned, mono[0]), "a prefill planned before its embeddings != one planned in it"
         whole = open_runtime("fast", cuda_model, cache, max_batch=4, staged_graphs=False)
         again = _run(whole, ids, embeds, grid, list(range(12, 24)), N_TOKENS)
         assert all(torch.equal(a, b) for a, b in zip(mono, again)), "one graph per bucket != graphs in parts"
