@@ -6,8 +6,7 @@ Routes:
   answer the sizes, computed from the image sizes alone, while the bytes are hashed (the cache key). Only images
   not in the cache go through the ViT; their pixels are decoded in the ViT's thread, or, when no other ViT runs
   or waits, in a decoder thread while they are hashed (a cached one's decode is then dropped unused). The
-  modality is matched by its
-  `Modality` name in any case; this encoder serves ``IMAGE`` only. Per backend:
+  modality is matched by its `Modality` name in any case; this encoder serves ``IMAGE`` only. Per backend:
   ``mooncake``: answer at once; the ViT runs in a background worker and the embedding is held under
   ``req_id`` until ``/send`` comes (or its TTL passes).
   ``zmq_to_tokenizer``: run the ViT, PUSH an `EmbeddingData` (bytes inside) to
