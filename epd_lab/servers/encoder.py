@@ -393,8 +393,8 @@ class MMEncoder:
         return req, modality, items, spans
 
     def _hash(self, items: list[_Item], spans: list[Span]) -> None:
-        """Each item's cache key (none with the cache off: nothing would look it up); the ``load`` span (the last of
-        `spans`) ends here."""
+        """Each item's cache key (none with the cache off: no key could hit); the ``load`` span (the last of `spans`)
+        ends here."""
         if self.cache.capacity_bytes:
             for item in items:
                 item.key = self._cache_key(content_hash(item.raw))
