@@ -4,8 +4,7 @@ Each role (encoder, prefill, decode, proxy) is a plain process; `epd_lab.launch`
 ``{"url", "pid"}`` it prints once serving to learn the port the OS chose.
 
 The HTTP stack is uvloop + httptools where installed (the fastest in `epd-lab bench http`), else asyncio +
-h11; ``EPD_HTTP_LOOP`` / ``EPD_HTTP_PARSER`` force one. With httptools, small plain requests take the fast lane
-(`epd_lab.serving.fastlane`; ``EPD_HTTP_FAST_LANE=0`` turns it off). Idle connections stay open `KEEPALIVE_S`, well past
+h11; ``EPD_HTTP_LOOP`` / ``EPD_HTTP_PARSER`` force one. Idle connections stay open `KEEPALIVE_S`, well past
 the `CLIENT_KEEPALIVE_S` our clients keep them, so that the client always retires a connection first and
 never sends a request into one the server is closing.
 
@@ -48,7 +47,6 @@ class _Served:
     idle_closed: int = 0  # closed before their first byte came
     max_connections: int = MAX_CONNECTIONS
     idle_s: float = KEEPALIVE_S
-    fast_lane: Any = None  # the protocol class when the fast lane is on (`epd_lab.serving.fastlane`)
 
 
 _served = _Served()
@@ -127,8 +125,7 @@ def http_info() -> dict[str, Any]:
     return {"loop": loop, "parser": _served.parser, "keepalive_s": KEEPALIVE_S,
             "connections_accepted": _served.accepted, "connections_open": _served.open,
             "max_connections": _served.max_connections, "connections_refused": _served.refused,
-            "connections_idle_closed": _served.idle_closed, "fast_lane": _served.fast_lane is not None,
-            "fast_lane_requests": _served.fast_lane.taken if _served.fast_lane is not None else 0}
+            "connections_idle_closed": _served.idle_closed}
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -157,14 +154,10 @@ def serve_and_announce(app: Any, sock: socket.socket, url: str, graceful_s: floa
     loop, _served.parser = http_stack(loop, parser)
     _served.max_connections = int(os.environ.get("EPD_HTTP_MAX_CONNECTIONS", MAX_CONNECTIONS))
     _served.idle_s = float(os.environ.get("EPD_HTTP_IDLE_S", KEEPALIVE_S))
-    protocol = import_from_string(HTTP_PROTOCOLS[_served.parser])
-    if _served.parser == "httptools" and os.environ.get("EPD_HTTP_FAST_LANE", "1") != "0":
-        from epd_lab.serving.fastlane import fast_lane
-
-        protocol = _served.fast_lane = fast_lane(protocol)
+    protocol = _counted(import_from_string(HTTP_PROTOCOLS[_served.parser]))
     # access_log off: at log_level "warning" its lines are dropped anyway, after their fields were built;
     # proxy_headers off: no server here sits behind a proxy whose X-Forwarded-For it trusts
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=_counted(protocol),
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
                             proxy_headers=False, timeout_keep_alive=KEEPALIVE_S,
                             timeout_graceful_shutdown=int(graceful_s) + 1)
     server = uvicorn.Server(config)
