@@ -12,6 +12,11 @@
 #               request rate for $RATES_TOPOLOGIES (default monolithic,1e1p1d,2e1p1d; one per call fits the budget) at
 #               $RATES (req/s), $RATES_PROMPTS requests each, $RATES_IMAGES x $RATES_RESOLUTION, into
 #               $OUT/goodput-h200-<model>-<images>x<side>/ (a later call adds its topologies to the same folder)
+#     x2        issue 22 on two GPUs: `nvidia-smi topo -m` into $OUT/x2-topo-m.txt, then `epd-lab sweep rates
+#               --placements $X2_PLACEMENTS (default all: 2xmonolithic,e-gpu1,d-gpu1,spread) --gpus $X2_GPUS (default
+#               cuda:0,cuda:1)` of $RATES_MODEL at $RATES, $RATES_PROMPTS requests each, $RATES_IMAGES x
+#               $RATES_RESOLUTION, into $OUT/<placement>/ (commit them as data/bench/e2e-cuda-x2-<model>-<images>x<side>/);
+#               $OUT/answers.json compares every placement's answers with 2xmonolithic's
 #     ab        before/after, side by side: `bench e2e` of $AB_MODEL (qwen2-vl-2b), mooncake only, $SIZES x $IMAGES at
 #               $CONCURRENCY, for this tree ("head") and for $AB_BASE (another commit's tree inside this one, e.g.
 #               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times
@@ -126,6 +131,19 @@ for stage in "$@"; do
                 --image-count "$RATES_IMAGES" --image-resolution "$RATES_RESOLUTION" --kv-blocks 4096 \
                 --goodput ${RATES_SLOS:-ttft:300 tpot:30} --out "$dir" 2>&1 | stamp
             say "rates: exit ${PIPESTATUS[0]}"
+            ;;
+        x2)
+            # into $OUT itself: the device tool brings back folders two deep at most ($OUT/<placement>/<topology>/);
+            # one $RATES_IMAGES x $RATES_RESOLUTION per call, committed as data/bench/e2e-cuda-x2-<model>-<images>x<side>/
+            nvidia-smi topo -m > "$OUT/x2-topo-m.txt" 2>&1
+            say "sweep rates --placements ${X2_PLACEMENTS:=all} --gpus ${X2_GPUS:=cuda:0,cuda:1}" \
+                "--launch-model ${RATES_MODEL:=qwen2-vl-2b}, ${RATES_IMAGES:=4} x ${RATES_RESOLUTION:=448x448}"
+            # shellcheck disable=SC2086  # RATES_SLOS is a list of arguments
+            timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli sweep rates --placements "$X2_PLACEMENTS" --gpus "$X2_GPUS" \
+                --launch-model "$RATES_MODEL" --rates "${RATES:-2,4,8,16,32}" --num-prompts "${RATES_PROMPTS:-48}" \
+                --image-count "$RATES_IMAGES" --image-resolution "$RATES_RESOLUTION" --kv-blocks 4096 \
+                --goodput ${RATES_SLOS:-ttft:300 tpot:30} --out "$OUT" 2>&1 | stamp
+            say "x2: exit ${PIPESTATUS[0]}"
             ;;
         ab)
             [ -d "${AB_BASE:-}" ] || { say "ab: AB_BASE is not a directory"; exit 2; }

@@ -22,10 +22,11 @@ from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.bench.serve.metrics import (RequestOutput, calculate_metrics, is_good, outputs_from_result,
                                          parse_goodput, percentile_key)
 from epd_lab.bench.serve.run import ServeConfig
-from epd_lab.bench.serve.topologies import launch, parse_devices, topology
+from epd_lab.bench.serve.rates import placement_answers
+from epd_lab.bench.serve.topologies import PLACEMENTS, launch, parse_devices, placement, topology
 from epd_lab.launch import Topology
 from epd_lab.noise import random_png
-from epd_lab.viz import load_rates, pareto_front
+from epd_lab.viz import load_placements, load_rates, pareto_front
 
 
 # ---- metrics, against traces computed by hand ----
@@ -338,3 +339,50 @@ def test_load_rates_recomputes_goodput_and_reads_rates_csv_where_a_point_s_json_
         (point["request_goodput"], point["median_ttft_ms"], point["p99_tpot_ms"]))
     with pytest.raises(ValueError, match="cannot be recomputed"):
         load_rates(sweep, {"ttft": 1.0})
+
+
+def test_every_placement_places_processes_its_topology_starts():
+    """Issue 22's placements over two devices: what runs on the second is a process or role of the placement's
+    topology (`Topology` refuses other names); an unknown placement or another count of devices is refused."""
+    assert set(PLACEMENTS) == {"2xmonolithic", "e-gpu1", "d-gpu1", "spread"}
+    for name in PLACEMENTS:
+        topology_name, device, devices = placement(name, ["cuda:0", "cuda:1"])
+        placed = topology(topology_name, device=device, devices=devices)
+        assert device == "cuda:0" and set(devices.values()) == {"cuda:1"}
+        assert all(placed.settings[process]["device"] == "cuda:1" for process in devices)
+    assert placement("spread", ["a", "b"])[2] == {"encoder1": "b", "decode": "b"}
+    with pytest.raises(ValueError, match="unknown placement"):
+        placement("3xmonolithic", ["cuda:0", "cuda:1"])
+    with pytest.raises(ValueError, match="two devices"):
+        placement("e-gpu1", ["cuda:0"])
+
+
+def test_placements_sweep_answers_as_the_monolithic_replicas_and_a_difference_shows(tmp_path):
+    """Two placements swept through the command line (every device the CPU here: the same processes and hops as
+    on two GPUs, untested there), the same requests at each rate; answers.json compares them with 2xmonolithic's.
+    An answer changed afterwards is counted unequal."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "x2"
+    run = subprocess.run([sys.executable, "-m", "epd_lab.cli", "sweep", "rates", "--placements", "2xmonolithic,d-gpu1",
+                          "--gpus", "cpu,cpu", "--rates", "20", "--num-prompts", "4", "--image-count", "1",
+                          "--image-resolution", "64x64", "--random-output-len", "4", "--goodput", "ttft:5000",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    answers = json.loads((out / "answers.json").read_text())
+    assert answers["reference"] == "2xmonolithic" and answers["placements"] == ["2xmonolithic", "d-gpu1"]
+    assert answers["rates"] == {"20": {"d-gpu1": {"compared": 4, "equal": 4}}} and answers["all_equal"]
+    meta = json.loads((out / "d-gpu1" / "sweep.json").read_text())
+    assert (meta["placement"], meta["device"], meta["devices"]) == ("d-gpu1", "cpu", {"decode": "cpu"})
+    table, read = load_placements(out)
+    assert read == answers and sorted(table["topology"]) == ["2xmonolithic", "d-gpu1"]
+    assert (table["completed"] == 4).all() and (table["request_goodput"] > 0).all()
+    point = out / "d-gpu1" / "1e1p1d" / "rate-20.json"
+    result = json.loads(point.read_text())
+    result["generated_texts"][2] += "!"
+    point.write_text(json.dumps(result))
+    changed = placement_answers(out)
+    assert changed["rates"]["20"]["d-gpu1"] == {"compared": 4, "equal": 3} and not changed["all_equal"]
+    with pytest.raises(ValueError, match="no placement"):
+        placement_answers(tmp_path)

@@ -5,6 +5,8 @@
 - `goodput_figure`: goodput (solid) and throughput (dotted) against the offered rate, one colour per topology;
   the dashed diagonal is goodput = rate (every request served within its SLOs).
 - `goodput_gain`: each split topology's goodput over the monolithic floor's at the same rate.
+- `load_placements`: an `epd-lab sweep rates --placements` folder (issue 22) as `load_rates`' rows, one line per
+  placement (in ``topology``), with its ``answers.json``.
 - `pareto_front` / `pareto_figure`: each point a rate's (TTFT, TPOT) at a statistic (p50, p99); per topology the
   points no other point of it beats on both, joined as a step line.
 """
@@ -52,6 +54,17 @@ def load_rates(out: str | Path, slos: dict[str, float] | None = None, label: str
                      "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"],
                      **{k: m[k] for k in m if k.startswith(("p50_", "p99_"))}})
     return pd.DataFrame(rows)
+
+
+def load_placements(out: str | Path, slos: dict[str, float] | None = None) -> tuple[pd.DataFrame, dict]:
+    """Every placement swept into `out` (``OUT/<placement>/``, those ``answers.json`` names) as `load_rates` rows
+    whose ``topology`` is the placement's name (so that `goodput_figure` draws one line per placement), and the
+    ``answers.json`` itself."""
+    out = Path(out)
+    answers = json.loads((out / "answers.json").read_text())
+    table = pd.concat([load_rates(out / name, slos, label=out.name).assign(topology=name)
+                       for name in answers["placements"]], ignore_index=True)
+    return table, answers
 
 
 def _from_row(point: dict) -> dict:

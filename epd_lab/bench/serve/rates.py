@@ -14,6 +14,12 @@ each JSON let goodput be recomputed for
 any other SLOs afterwards (`epd_lab.viz.goodput`). On several GPUs, ``--devices monolithic1=cuda:1`` (or
 ``encoder=cuda:1``) places a role or a process over ``--device`` for every topology of the call: one placement per
 call, each into its own ``--out`` (two placements of ``1e1p1d`` would share ``OUT/1e1p1d/``; docs/gpu.md).
+
+``--placements 2xmonolithic,e-gpu1,d-gpu1,spread --gpus cuda:0,cuda:1`` runs issue 22's deployments at equal GPUs
+(`topologies.PLACEMENTS`) instead, one after the other, each into ``OUT/<placement>/``, the same requests at each
+rate; ``OUT/answers.json`` then says, per rate, how many answers each placement in ``OUT`` (an earlier call's too)
+gave that equal the reference placement's (`placement_answers`: greedy, every split must answer as the monolithic
+model does). The exit status is 1 when one did not.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import pandas as pd
 from epd_lab.bench.serve.datasets import image_dataset
 from epd_lab.bench.serve.metrics import parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark
-from epd_lab.bench.serve.topologies import launch, parse_devices, topology
+from epd_lab.bench.serve.topologies import PLACEMENTS, launch, parse_devices, placement, topology
 
 SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -83,6 +89,53 @@ def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests:
     return table
 
 
+def placement_sweep(placements: Sequence[str], gpus: Sequence[str], rates: Sequence[float],
+                    make_requests: Callable[[int], list], config: ServeConfig, out: str | Path,
+                    launch_options: dict | None = None, settings: dict | None = None,
+                    log: Callable[[str], None] = print) -> dict:
+    """`rate_sweep` of each placement (`topologies.placement` over `gpus`) into ``OUT/<placement>/``, then
+    `placement_answers` over every placement in ``OUT`` (an earlier call's too); returns what it wrote to
+    ``OUT/answers.json``."""
+    out = Path(out)
+    placed = {name: placement(name, gpus) for name in placements}  # an unknown name fails before any cluster
+    for name, (topology_name, device, devices) in placed.items():
+        log(f"placement {name}: {topology_name} on {device}, {devices}")
+        rate_sweep([topology_name], rates, make_requests, config, out / name,
+                   {**(launch_options or {}), "device": device, "devices": devices},
+                   {**(settings or {}), "placement": name, "device": device, "devices": devices}, log)
+    answers = placement_answers(out)
+    (out / "answers.json").write_text(json.dumps(answers, indent=1) + "\n")
+    log(f"answers equal to {answers['reference']}'s: {answers['all_equal']}")
+    return answers
+
+
+def placement_answers(out: str | Path) -> dict:
+    """The answers of every placement swept into `out`, compared per rate with the reference placement's
+    (``2xmonolithic`` where it ran, else the first in `PLACEMENTS` order) on the requests both answered: how many
+    were compared and how many equal. ``all_equal``: every compared answer was, and some were compared."""
+    out = Path(out)
+    present = [name for name in PLACEMENTS if (out / name / "rates.csv").exists()]
+    if not present:
+        raise ValueError(f"no placement was swept into {out}")
+
+    def texts(name: str, path: Path) -> list[str | None]:
+        result = json.loads(path.read_text())
+        return [None if error else text for text, error in zip(result["generated_texts"], result["errors"])]
+
+    reference, by_rate, compared = present[0], {}, []
+    for path in sorted((out / reference / PLACEMENTS[reference][0]).glob("rate-*.json")):
+        ref = texts(reference, path)
+        by_rate[path.stem.removeprefix("rate-")] = row = {}
+        for name in present[1:]:
+            other = out / name / PLACEMENTS[name][0] / path.name
+            if other.exists():
+                pairs = [(a, b) for a, b in zip(ref, texts(name, other)) if a is not None and b is not None]
+                row[name] = {"compared": len(pairs), "equal": sum(a == b for a, b in pairs)}
+                compared.append(row[name])
+    return {"reference": reference, "placements": present, "rates": by_rate,
+            "all_equal": bool(compared) and all(c["compared"] and c["equal"] == c["compared"] for c in compared)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab sweep rates ...``: see the module docstring."""
     ap = argparse.ArgumentParser(prog="epd-lab sweep rates", description=__doc__.splitlines()[0])
@@ -101,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=parse_devices, default={}, metavar="NAME=DEVICE[,...]",
                     help="roles' or processes' own devices over --device (monolithic1=cuda:1), for every topology "
                     "of the call: a name one of them does not start is refused")
+    ap.add_argument("--placements", default=None, metavar="NAME[,...]",
+                    help=f"issue 22's placements over --gpus instead of --topologies: {','.join(PLACEMENTS)}, or all")
+    ap.add_argument("--gpus", default="cuda:0,cuda:1", metavar="DEV0,DEV1", help="the two devices of --placements")
     ap.add_argument("--launch-model", default=None)
     ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of each prefill, decode or floor")
     ap.add_argument("--seed", type=int, default=0)
@@ -118,9 +174,18 @@ def main(argv: list[str] | None = None) -> int:
         return image_dataset(args.num_prompts, args.seed * 1000 + seed, args.image_count, args.image_resolution,
                              args.random_input_len, args.random_output_len)
 
-    topologies = args.topologies.split(",")
     options = {"backend": args.backend, "device": args.device, "devices": args.devices, "model": args.launch_model,
                "media_url": args.media == "url", "kv_blocks": args.kv_blocks}
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "topologies", "goodput")}
-    rate_sweep(topologies, rates, make_requests, config, args.out, options, settings)
-    return 0
+    if args.placements is None:
+        rate_sweep(args.topologies.split(","), rates, make_requests, config, args.out, options, settings)
+        return 0
+    placements = list(PLACEMENTS) if args.placements == "all" else args.placements.split(",")
+    try:
+        for name in placements:
+            placement(name, args.gpus.split(","))
+    except ValueError as exc:
+        ap.error(str(exc))
+    answers = placement_sweep(placements, args.gpus.split(","), rates, make_requests, config, args.out, options,
+                              settings)
+    return 0 if answers["all_equal"] or len(answers["placements"]) == 1 else 1

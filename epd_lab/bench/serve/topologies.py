@@ -8,14 +8,24 @@ the bench's media server listens on 127.0.0.1, which their policy refuses otherw
 `devices` places roles or single processes over `device` (``--devices monolithic1=cuda:1`` or
 ``encoder=cuda:1,prefill0=cuda:0``): a process's entry wins over its role's; a name the topology does not start
 is refused (`Topology`'s check), before any process starts.
+
+`PLACEMENTS` are issue 22's deployments at equal GPUs (two): each a topology and the processes or roles that run
+on the second GPU, every other one on the first (`placement`).
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from epd_lab.launch import Cluster, Topology
 
+# name → (topology, {process or role: the index of its GPU}); what is not named runs on GPU 0
+PLACEMENTS: dict[str, tuple[str, dict[str, int]]] = {
+    "2xmonolithic": ("2xmonolithic", {"monolithic1": 1}),  # one replica per GPU, round-robin in the front
+    "e-gpu1": ("1e1p1d", {"encoder": 1}),  # the encoder alone on GPU 1, prefill and decode on GPU 0
+    "d-gpu1": ("1e1p1d", {"decode": 1}),  # encoder and prefill on GPU 0, decode on GPU 1 (the seed's P→D split)
+    "spread": ("2e1p1d", {"encoder1": 1, "decode": 1}),  # E0 and P on GPU 0, E1 and D on GPU 1
+}
 _SPLIT = re.compile(r"(\d+)e(\d+)p(\d+)d")
 _REPLICAS = re.compile(r"(\d+)xmonolithic")
 
@@ -30,6 +40,18 @@ def parse_devices(text: str) -> dict[str, str]:
             raise ValueError(f"{item!r} is not NAME=DEVICE (e.g. monolithic1=cuda:1)")
         devices[name] = device
     return devices
+
+
+def placement(name: str, gpus: Sequence[str]) -> tuple[str, str, dict[str, str]]:
+    """Placement `name` over `gpus` (two devices, GPU 0 first): its topology's name, the device of every process
+    it does not place, and the devices of those it does (`topology`'s `device` and `devices`); `ValueError` for an
+    unknown name or not two devices."""
+    if name not in PLACEMENTS:
+        raise ValueError(f"unknown placement {name!r}: {', '.join(PLACEMENTS)}")
+    if len(gpus) != 2:
+        raise ValueError(f"a placement spreads over two devices, got {list(gpus)}")
+    name, on = PLACEMENTS[name]
+    return name, gpus[0], {process: gpus[index] for process, index in on.items()}
 
 
 def topology(name: str, backend: str = "mooncake", device: str = "cpu", model: str | None = None,
