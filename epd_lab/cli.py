@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="benchmarks", add_help=False)
     bench.add_argument("what", choices=["transfer", "epd", "e2e", "trace", "vit", "http", "runtime",
-                                        "overload", "serve"])
+                                        "overload", "serve", "ab"])
     sub.add_parser("encoder", help="an encode server (FastAPI): /encode, /send, /scheduler_receive_url", add_help=False)
     sub.add_parser("launch", help="start a topology on loopback (or on a Ray cluster: --ray ADDRESS) and keep it up "
                                   "until Ctrl-C", add_help=False)

@@ -20,8 +20,9 @@
 #     ab        before/after, side by side: `bench e2e` of $AB_MODEL (qwen2-vl-2b), mooncake only, $SIZES x $IMAGES at
 #               $CONCURRENCY, for this tree ("head") and for $AB_BASE (another commit's tree inside this one, e.g.
 #               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times
-#               in the order $AB_ORDER ("base head"; "head base" to see whether the order moves the result):
-#               $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own monolithic row)
+#               in the order $AB_ORDER ("base head") in odd rounds and the other in even ones (AB_BALANCED=0: the
+#               same in every round): $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own
+#               monolithic row); `epd-lab bench ab $OUT` then gives the head's and the order's effects
 #     mps       the ab stage's run on this tree, alternating without and with an MPS daemon (nvidia-cuda-mps-control -d,
 #               started and quit here: every CUDA process of the run, the floor's and the servers', is then its
 #               client), $AB_ROUNDS (2) times: $OUT/e2e-cuda-<model>-mps-{off,on}-r<round>.json
@@ -149,8 +150,15 @@ for stage in "$@"; do
             [ -d "${AB_BASE:-}" ] || { say "ab: AB_BASE is not a directory"; exit 2; }
             (cd "$AB_BASE" && python3 setup.py -q build_ext --inplace > /tmp/build-base.log 2>&1) ||
                 { tail -20 /tmp/build-base.log | stamp; exit 1; }
+            order=${AB_ORDER:-base head}
             for round in $(seq "${AB_ROUNDS:-2}"); do
-                for side in ${AB_ORDER:-base head}; do
+                sides=$order
+                # balanced: every other round in the other order, so that one call holds both (the side that ran
+                # second in a round did worse by about 0.5 ms in three calls); `epd-lab bench ab` separates the two
+                if [ "${AB_BALANCED:-1}" = 1 ] && [ $((round % 2)) = 0 ]; then
+                    sides=$(echo "$order" | awk '{print $2, $1}')
+                fi
+                for side in $sides; do
                     tree=$ROOT
                     [ "$side" = base ] && tree=$(cd "$AB_BASE" && pwd)
                     say "ab round $round: $side ($tree)"

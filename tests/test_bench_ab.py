@@ -1,0 +1,57 @@
+"""`epd-lab bench ab`: the A/B summary of `bench e2e --pairs` runs, on the H200 runs committed under data/bench/."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd_lab.bench.ab import crossover, run_row, summarize
+
+BENCH = Path(__file__).resolve().parents[1] / "data" / "bench"
+
+
+@pytest.mark.parametrize("folder", ["split-ab-s12", "fast-lane-ab-s13"])
+def test_the_summary_of_committed_runs_equals_the_one_made_by_hand(folder):
+    """Two sessions' A/Bs (two calls each, the order within a round reversed in the second) were summarised by hand;
+    the command gives the same effects, positions and medians."""
+    committed = json.loads((BENCH / folder / "summary.json").read_text())
+    summary = summarize(sorted((BENCH / folder).glob("e2e-*.json")), {"base": "b", "head": "h"})
+    for key in ("head_effect_ms", "second_in_round_effect_ms"):
+        assert summary["crossover"][key] == pytest.approx(committed["crossover"][key], abs=0.002)
+    positions = {r["file"]: r["position_in_round"] for r in committed["runs"]}
+    assert {r["file"]: r["position_in_round"] for r in summary["runs"]} == positions
+    for side in ("base", "head"):
+        for key in ("split_minus_floor_less_spans_ms", "harness_c1_ms"):
+            assert summary["by_side"][side][key]["median"] == pytest.approx(
+                committed["by_side"][side][key]["median"], abs=0.002)
+    assert summary["answers_equal_monolithic"] and summary["crossover"]["rounds"] == 4
+
+
+def test_one_order_only_cannot_tell_the_order_from_the_head(tmp_path):
+    """Runs whose rounds all put base first: the difference is reported, the order's effect is None."""
+    rows = [run_row(p, {}) for p in sorted((BENCH / "fast-lane-ab-s13").glob("*call1-base-first.json"))]
+    cross = crossover(rows)
+    assert cross["second_in_round_effect_ms"] is None and cross["head_first_rounds"] == 0
+    diffs = [h["split_minus_floor_less_spans_ms"] - b["split_minus_floor_less_spans_ms"]
+             for b, h in zip(sorted((r for r in rows if r["side"] == "base"), key=lambda r: r["round"]),
+                             sorted((r for r in rows if r["side"] == "head"), key=lambda r: r["round"]))]
+    assert cross["head_effect_ms"] == pytest.approx(sum(diffs) / len(diffs), abs=0.001)
+    with pytest.raises(ValueError, match="no round has both"):
+        crossover([r for r in rows if r["side"] == "base"])
+
+
+def test_the_command_writes_the_summary_and_refuses_a_folder_without_runs(tmp_path):
+    out = tmp_path / "summary.json"
+    done = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "ab", str(BENCH / "fast-lane-ab-s13"),
+                           "--base", "d38ad3e", "--head", "c2c6432", "--json", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())
+    assert summary["commits"] == {"base": "d38ad3e", "head": "c2c6432"} and len(summary["runs"]) == 8
+    assert "4 rounds (2 with head first)" in done.stderr
+    refused = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "ab", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "no ab run" in refused.stderr
