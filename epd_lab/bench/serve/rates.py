@@ -118,18 +118,18 @@ def placement_answers(out: str | Path) -> dict:
     if not present:
         raise ValueError(f"no placement was swept into {out}")
 
-    def texts(name: str, path: Path) -> list[str | None]:
+    def texts(path: Path) -> list[str | None]:
         result = json.loads(path.read_text())
         return [None if error else text for text, error in zip(result["generated_texts"], result["errors"])]
 
     reference, by_rate, compared = present[0], {}, []
     for path in sorted((out / reference / PLACEMENTS[reference][0]).glob("rate-*.json")):
-        ref = texts(reference, path)
+        ref = texts(path)
         by_rate[path.stem.removeprefix("rate-")] = row = {}
         for name in present[1:]:
             other = out / name / PLACEMENTS[name][0] / path.name
             if other.exists():
-                pairs = [(a, b) for a, b in zip(ref, texts(name, other)) if a is not None and b is not None]
+                pairs = [(a, b) for a, b in zip(ref, texts(other)) if a is not None and b is not None]
                 row[name] = {"compared": len(pairs), "equal": sum(a == b for a, b in pairs)}
                 compared.append(row[name])
     return {"reference": reference, "placements": present, "rates": by_rate,
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.placements is None:
         rate_sweep(args.topologies.split(","), rates, make_requests, config, args.out, options, settings)
         return 0
+    if args.devices:
+        ap.error("--devices places the roles of --topologies; --placements places its own over --gpus")
     placements = list(PLACEMENTS) if args.placements == "all" else args.placements.split(",")
     try:
         for name in placements:
