@@ -50,8 +50,8 @@ def placement(name: str, gpus: Sequence[str]) -> tuple[str, str, dict[str, str]]
         raise ValueError(f"unknown placement {name!r}: {', '.join(PLACEMENTS)}")
     if len(gpus) != 2:
         raise ValueError(f"a placement spreads over two devices, got {list(gpus)}")
-    name, on = PLACEMENTS[name]
-    return name, gpus[0], {process: gpus[index] for process, index in on.items()}
+    topology_name, on = PLACEMENTS[name]
+    return topology_name, gpus[0], {process: gpus[index] for process, index in on.items()}
 
 
 def topology(name: str, backend: str = "mooncake", device: str = "cpu", model: str | None = None,
