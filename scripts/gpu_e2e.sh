@@ -96,6 +96,21 @@ ab_bench() {  # ab_bench TREE NAME: `bench e2e` of $AB_MODEL, mooncake only, wit
     say "$2: exit ${PIPESTATUS[0]}"
 }
 
+sweep_rates() {  # sweep_rates NAME ARGS...: `sweep rates` of $RATES_MODEL at $RATES, the stage's own ARGS (--out...)
+    local name=$1
+    shift
+    say "sweep rates --launch-model $RATES_MODEL, $RATES_IMAGES x $RATES_RESOLUTION $*"
+    # shellcheck disable=SC2086  # RATES_SLOS is a list of arguments
+    timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli sweep rates --launch-model "$RATES_MODEL" \
+        --rates "${RATES:-2,4,8,16,32}" --num-prompts "${RATES_PROMPTS:-48}" --image-count "$RATES_IMAGES" \
+        --image-resolution "$RATES_RESOLUTION" --kv-blocks 4096 --goodput ${RATES_SLOS:-ttft:300 tpot:30} "$@" 2>&1 |
+        stamp
+    say "$name: exit ${PIPESTATUS[0]}"
+}
+RATES_MODEL=${RATES_MODEL:-qwen2-vl-2b}
+RATES_IMAGES=${RATES_IMAGES:-4}
+RATES_RESOLUTION=${RATES_RESOLUTION:-448x448}
+
 for stage in "$@"; do
     case $stage in
         tests)
@@ -123,28 +138,15 @@ for stage in "$@"; do
                 --backends "${BACKENDS_7B:-mooncake}" ;;
         rates)
             # the folder is named by the image's height: 448x448 -> goodput-h200-qwen2-vl-2b-4x448
-            dir="$OUT/goodput-h200-${RATES_MODEL:=qwen2-vl-2b}-${RATES_IMAGES:=4}x${RATES_RESOLUTION:=448x448}"
-            dir=${dir%x*}
-            say "sweep rates --launch-model $RATES_MODEL --topologies ${RATES_TOPOLOGIES:=monolithic,1e1p1d,2e1p1d}"
-            # shellcheck disable=SC2086  # RATES_SLOS is a list of arguments
-            timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli sweep rates --device cuda --launch-model "$RATES_MODEL" \
-                --topologies "$RATES_TOPOLOGIES" --rates "${RATES:-2,4,8,16,32}" --num-prompts "${RATES_PROMPTS:-48}" \
-                --image-count "$RATES_IMAGES" --image-resolution "$RATES_RESOLUTION" --kv-blocks 4096 \
-                --goodput ${RATES_SLOS:-ttft:300 tpot:30} --out "$dir" 2>&1 | stamp
-            say "rates: exit ${PIPESTATUS[0]}"
+            dir="$OUT/goodput-h200-$RATES_MODEL-${RATES_IMAGES}x$RATES_RESOLUTION"
+            sweep_rates rates --device cuda --topologies "${RATES_TOPOLOGIES:-monolithic,1e1p1d,2e1p1d}" \
+                --out "${dir%x*}"
             ;;
         x2)
             # into $OUT itself: the device tool brings back folders two deep at most ($OUT/<placement>/<topology>/);
             # one $RATES_IMAGES x $RATES_RESOLUTION per call, committed as data/bench/e2e-cuda-x2-<model>-<images>x<side>/
             nvidia-smi topo -m > "$OUT/x2-topo-m.txt" 2>&1
-            say "sweep rates --placements ${X2_PLACEMENTS:=all} --gpus ${X2_GPUS:=cuda:0,cuda:1}" \
-                "--launch-model ${RATES_MODEL:=qwen2-vl-2b}, ${RATES_IMAGES:=4} x ${RATES_RESOLUTION:=448x448}"
-            # shellcheck disable=SC2086  # RATES_SLOS is a list of arguments
-            timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli sweep rates --placements "$X2_PLACEMENTS" --gpus "$X2_GPUS" \
-                --launch-model "$RATES_MODEL" --rates "${RATES:-2,4,8,16,32}" --num-prompts "${RATES_PROMPTS:-48}" \
-                --image-count "$RATES_IMAGES" --image-resolution "$RATES_RESOLUTION" --kv-blocks 4096 \
-                --goodput ${RATES_SLOS:-ttft:300 tpot:30} --out "$OUT" 2>&1 | stamp
-            say "x2: exit ${PIPESTATUS[0]}"
+            sweep_rates x2 --placements "${X2_PLACEMENTS:-all}" --gpus "${X2_GPUS:-cuda:0,cuda:1}" --out "$OUT"
             ;;
         ab)
             [ -d "${AB_BASE:-}" ] || { say "ab: AB_BASE is not a directory"; exit 2; }

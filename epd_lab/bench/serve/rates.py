@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices:
         ap.error("--devices places the roles of --topologies; --placements places its own over --gpus")
     placements = list(PLACEMENTS) if args.placements == "all" else args.placements.split(",")
-    try:
+    gpus = args.gpus.split(",")
+    try:  # a usage error before any cluster starts (placement_sweep checks again, for its other callers)
         for name in placements:
-            placement(name, args.gpus.split(","))
+            placement(name, gpus)
     except ValueError as exc:
         ap.error(str(exc))
-    answers = placement_sweep(placements, args.gpus.split(","), rates, make_requests, config, args.out, options,
-                              settings)
+    answers = placement_sweep(placements, gpus, rates, make_requests, config, args.out, options, settings)
     return 0 if answers["all_equal"] or len(answers["placements"]) == 1 else 1
