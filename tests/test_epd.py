@@ -696,6 +696,54 @@ def test_parts_reassemble_in_order_when_notifications_arrive_out_of_order(launch
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 4b. the landing: what a prefill queues its forward on before the embeddings land
+@pytest.mark.parametrize("backend", ["mooncake"])
+def test_a_landing_fires_once_in_the_notify_thread_after_every_part_landed(launcher, work, backend):
+    """3 images on 2 encoders: `on_sizes` gets a `Landing` whose embeddings are ONE view of the request's
+    buffer. Its callback runs once, in the thread that took the last notify, with the buffer already
+    deregistered and every part's bytes in place (a snapshot taken there equals the logits-checked result,
+    which is that same view); a watched landing records no reassemble span. When a part's /send fails, the
+    callback still runs, once."""
+    cluster = launcher.shared(backend, "float32")
+    with EmbeddingReceiver(ReceiverConfig(cluster.encoder_urls[:2], backend, timeout=OK_TIMEOUT)) as rx:
+        seen: list[tuple[str, int, torch.Tensor]] = []
+        landings = []
+
+        def on_sizes(grids, landing):
+            landings.append(landing)
+            view = landing.embeddings["image"]
+            landing.when_landed(lambda: seen.append((threading.current_thread().name, rx.engine.stats()["regions"],
+                                                     view.clone())))
+
+        paths = work.images("landing", SIZES[:3])
+        got = rx.receive(paths, rid="landing", on_sizes=on_sizes)
+        assert len(got.parts) == 2 and len(landings) == 1 and len(seen) == 1
+        thread, regions, snapshot = seen[0]
+        assert thread == "epd-receiver-zmq" and regions == 0
+        joined = landings[0].embeddings["image"]
+        assert got.embeddings["image"] is joined
+        assert torch.equal(snapshot, joined)
+        ref = EPDPrefill(rx, work.model("float32")).prefill("landed", paths)  # the same images, reassembled
+        assert torch.equal(joined, ref.received.embeddings["image"])
+        assert {s.stage for s in rx.recorder.spans("landing")}.isdisjoint({"reassemble"})
+        assert "reassemble" in {s.stage for s in ref.spans}
+
+        send = rx._send
+
+        def send_refused(rid, plan, *rest):
+            if plan.part_idx == 1:
+                raise EPDError("refused for the test", status=400)
+            return send(rid, plan, *rest)
+
+        rx._send = send_refused
+        seen.clear()
+        with pytest.raises(EPDError, match="refused for the test"):
+            rx.receive(work.images("landing-failed", SIZES[:3]), on_sizes=on_sizes)
+        assert len(seen) == 1 and seen[0][1] == 0
+        assert rx.engine.stats()["regions"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
 # 5. cluster hygiene
 def test_cluster_whose_encoder_fails_to_start_raises_with_its_log(tmp_path):
     """`--model` pointing nowhere: the first encoder exits while starting; the cluster raises with its log

@@ -123,3 +123,34 @@ def test_encoder_down_is_an_error_not_a_hang():
         with pytest.raises(EPDError, match=f"127.0.0.1:{port}"):
             rx.receive(["a.png"])
         assert rx.engine.stats()["regions"] == 0
+
+
+def test_a_landing_lands_once_on_the_last_good_part_or_when_told():
+    """`Landing.part_done` lands on the last of its parts' good notifies, not on a failed part (the waiting
+    thread lands then); `land` deregisters and runs the callbacks exactly once, and a deregistration's error is
+    kept for `check` while the callbacks still run."""
+    calls: list[str] = []
+    landing = receiver.Landing(None, 2, lambda: calls.append("deregister"))
+    landing.when_landed(lambda: calls.append("landed"))
+    good, failed = Future(), Future()
+    good.set_result(EmbeddingNotify("r_local_part_0", 0, "IMAGE", [1, 4], "float32", [[1, 2, 2]]))
+    failed.set_exception(EPDError("part 1 failed"))
+    landing.part_done(good)
+    landing.part_done(failed)
+    assert calls == [] and landing.watched
+    landing.land()
+    landing.land()
+    landing.when_landed(lambda: calls.append("late"))
+    assert calls == ["deregister", "landed", "late"]
+    landing.check()
+
+    def refuse() -> None:
+        raise receiver.EPDError("unknown region")
+
+    calls.clear()
+    landing = receiver.Landing(None, 1, refuse)
+    landing.when_landed(lambda: calls.append("landed"))
+    landing.part_done(good)
+    assert calls == ["landed"]
+    with pytest.raises(EPDError, match="unknown region"):
+        landing.check()

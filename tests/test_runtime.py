@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,7 @@ def test_a_prefill_planned_before_its_embeddings_equals_one_planned_in_it(model,
             rt.prefill(ids, embeds[:-1], grid, table, plan=plan)
         with pytest.raises(ValueError, match="do not match the grids"):
             rt.plan_prefill(ids, grid[:1], table)
+        assert rt.prefill_gate(ids.shape[-1], embeds) is None  # the CPU prefills once the embeddings landed
 
 
 def test_batched_decode_equals_single_steps(model):
@@ -551,3 +553,37 @@ def test_the_servers_and_kv_name_no_transformers_class():
                  for path in sorted((root / folder).glob("*.py"))
                  if re.search(r"^\s*(from|import)\s+transformers\b", path.read_text(), re.MULTILINE)]
     assert offenders == []
+
+
+@gpu
+def test_a_gated_prefill_reads_its_embeddings_when_its_gate_opens_on_cuda(cuda_model):
+    """The prefill server's way on a GPU: the prefill is queued behind a gate while its pinned embeddings
+    buffer still holds zeros; it does not run until the gate opens, then reads what landed: its logits and the
+    KV it wrote equal the ungated prefill's, bit for bit. One gate is pending at a time; closing the runtime
+    opens the pending one; pageable embeddings get no gate."""
+    ids, pixel_values, grid = _inputs(*CASES[2])
+    n = ids.shape[-1]
+    with _cache(cuda_model, 64, "cuda") as cache:
+        rt = open_runtime("fast", cuda_model, cache, max_batch=4)
+        embeds = rt.encode(pixel_values, grid)
+        table, gated_table = list(range(12)), list(range(40, 28, -1))
+        want = rt.prefill(ids, embeds, grid, table).logits.clone()
+        landing = torch.zeros(embeds.shape, dtype=embeds.dtype, pin_memory=True)
+        assert rt.prefill_gate(n, torch.zeros(embeds.shape, dtype=embeds.dtype)) is None  # pageable
+        gate = rt.prefill_gate(n, landing)
+        assert gate is not None and rt.prefill_gate(n, landing) is None
+        try:
+            out = rt.prefill(ids, landing, grid, gated_table, plan=rt.plan_prefill(ids, grid, gated_table), gate=gate)
+            time.sleep(0.3)
+            assert not out.ready.query(), "the gated prefill ran before its gate opened"
+            landing.copy_(embeds.cpu())  # the embeddings land
+        finally:
+            gate.open()
+        out.wait()
+        assert gate.is_open and torch.equal(out.logits, want)
+        for (k, v), (gk, gv) in zip(cache.read_layers(table, n), cache.read_layers(gated_table, n)):
+            assert torch.equal(k, gk) and torch.equal(v, gv)
+        pending = rt.prefill_gate(n, landing)
+        assert pending is not None
+        rt.close()
+        assert pending.is_open

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 from PIL import Image
 
-from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceivedEmbeddings
+from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, Landing, ReceivedEmbeddings
 from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids, monolithic_prefill, preprocess
 from epd_lab.serving.placement import synchronize
 from epd_lab.trace import Span
@@ -56,19 +56,21 @@ class EPDPrefill:
         return EPDResult(rid, result, prompt.received, self.receiver.recorder.spans(rid))
 
     def receive(self, text: str, mm_items: list[str], rid: str,
-                on_prompt: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> ReceivedPrompt:
+                on_prompt: Callable[[torch.Tensor, torch.Tensor, Landing | None], None] | None = None
+                ) -> ReceivedPrompt:
         """The E→P part alone: encode `mm_items` on the encoders, collect the embeddings, build the prompt (the
         images, then `text`). A prefill server runs its own runtime's forward on the result. The prompt's ids and
         grids are built from the encoders' /encode answers, while the embeddings are on their way, and handed to
-        `on_prompt(input_ids, image_grid_thw)` then (the prefill server checks the prompt's length, holds its KV
-        and plans its forward there)."""
+        `on_prompt(input_ids, image_grid_thw, landing)` then, with the receiver's `Landing` (mooncake; None
+        otherwise): the prefill server checks the prompt's length, holds its KV and plans its forward there, and
+        on a GPU queues the forward itself, gated until the embeddings land."""
         announced: dict[str, Any] = {}  # from the /encode answers: "grids" (and as a tensor), the prompt's "ids"
 
-        def on_sizes(grids: dict[str, list[list[int]]]) -> None:
+        def on_sizes(grids: dict[str, list[list[int]]], landing: Landing | None) -> None:
             announced["grids"], announced["ids"] = grids["image"], build_input_ids(text, grids["image"])
             announced["grid_thw"] = torch.tensor(grids["image"])
             if on_prompt is not None:
-                on_prompt(announced["ids"], announced["grid_thw"])
+                on_prompt(announced["ids"], announced["grid_thw"], landing)
 
         got = self.receiver.receive(mm_items, rid, on_sizes=on_sizes)
         grids = got.grid_thw["image"]

@@ -14,8 +14,9 @@ request:
    pushes a metadata-only notification over ZMQ. ``zmq_to_tokenizer`` / ``zmq_to_scheduler``: the
    bytes come inside the ZMQ message (``zmq_to_scheduler`` first tells each encoder where to send
    through /scheduler_receive_url, ``{req_id, receive_url="host:port", receive_count=1}``).
-4. Wait for every part (bounded by the timeout), deregister, slice each part by shape and dtype,
-   concatenate per modality.
+4. Wait for every part (bounded by the timeout), deregister (mooncake: in the thread that took the last
+   notify, where a `Landing` callback may start a forward queued on the embeddings), slice each part by shape
+   and dtype, concatenate per modality (mooncake: a modality's parts, side by side in the buffer, are one view).
 
 Every failure reaches the caller as an `EPDError` within the timeout, and the request's buffer is
 deregistered whatever happened; parts an encoder holds for a /send that will not come are released there
@@ -78,8 +79,75 @@ from epd_lab.transfer import TransferEngine, as_array, open_engine
 
 
 RELEASE_RETRY_S = 120.0  # a part whose /release got no answer is retried while its encoder may still hold it
-SizesCallback = Callable[[dict[str, list[list[int]]]], None]  # `receive`'s on_sizes: each modality's grids
+# `receive`'s on_sizes: each modality's grids, and the mooncake backend's `Landing` (None for the zmq backends)
+SizesCallback = Callable[[dict[str, list[list[int]]], "Landing | None"], None]
 RECV_BUFFERS = ("auto", "host", "pinned", "device")  # where a request's buffer lives; auto: `resolve_recv_buffer`
+
+
+class Landing:
+    """A mooncake request's embeddings before they land, as `receive` hands them to its ``on_sizes``.
+
+    `embeddings`: each modality's parts as ONE tensor viewed in the request's buffer (the parts lie there in
+    part order), or None where they cannot be used in place (a pooled buffer, which is copied out; parts of
+    several dtypes or widths). `when_landed(fn)`: fn() runs once, in the thread that took the last part's
+    notify, right after the buffer's deregistration (no write can land after it), or when the request's wait
+    ended otherwise (failed, timed out): on every path, exactly once. A GPU forward queued on the embeddings
+    behind a gate (`epd_lab.models.runtime.gate`) opens it there.
+    """
+
+    def __init__(self, embeddings: dict[str, torch.Tensor] | None, parts: int, deregister: Callable[[], None]) -> None:
+        self.embeddings = embeddings
+        self._deregister = deregister
+        self._lock = threading.Lock()
+        self._waiting = parts
+        self._landed = False
+        self._callbacks: list[Callable[[], None]] = []
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self.watched = False  # a callback was given: a forward was queued on the embeddings before they landed
+
+    def when_landed(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once the embeddings landed, or the wait for them ended (at once if it has)."""
+        with self._lock:
+            self.watched = True
+            if not self._landed:
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def part_done(self, part: Future) -> None:
+        """A part's future settled (its notify, or a failure): the last good notify lands the request."""
+        if part.cancelled() or part.exception() is not None or part.result().error:
+            return  # the waiting thread raises, then lands
+        with self._lock:
+            self._waiting -= 1
+            if self._waiting:
+                return
+        self.land()
+
+    def land(self) -> None:
+        """Deregister the buffer and run the callbacks, once; a second call returns when the first one did (so
+        no write lands after either). A deregistration's error is raised by `check`."""
+        with self._lock:
+            first = not self._landed
+            self._landed = True
+            callbacks, self._callbacks = self._callbacks, []
+        if not first:
+            self._done.wait()
+            return
+        try:
+            self._deregister()
+        except BaseException as exc:  # noqa: BLE001 (kept for the request's own thread: `check`)
+            self._error = exc
+        finally:
+            for fn in callbacks:
+                fn()
+            self._done.set()
+
+    def check(self) -> None:
+        """Raise what the deregistration raised, if it did."""
+        if self._error is not None:
+            raise self._error
 
 
 def resolve_recv_buffer(buffer: str, device: str) -> str:
@@ -315,10 +383,11 @@ class EmbeddingReceiver:
     # ---- the request ----
     def receive(self, mm_items: list[str], rid: str | None = None, modality: str = "image",
                 on_sizes: SizesCallback | None = None) -> ReceivedEmbeddings:
-        """Encode `mm_items` on the encoders and return their embeddings (raises `EPDError`). `on_sizes(grids)`,
-        when given, is called in this thread with each modality's grids once every /encode answered (mooncake:
-        and every /send went out), while the embeddings are still on their way: what their prompt needs can be
-        made ready meanwhile; what it raises fails the request as it is."""
+        """Encode `mm_items` on the encoders and return their embeddings (raises `EPDError`). `on_sizes(grids,
+        landing)`, when given, is called in this thread with each modality's grids once every /encode answered
+        (mooncake: and every /send went out), while the embeddings are still on their way: what their prompt
+        needs can be made ready meanwhile; what it raises fails the request as it is. `landing`: mooncake's
+        `Landing` (where the embeddings will be, and when they are), None for the zmq backends."""
         return self.receive_by_modality({modality: list(mm_items)}, rid, on_sizes)
 
     def receive_by_modality(self, items_by_modality: dict[str, list[str]], rid: str | None = None,
@@ -340,11 +409,11 @@ class EmbeddingReceiver:
         sent: set[str] = set()  # mooncake: parts whose /send the encoder answered (so it holds them no more)
         try:
             plans, responses = map(list, zip(*self._parallel(plans, lambda p: self._start_part(rid, len(plans), p))))
-            sized = (lambda: on_sizes(_grids(plans, responses))) if on_sizes is not None else None
+            sized = (lambda landing: on_sizes(_grids(plans, responses), landing)) if on_sizes is not None else None
             if self.config.backend == "mooncake":
                 return self._receive_mooncake(rid, plans, responses, futures, deadline, sent, sized)
             if sized is not None:
-                sized()
+                sized(None)
             messages = self._wait(rid, plans, futures, deadline)
             with self.recorder.span("reassemble", rid, nbytes=sum(len(m.data) for m in messages)):
                 tensors = [_tensor_from_bytes(m, bytearray(m.data)) for m in messages]
@@ -364,7 +433,7 @@ class EmbeddingReceiver:
 
     def _receive_mooncake(self, rid: str, plans: list[PartPlan], responses: list[EncodeResponse],
                           futures: dict[str, Future], deadline: float, sent: set[str],
-                          sized: Callable[[], None] | None) -> ReceivedEmbeddings:
+                          sized: Callable[[Landing], None] | None) -> ReceivedEmbeddings:
         sizes = [r.embedding_size for r in responses]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         total = sum(sizes)
@@ -379,8 +448,10 @@ class EmbeddingReceiver:
             # each part's tensor, viewed as its /encode answer describes it, before the wait: the thread that wakes
             # when the notifies come goes on at once (after a wait its first tensor operations run cold)
             views = [_answered_view(r, buf[offsets[i]:offsets[i] + sizes[i]]) for i, r in enumerate(responses)]
+            joined = None if self._pool is not None else _joined(plans, views, buf, offsets, sizes)
             with self.recorder.span("register", rid, nbytes=total):
                 rkey = self.engine.register(base, total)
+            landing = Landing(joined, len(plans), partial(self.engine.deregister, base))
             try:
                 failpoint("prefill.between_encode_and_send")
                 # the notifies are awaited, not the /send answers: an answer comes after its notify, one loop
@@ -389,9 +460,11 @@ class EmbeddingReceiver:
                                          rkey, sent) for p in plans]
                 for plan, send in zip(plans, sends):
                     send.add_done_callback(partial(_fail_part, futures[part_req_id(rid, plan.part_idx)]))
+                for part in futures.values():
+                    part.add_done_callback(landing.part_done)
                 try:
                     if sized is not None:
-                        sized()
+                        sized(landing)
                     messages = self._wait(rid, plans, futures, deadline)
                 except BaseException as exc:
                     # every /send settled first: the caller then knows what each encoder holds; an error notify
@@ -403,13 +476,16 @@ class EmbeddingReceiver:
                         raise answered[0] from None
                     raise
             finally:
-                self.engine.deregister(base)  # no write can land once this returns
-            with self.recorder.span("reassemble", rid, nbytes=total):
+                landing.land()  # no write can land once this returns (the last notify's thread may have already)
+            landing.check()
+            # a forward queued on the embeddings runs already: the checks are off its path, and no reassemble
+            # span lies inside its prefill span
+            with contextlib.nullcontext() if landing.watched else self.recorder.span("reassemble", rid, nbytes=total):
                 for m, r in zip(messages, responses, strict=True):
                     _check_notified(m, r)
                 # pool memory goes back to the pool: copy out; a per-request buffer is viewed in place
                 tensors = [v.clone() for v in views] if self._pool is not None else views
-                got = self._assemble(rid, plans, messages, tensors)
+                got = self._assemble(rid, plans, messages, tensors, joined)
                 got.part_ranges = list(zip(offsets, sizes))
                 return got
         finally:
@@ -424,12 +500,15 @@ class EmbeddingReceiver:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.config.buffer == "pinned")
 
     def _assemble(self, rid: str, plans: list[PartPlan], messages: list[EmbeddingNotify],
-                  tensors: list[torch.Tensor]) -> ReceivedEmbeddings:
-        """`MultiModalEmbeddingData`: concatenate each modality's parts in part order."""
-        by_mod: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
-        for plan, t in zip(plans, tensors, strict=True):
-            by_mod[plan.modality].append(t)
-        embeddings = {m: ts[0] if len(ts) == 1 else torch.cat(ts) for m, ts in by_mod.items()}
+                  tensors: list[torch.Tensor], joined: dict[str, torch.Tensor] | None = None) -> ReceivedEmbeddings:
+        """`MultiModalEmbeddingData`: concatenate each modality's parts in part order (`joined`: already one
+        tensor each, viewed where the parts lie side by side)."""
+        embeddings = joined
+        if embeddings is None:
+            by_mod: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+            for plan, t in zip(plans, tensors, strict=True):
+                by_mod[plan.modality].append(t)
+            embeddings = {m: ts[0] if len(ts) == 1 else torch.cat(ts) for m, ts in by_mod.items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return ReceivedEmbeddings(rid, embeddings, _grids(plans, messages), nbytes, plans)
 
@@ -635,6 +714,23 @@ def _grids(plans: list[PartPlan], answers: Sequence[EncodeResponse | EmbeddingNo
     for plan, answer in zip(plans, answers, strict=True):
         grids[plan.modality].extend(answer.grid_thw)
     return dict(grids)
+
+
+def _joined(plans: list[PartPlan], views: list[torch.Tensor], buf: torch.Tensor, offsets: list[int],
+            sizes: list[int]) -> dict[str, torch.Tensor] | None:
+    """Each modality's parts as one tensor viewed in `buf` (they lie there in part order), or None when some
+    modality's parts are not one run of one dtype and width."""
+    runs: dict[str, list[int]] = collections.defaultdict(list)
+    for i, plan in enumerate(plans):
+        runs[plan.modality].append(i)
+    out = {}
+    for modality, idx in runs.items():
+        first, last = idx[0], idx[-1]
+        if idx != list(range(first, last + 1)) or len({(views[i].dtype, views[i].shape[1]) for i in idx}) != 1:
+            return None
+        out[modality] = buf[offsets[first]:offsets[last] + sizes[last]].view(views[first].dtype).view(
+            -1, views[first].shape[1])
+    return out
 
 
 def _tensor_from_bytes(msg: EmbeddingNotify, raw: bytearray) -> torch.Tensor:

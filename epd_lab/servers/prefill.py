@@ -8,7 +8,9 @@
    transfer engine once at start), and the model runtime's prefill (``--runtime``, `epd_lab.models.runtime`)
    writes the prompt's KV into them as it runs; ``producer.request_finished(request_id, block_ids)`` lets decode
    ask for them over the ZMQ side channel. The `KVProducer` frees the blocks after ``TRANS_DONE`` /
-   ``TRANS_ERROR``, or after ``--kv-free-timeout`` if decode never asks.
+   ``TRANS_ERROR``, or after ``--kv-free-timeout`` if decode never asks. On a GPU (the fast runtime, mooncake),
+   blocks are held and the forward queued as soon as the encoders answered /encode, behind a gate that the
+   last part's notify opens (`epd_lab.models.runtime.gate`): the GPU starts before any thread here wakes.
 3. The answer carries the first token (drawn from the last logits at the request's ``temperature`` and ``seed``
    as decode draws the others, greedy at 0: `epd_lab.models.sampling`) and the `KVTransferParams` decode needs.
 
@@ -49,11 +51,12 @@ from fastapi.responses import Response
 from epd_lab import models
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.ep.prefill import EPDPrefill
-from epd_lab.ep.receiver import RECV_BUFFERS, EmbeddingReceiver, EPDError, ReceiverConfig, resolve_recv_buffer
+from epd_lab.ep.receiver import (RECV_BUFFERS, EmbeddingReceiver, EPDError, Landing, ReceiverConfig,
+                                 resolve_recv_buffer)
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
-from epd_lab.models.runtime import PrefillOutput, PrefillPlan, open_runtime
+from epd_lab.models.runtime import Gate, PrefillOutput, PrefillPlan, open_runtime
 from epd_lab.models.sampling import request_seed, sample
 from epd_lab.servers.messages import (
     AbortRequest,
@@ -239,21 +242,26 @@ class PrefillServer:
             # the text alone, before E→P, measured without building its ids (50 MB of them hold a worker, GIL and
             # all, for seconds: the event loop, and /health with it, would stop answering)
             self._check_length(prompt_tokens(req.prompt))
-            if req.images:  # KV held, forward planned from the encoders' answers while the embeddings come
-                input_ids, embeds, grid, plan = self._receive(req, rid, kv)
+            queued = None
+            if req.images:  # KV held, forward planned (on a GPU: queued) while the embeddings come
+                input_ids, embeds, grid, plan, queued = self._receive(req, rid, kv)
             else:
                 input_ids, embeds, grid, plan = models.build_input_ids(req.prompt, []), None, None, None
                 if input_ids.shape[1] == 0:
                     raise BadRequest("empty prompt and no images: nothing to prefill")
                 self._hold(kv, input_ids)
-            with self.recorder.span("prefill", rid):
-                try:
-                    result = self.runtime.prefill(input_ids, embeds, grid, kv.ids, plan=plan)
-                except ValueError as exc:  # the prompt and the embeddings disagree
-                    raise BadRequest(f"prefill failed: {exc}") from None
-                # read back: the span ends when the GPU's work did
-                first_token = int(sample(result.logits[None], [req.temperature],
-                                         [request_seed(req.seed)], [0]))
+            if queued is not None:  # the GPU started it as the embeddings landed: its span starts there
+                result, gate = queued
+                result.wait()
+                first_token = self._first_token(req, result)
+                self.recorder.add(Span(rid, -1, "prefill", self.recorder.node, gate.opened_ns, time.monotonic_ns()))
+            else:
+                with self.recorder.span("prefill", rid):
+                    try:
+                        result = self.runtime.prefill(input_ids, embeds, grid, kv.ids, plan=plan)
+                    except ValueError as exc:  # the prompt and the embeddings disagree
+                        raise BadRequest(f"prefill failed: {exc}") from None
+                    first_token = self._first_token(req, result)  # read back: the span ends when the GPU's did
             params = kv.keep(result, first_token) if kv.remote else None
         finally:
             kv.drop()  # a no-op once the producer holds the blocks
@@ -262,23 +270,42 @@ class PrefillServer:
         spans = [s for s in self.recorder.spans(rid) if s.t_start_ns >= t0]
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
 
-    def _receive(self, req: PrefillRequest, rid: str,
-                 kv: _KeptKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PrefillPlan]:
-        """E→P: the request's images through the encoders; the prompt's ids, embeddings, grids and forward's plan.
-        Once the encoders answered the sizes, while the embeddings are on their way, the whole prompt's length is
-        checked, its KV blocks held (`kv`) and its forward's host inputs made (`plan_prefill`): off the critical
-        path, where the thread that wakes when the embeddings land would make them cold."""
+    @staticmethod
+    def _first_token(req: PrefillRequest, result: PrefillOutput) -> int:
+        return int(sample(result.logits[None], [req.temperature], [request_seed(req.seed)], [0]))
+
+    def _receive(self, req: PrefillRequest, rid: str, kv: _KeptKV) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, PrefillPlan, tuple[PrefillOutput, Gate] | None]:
+        """E→P: the request's images through the encoders; the prompt's ids, embeddings, grids, forward's plan,
+        and the forward itself where it was queued. Once the encoders answered the sizes, while the embeddings
+        are on their way, the whole prompt's length is checked, its KV blocks held (`kv`) and its forward's host
+        inputs made (`plan_prefill`): off the critical path, where the thread that wakes when the embeddings
+        land would make them cold. Where the runtime gives a gate (a GPU, mooncake, no other gate pending), the
+        forward is queued there too, behind it, and the receiver's `Landing` opens it: the GPU starts the moment
+        the last notify arrives, before this thread wakes."""
         if self.epd is None:
             raise BadRequest("this prefill server has no encoders (started without --encoders): "
                              "images are not allowed, text-only prompts are")
         planned: list[PrefillPlan] = []
+        queued: list[tuple[PrefillOutput, Gate]] = []
 
-        def on_prompt(input_ids: torch.Tensor, grid: torch.Tensor) -> None:
+        def on_prompt(input_ids: torch.Tensor, grid: torch.Tensor, landing: Landing | None) -> None:
             table = self._hold(kv, input_ids)
             try:
                 planned.append(self.runtime.plan_prefill(input_ids, grid, table))
             except ValueError as exc:  # the prompt and the grids disagree
                 raise BadRequest(f"prefill failed: {exc}") from None
+            embeds = None if landing is None or landing.embeddings is None else landing.embeddings.get("image")
+            gate = None if embeds is None else self.runtime.prefill_gate(input_ids.shape[1], embeds)
+            if gate is None:
+                return
+            try:
+                queued.append((self.runtime.prefill(input_ids, embeds, grid, table, plan=planned[0], gate=gate),
+                               gate))
+            except ValueError as exc:  # the prompt and the announced embeddings disagree
+                raise BadRequest(f"prefill failed: {exc}") from None
+            finally:
+                landing.when_landed(gate.open)  # opened on every path, or the prefill stream stays blocked
 
         try:
             prompt = self.epd.receive(req.prompt, req.images, rid, on_prompt)
@@ -288,7 +315,8 @@ class PrefillServer:
                 raise Unavailable(f"E→P failed: {exc}", retry_after=1) from None
             status = exc.status if exc.status in (400, 409, 413) else 502
             raise error_for_status(status, f"E→P failed: {exc}") from None
-        return prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw, planned[0]
+        return prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw, planned[0], \
+            queued[0] if queued else None
 
     def _hold(self, kv: _KeptKV, input_ids: torch.Tensor) -> list[int]:
         """The whole prompt is known: check its length, then hold its KV (`_KeptKV.announce`); its block table."""

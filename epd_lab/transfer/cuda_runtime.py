@@ -1,8 +1,9 @@
-"""The few CUDA calls the `cuda` transport makes, through ctypes (no nvcc, no extra package).
+"""The few CUDA calls the `cuda` transport and the model runtime's gate make, through ctypes (no extra package).
 
 The runtime (libcudart) and NVRTC are the ones PyTorch loaded; the driver is libcuda. Calls:
 pointer attributes and allocation ranges (what is GPU memory, and which allocation holds it), CUDA IPC
-handles (export once, map once), ``cudaMemcpyAsync`` for one block, and for a batch of scattered
+handles (export once, map once), a stream's wait on a host word (``cuStreamWaitValue32``, for the model
+runtime's `epd_lab.models.runtime.gate`), ``cudaMemcpyAsync`` for one block, and for a batch of scattered
 blocks either one launch of `BATCH_COPY_SOURCE` (compiled by NVRTC once per process and configuration;
 the descriptors travel as one kernel parameter, so no upload precedes the launch) or one
 ``cudaMemcpyBatchAsync``.
@@ -26,6 +27,7 @@ IPC_HANDLE_BYTES = 64
 _MEMCPY_DEFAULT = 4
 _IPC_LAZY_PEER = 1
 _MEM_TYPE_DEVICE = 2
+_WAIT_VALUE_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 # Batch kernel: copies per launch (the descriptors are one kernel parameter: 3 x 8 x 1024 + 16 bytes, under
 # the 32 KiB that CUDA 12.1+ allows), threads per block, and 16-byte vectors per thread per iteration.
 BATCH_MAX = 1024
@@ -156,6 +158,8 @@ class Cuda:
         drv.cuModuleLoadData.argtypes = (ctypes.POINTER(vp), ctypes.c_char_p)
         drv.cuModuleGetFunction.argtypes = (ctypes.POINTER(vp), vp, ctypes.c_char_p)
         drv.cuFuncSetAttribute.argtypes = (vp, ctypes.c_int, ctypes.c_int)
+        drv.cuMemHostGetDevicePointer_v2.argtypes = (ctypes.POINTER(ctypes.c_uint64), vp, ctypes.c_uint)
+        drv.cuStreamWaitValue32_v2.argtypes = (vp, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
         self.multi_gpu = torch.cuda.device_count() > 1  # else the current device never needs switching
         self._kernels: dict[tuple, int] = {}  # (device, table, threads, unroll) -> CUfunction of the batch copy
         self._lock = threading.Lock()
@@ -197,6 +201,21 @@ class Cuda:
         self.check_drv(self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
                        f"cuMemGetAddressRange(0x{ptr:x})")
         return base.value, size.value
+
+    def host_device_pointer(self, ptr: int) -> int:
+        """The device's address of page-locked host memory at `ptr` (the same under unified addressing)."""
+        self.bind_context()
+        out = ctypes.c_uint64()
+        self.check_drv(self.drv.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(ptr), 0),
+                       f"cuMemHostGetDevicePointer(0x{ptr:x})")
+        return out.value
+
+    def wait_value(self, stream: int, address: int, value: int) -> None:
+        """Queue on `stream` a wait until the 32-bit word at device `address` reaches `value` (a cyclic
+        comparison: ``(int32)(word - value) >= 0``); the work queued after it starts then, with no host call."""
+        self.bind_context()
+        self.check_drv(self.drv.cuStreamWaitValue32_v2(ctypes.c_void_p(stream), address, value & 0xFFFFFFFF,
+                                                       _WAIT_VALUE_GEQ), "cuStreamWaitValue32")
 
     def ipc_handle(self, base: int) -> bytes:
         h = IpcHandle()

@@ -6,6 +6,9 @@ prefill to the last decode step (issue 17).
     out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table)  # prefill: KV written into the blocks
     plan = runtime.plan_prefill(input_ids, image_grid_thw, block_table)    # its host inputs, before the embeddings
     out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table, plan=plan)
+    gate = runtime.prefill_gate(num_tokens, embeds)  # GPU: None, or queue the prefill before `embeds` hold values
+    out = runtime.prefill(input_ids, embeds, image_grid_thw, block_table, plan=plan, gate=gate)
+    gate.open(); out.wait()                                   # once they do; then read out.logits
     logits = runtime.decode(tokens, positions, block_tables, seq_lens)     # decode: attends over the blocks
 
 Block ids come from the caller's `BlockManager`; a runtime keeps no per-request state. Names map to
@@ -27,10 +30,11 @@ import torch
 from transformers import Qwen2VLForConditionalGeneration
 
 from epd_lab.kv.paged_cache import PagedKVCache
+from epd_lab.models.runtime.gate import Gate
 from epd_lab.models.runners import _on_cpu, prompt_positions
 from epd_lab.models.sampling import sample
 
-__all__ = ["RUNTIMES", "ModelRuntime", "PrefillOutput", "PrefillPlan", "RuntimeBase", "continue_tokens", "generate",
+__all__ = ["RUNTIMES", "Gate", "ModelRuntime", "PrefillOutput", "PrefillPlan", "RuntimeBase", "continue_tokens", "generate",
            "open_runtime", "prompt_positions", "token_slot"]
 
 RUNTIMES: dict[str, str] = {
@@ -46,6 +50,13 @@ class PrefillOutput:
     logits: torch.Tensor  # [vocab], the last prompt position, on the model's device
     rope_delta: int  # decode position i is prompt_len + rope_delta + i (DESIGN.md §4)
     prompt_len: int
+    ready: Any = None  # a gated prefill's torch.cuda.Event: `wait` before reading the logits
+
+    def wait(self) -> None:
+        """Block until the logits are written (a gated prefill's; others are ready in the caller's stream
+        order already)."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
     @property
     def next_position(self) -> int:
@@ -81,12 +92,19 @@ class ModelRuntime(Protocol):
                      block_table: Sequence[int]) -> PrefillPlan:
         """The prompt's host-side inputs, before its embeddings exist (`PrefillPlan`)."""
 
+    def prefill_gate(self, num_tokens: int, image_embeds: torch.Tensor | None) -> Gate | None:
+        """A `Gate` for a prefill of `num_tokens` tokens queued before its embeddings (`image_embeds`, where they
+        will land) hold their values, or None where this runtime cannot wait on the GPU for it (then prefill
+        once they landed)."""
+
     def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
                 image_grid_thw: torch.Tensor | None, block_table: Sequence[int],
-                plan: PrefillPlan | None = None) -> PrefillOutput:
+                plan: PrefillPlan | None = None, gate: Gate | None = None) -> PrefillOutput:
         """Run the prompt (ids [1, T] or [T]) with `image_embeds` in place of its image_pad tokens; its KV goes
         into the blocks `block_table` (enough for T tokens). `plan`: the same prompt's `plan_prefill`, made
-        earlier (a runtime may compute them again instead)."""
+        earlier (a runtime may compute them again instead). `gate` (from `prefill_gate`): the forward is
+        queued and starts on the GPU when the gate opens, the embeddings read then; `PrefillOutput.wait`
+        before reading the logits, and open the gate on every path."""
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
                seq_lens: Sequence[int]) -> torch.Tensor:
@@ -129,6 +147,10 @@ class RuntimeBase:
         if plan.block_table != tuple(block_table):
             raise ValueError("the prefill's block table is not the one its plan was made for")
         return plan
+
+    def prefill_gate(self, num_tokens: int, image_embeds: torch.Tensor | None) -> Gate | None:
+        """None: this runtime prefills once the embeddings landed (see `ModelRuntime.prefill_gate`)."""
+        return None
 
     def close(self) -> None:
         """Release what the runtime holds besides the model and the cache (none here). Idempotent."""

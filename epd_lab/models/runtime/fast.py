@@ -19,6 +19,7 @@ from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.catalog import model_device
 from epd_lab.models.runners import VisionEncoder, _to
 from epd_lab.models.runtime import PrefillOutput, PrefillPlan, RuntimeBase, token_slot
+from epd_lab.models.runtime.gate import Gate, GateWord
 from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
 from epd_lab.models.runtime.qwen2 import Qwen2LM
 from epd_lab.models.runtime.vision import VisionTower
@@ -62,12 +63,13 @@ class FastRuntime(RuntimeBase):
         self._hf_vision = VisionEncoder(model)
         self._lock = threading.Lock()  # the buckets' static buffers: one prefill or decode at a time on a GPU
         self._vision_lock = threading.Lock()
-        self.lm = self.prefill_graphs = self.graphs = None
+        self.lm = self.prefill_graphs = self.graphs = self._gates = None
         if cache is None:
             return
         self.lm = Qwen2LM(model, cache)
         if on_gpu:
             self.prefill_graphs = PrefillGraphs(self.lm, max_prefill_tokens, model.config.image_token_id, cuda_graphs)
+            self._gates = GateWord()
             self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs,
                                        staged_graphs)
 
@@ -80,18 +82,35 @@ class FastRuntime(RuntimeBase):
         with self._vision_lock:  # the graphs' static inputs
             return self.vision.encode(pixel_values, image_grid_thw)
 
+    def prefill_gate(self, num_tokens: int, image_embeds: torch.Tensor | None) -> Gate | None:
+        """A gate on a GPU, for a prompt the prefill graphs take, with embeddings in pinned or GPU memory, while
+        no other gate is pending; else None."""
+        if self._gates is None or num_tokens > self.prefill_graphs.max_tokens or not _gpu_readable(image_embeds):
+            return None
+        return self._gates.gate()
+
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
                 image_grid_thw: torch.Tensor | None, block_table: Sequence[int],
-                plan: PrefillPlan | None = None) -> PrefillOutput:
+                plan: PrefillPlan | None = None, gate: Gate | None = None) -> PrefillOutput:
         if self.lm is None:
             raise ValueError("this runtime was opened without a KV cache: it only encodes")
         plan = self.checked_plan(plan, input_ids, image_embeds, image_grid_thw, block_table)
         ids = plan.ids
         if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.max_tokens:
+            if gate is not None and not _gpu_readable(image_embeds):
+                raise ValueError("a gated prefill reads its embeddings on the GPU's time: they must be in pinned "
+                                 "or GPU memory (a pageable copy would wait for the gate on the host)")
+            ready = None
             with self._lock:
-                logits = self.prefill_graphs.run(ids, plan.positions, plan.slots, image_embeds)
-            return PrefillOutput(logits, plan.rope_delta, len(ids))
+                logits = self.prefill_graphs.run(ids, plan.positions, plan.slots, image_embeds, gate)
+                if gate is not None:
+                    ready = torch.cuda.Event()
+                    ready.record(self.prefill_graphs.stream)
+            return PrefillOutput(logits, plan.rope_delta, len(ids), ready)
+        if gate is not None:
+            raise ValueError(f"a gated prefill runs from the prefill graphs: {len(ids)} tokens is not one "
+                             f"(prefill_gate gives none for it)")
         ids = _to(ids, self.device)
         embeds = self.lm.embed_tokens(ids)
         if image_embeds is not None:
@@ -129,5 +148,12 @@ class FastRuntime(RuntimeBase):
         return self.lm.decode(tensor(tokens), tensor(positions), tensor(slots), tables, tensor(seq_lens))
 
     def close(self) -> None:
-        """Drop the captured graphs (their pool goes with them). Idempotent."""
-        self.graphs = self.prefill_graphs = None
+        """Open a pending gate, drop the captured graphs (their pool goes with them). Idempotent."""
+        if self._gates is not None:
+            self._gates.close()
+        self.graphs = self.prefill_graphs = self._gates = None
+
+
+def _gpu_readable(tensor: torch.Tensor | None) -> bool:
+    """Whether a copy out of `tensor` runs on the GPU's time alone (GPU or page-locked memory; none at all)."""
+    return tensor is None or tensor.is_cuda or tensor.is_pinned()

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from epd_lab.models.runtime.gate import Gate
 from epd_lab.models.runtime.qwen2 import Qwen2LM, layer_bounds
 
 T = TypeVar("T")
@@ -227,6 +228,10 @@ class PrefillGraphs:
         self._device = self._host.to(lm.device)
         self._copied = torch.cuda.Event()  # the host buffer is free again once the last copy out of it ran
         self._images = torch.zeros(width, lm.embed.shape[1], dtype=lm.dtype, device=lm.device)
+        # every prefill replays here, gated or not (one graph pool: never two replays at once); a stream of
+        # its own, so that a gate's wait blocks no other work of the process (the cuda transport's copies
+        # go on the legacy default stream)
+        self.stream = torch.cuda.Stream(lm.device)
         self._graphs = _Graphs(lm.device, buckets, self._step, capture)
         self.capture_s = self._graphs.capture_s
 
@@ -245,10 +250,14 @@ class PrefillGraphs:
         return torch.where(is_image[:, None], self._images.index_select(0, image_row), self.lm.embed_tokens(ids))
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            image_embeds: torch.Tensor | None) -> torch.Tensor:
+            image_embeds: torch.Tensor | None, gate: Gate | None = None) -> torch.Tensor:
         """Replay the prefill of one prompt: ids [T], mrope positions [3, T] and cache rows [T] on the host, the
         embeddings of its image_pad tokens in order (any device, any float dtype); returns its last logits
-        [vocab] on the GPU. The embeddings are read by queued work: keep them until the logits are read."""
+        [vocab] on the GPU. The embeddings are read by queued work: keep them until the logits are read.
+
+        Ungated, the caller's stream waits for the logits. With a `gate`, the copies and the replay wait on the
+        GPU for it to open (`runtime.gate`), and nothing else waits: read the logits after an event recorded on
+        `stream`."""
         tokens, width = len(ids), self.max_tokens
         bucket = self._graphs.bucket(tokens)
         self._copied.synchronize()
@@ -261,8 +270,19 @@ class PrefillGraphs:
         buf[4 * width:4 * width + bucket] = -1  # padding rows store nothing
         buf[4 * width:4 * width + tokens] = slots.numpy()
         buf[5 * width] = tokens - 1
-        if image_embeds is not None:
-            self._images[:len(image_embeds)].copy_(image_embeds, non_blocking=True)
-        self._device.copy_(self._host, non_blocking=True)
-        self._copied.record()
-        return self._graphs.replay(bucket)
+        caller, stream = torch.cuda.current_stream(self.lm.device), self.stream
+        stream.wait_stream(caller)  # what the caller queued before (embeddings made on the GPU, KV reads)
+        with torch.cuda.stream(stream):
+            if gate is not None:
+                gate.wait(stream)
+            if image_embeds is not None:
+                self._images[:len(image_embeds)].copy_(image_embeds, non_blocking=True)
+                if image_embeds.is_cuda:
+                    image_embeds.record_stream(stream)
+            self._device.copy_(self._host, non_blocking=True)
+            self._copied.record(stream)
+            logits = self._graphs.replay(bucket)
+        logits.record_stream(caller)
+        if gate is None:
+            caller.wait_stream(stream)
+        return logits

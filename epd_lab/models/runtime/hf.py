@@ -15,7 +15,7 @@ from transformers import DynamicCache, Qwen2VLForConditionalGeneration
 
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.runners import DecodeRunner, PrefillRunner, VisionEncoder
-from epd_lab.models.runtime import PrefillOutput, PrefillPlan, RuntimeBase
+from epd_lab.models.runtime import Gate, PrefillOutput, PrefillPlan, RuntimeBase
 
 
 class HFRuntime(RuntimeBase):
@@ -32,7 +32,9 @@ class HFRuntime(RuntimeBase):
 
     def prefill(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
                 image_grid_thw: torch.Tensor | None, block_table: Sequence[int],
-                plan: PrefillPlan | None = None) -> PrefillOutput:
+                plan: PrefillPlan | None = None, gate: Gate | None = None) -> PrefillOutput:
+        if gate is not None:
+            raise ValueError("the hf runtime prefills eagerly on the host's time: it takes no gate")
         if plan is not None:  # checked only: HF's forward makes its own positions
             self.checked_plan(plan, input_ids, image_embeds, image_grid_thw, block_table)
         result = self._prefill.prefill(input_ids.reshape(1, -1), image_embeds, image_grid_thw)
