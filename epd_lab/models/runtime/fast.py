@@ -1,6 +1,7 @@
 """The "fast" runtime: `Qwen2LM` over the paged cache; on a GPU, prefill and decode replayed from CUDA graphs
 (bucketed by prompt length and batch size, `runtime.graph`) and the vision tower batched across images in
-fixed-size calls, each replayed from a graph too (`runtime.vision.VisionTower`).
+fixed-size calls, each replayed from a graph too (`runtime.vision.VisionTower`). Prefills replay on a stream of
+their own, and may be queued there behind a gate before their embeddings land (`prefill_gate`, `runtime.gate`).
 
 On the CPU the same code runs with torch ops (`ops.TorchOps`), no graphs, and the vision tower image by image
 (a CPU GEMM may pick its kernel by row position too, so there the budget would not buy bit-identity; measured
@@ -9,6 +10,7 @@ in issue 9). That is what CI tests against HF transformers.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +25,7 @@ from epd_lab.models.runtime.gate import Gate, GateWord
 from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
 from epd_lab.models.runtime.qwen2 import Qwen2LM
 from epd_lab.models.runtime.vision import VisionTower
+from epd_lab.transfer.errors import TransferError
 
 # Patch rows per vision call on a GPU: one 448² image (1,024 patches). The budget trades one image's latency (every
 # call costs a full budget) against the work of many (fewer, larger calls); measured side by side on an H200 (2B
@@ -69,7 +72,10 @@ class FastRuntime(RuntimeBase):
         self.lm = Qwen2LM(model, cache)
         if on_gpu:
             self.prefill_graphs = PrefillGraphs(self.lm, max_prefill_tokens, model.config.image_token_id, cuda_graphs)
-            self._gates = GateWord()
+            try:
+                self._gates = GateWord(self.device)
+            except TransferError as exc:  # a driver without stream memory operations: prefills wait on the host
+                warnings.warn(f"no gated prefills on {self.device}: {exc}", RuntimeWarning, stacklevel=2)
             self.graphs = DecodeGraphs(self.lm, max_batch, blocks_needed(max_seq_len, cache.block_size), cuda_graphs,
                                        staged_graphs)
 

@@ -42,15 +42,22 @@ class Gate:
 
 
 class GateWord:
-    """The pinned word a runtime's gates wait on, and the one gate that may be pending."""
+    """The pinned word a runtime's gates wait on, and the one gate that may be pending.
 
-    def __init__(self) -> None:
+    Raises `epd_lab.transfer.TransferError` where the driver refuses the wait (checked once here, on `device`,
+    with a wait that passes at once)."""
+
+    def __init__(self, device: torch.device) -> None:
         from epd_lab.transfer import cuda_runtime  # the driver's ctypes calls; loaded only on a GPU
 
         self.cuda = cuda_runtime.get()
         self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._value = self._word.numpy().view(np.uint32)  # a plain host store opens a gate: no CUDA call
-        self.address = self.cuda.host_device_pointer(self._word.data_ptr())
+        with torch.cuda.device(device):
+            self.address = self.cuda.host_device_pointer(self._word.data_ptr())
+            probe = torch.cuda.Stream(device)
+            self.cuda.wait_value(probe.cuda_stream, self.address, 0)  # the word holds 0 already
+            probe.synchronize()
         self._lock = threading.Lock()
         self._ticket = 0
         self._pending: Gate | None = None
