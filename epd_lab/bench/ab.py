@@ -9,7 +9,8 @@ device calls (docs/gpu.md), so the difference per round is fitted as ``head - ba
 second_effect * s``, with ``s`` +1 where head ran second and -1 where base did (least squares over the rounds;
 with both orders equally often this is the mean difference and half the order's contrast). Per side: the
 medians of each run's paired split - floor - transfer spans, split - floor, the two TTFTs, the harness at
-concurrency 1 (`proxy_parse`, `intake`, `reassemble` and the gaps on the critical path) and the largest gaps.
+concurrency 1 (`proxy_parse`, `intake`, `reassemble` and the gaps on the critical path), its `prefill` span and the
+largest gaps.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from typing import Any
 
 NAME = re.compile(r"(?P<stem>.*)-ab-(?P<side>base|head)-r(?P<round>\d+)(?P<call>.*)\.json")
 HARNESS_STAGES = ("proxy_parse", "intake", "reassemble", "gap")
-GAPS = ("kv_write→end", "intake→intake", "proxy_parse→intake", "notify→reassemble")
+# notify→prefill: a gated prefill's span starts as the last notify lands (no reassemble span; fourteenth session)
+GAPS = ("kv_write→end", "intake→intake", "proxy_parse→intake", "notify→reassemble", "notify→prefill")
 
 
 def run_row(path: Path, commits: dict[str, str]) -> dict[str, Any]:
@@ -45,6 +47,7 @@ def run_row(path: Path, commits: dict[str, str]) -> dict[str, Any]:
             "paired_split_ttft_ms": round(paired["split_ttft_ms"]["p50"], 3),
             "paired_floor_ttft_ms": round(paired["floor_ttft_ms"]["p50"], 3),
             "harness_c1_ms": round(sum(path_ms.get(stage, 0.0) for stage in HARNESS_STAGES), 3),
+            "prefill_c1_ms": round(path_ms["prefill"], 3),
             "gaps_c1_ms": {g["between"]: round(g["median_ms"], 3) for g in row["gaps"]}}
 
 
@@ -91,7 +94,7 @@ def summarize(files: list[Path], commits: dict[str, str]) -> dict[str, Any]:
         mine = [r for r in rows if r["side"] == side]
         by_side[side] = {k: stats([r[k] for r in mine]) for k in (
             "split_minus_floor_less_spans_ms", "split_minus_floor_ms", "paired_split_ttft_ms",
-            "paired_floor_ttft_ms", "harness_c1_ms")}
+            "paired_floor_ttft_ms", "harness_c1_ms", "prefill_c1_ms")}
         by_side[side].update({f"gap {g} ms": stats([r["gaps_c1_ms"][g] for r in mine if g in r["gaps_c1_ms"]])
                               for g in GAPS if any(g in r["gaps_c1_ms"] for r in mine)})
     return {"commits": commits, "by_side": by_side, "crossover": cross,
