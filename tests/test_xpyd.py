@@ -232,7 +232,11 @@ def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai
     frame = cluster.spans(response_id)
     assert {n.split(":")[0] for n in frame.node} == {"encoder", "prefill", "decode", "proxy"}
     assert not frame.duplicated(["req_id", "part", "stage", "node", "t_start_ns"]).any()
-    assert len(frame) == len(spans) and set(frame.stage) == stages
+    # every span the proxy holds, and maybe a prefill's http_send that ended after the prefill answered (its /send
+    # answer comes one loop turn after its notify, which the prefill does not wait for)
+    held = {tuple(s[:5]) for s in spans}
+    collected = {tuple(row) for row in frame[["req_id", "part", "stage", "node", "t_start_ns"]].values.tolist()}
+    assert held <= collected and {key[2] for key in collected - held} <= {"http_send"}, collected - held
 
 
 def _start_proxy(prefills: list[str], decodes: list[str], *options: str) -> tuple[subprocess.Popen, str]:
