@@ -34,8 +34,8 @@ from epd_lab.models.runtime.gate import Gate
 from epd_lab.models.runners import _on_cpu, prompt_positions
 from epd_lab.models.sampling import sample
 
-__all__ = ["RUNTIMES", "Gate", "ModelRuntime", "PrefillOutput", "PrefillPlan", "RuntimeBase", "continue_tokens", "generate",
-           "open_runtime", "prompt_positions", "token_slot"]
+__all__ = ["RUNTIMES", "Gate", "ModelRuntime", "PrefillOutput", "PrefillPlan", "RuntimeBase", "continue_tokens",
+           "generate", "open_runtime", "prompt_positions", "token_slot"]
 
 RUNTIMES: dict[str, str] = {
     "hf": "epd_lab.models.runtime.hf:HFRuntime",
