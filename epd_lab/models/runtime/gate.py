@@ -38,6 +38,7 @@ class Gate:
 
     @property
     def is_open(self) -> bool:
+        """Whether it was opened (the GPU may still be on its way past the wait)."""
         return self.opened_ns is not None
 
 
