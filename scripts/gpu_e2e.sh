@@ -37,7 +37,8 @@
 # that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
 # Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), SIZES (448,896), IMAGES (1,4,8),
 # CONCURRENCY (1,4,16), QOS (1: every bench e2e runs with /dev/cpu_dma_latency held at 0 µs), RECV_BUFFER
-# (the prefill's --recv-buffer: pinned, device or host; unset: auto), PAIRS (bench e2e --pairs: split and floor
+# (the prefill's --recv-buffer: pinned, device or host; unset: auto), GATED_PREFILL (1: bench e2e --gated-prefill;
+# both sides of ab need a tree that has the option), PAIRS (bench e2e --pairs: split and floor
 # requests side by side at c=1, alternating; both sides of ab need a tree that has the option), MEDIA (data-uri or url: how the e2e requests carry their images), BACKENDS_7B, NB_MODEL (qwen2-vl-2b), STAGE_TIMEOUT (s, 420), TAG (added to the JSON's name),
 # TESTS (pytest arguments, e.g. node ids, instead of every file with cuda tests), EPD_LAB_COMMIT (the commit sent:
 # the device copy's .git may be older; the setup line and bench runtime record it).
@@ -82,7 +83,8 @@ bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $O
     [ "${QOS:-0}" = 1 ] && hold=(python3 scripts/wakeup_latency.py --hold --)
     timeout "$STAGE_TIMEOUT" "${hold[@]}" python3 -m epd_lab.cli bench e2e --device cuda --model "$model" \
         --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --media "${MEDIA:-data-uri}" \
-        ${RECV_BUFFER:+--recv-buffer "$RECV_BUFFER"} ${PAIRS:+--pairs "$PAIRS"} --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" \
+        ${RECV_BUFFER:+--recv-buffer "$RECV_BUFFER"} ${PAIRS:+--pairs "$PAIRS"} \
+        ${GATED_PREFILL:+--gated-prefill} --json "$OUT/e2e-cuda-$model${TAG:+-$TAG}.json" "$@" \
         2>&1 | stamp
     say "bench $model: exit ${PIPESTATUS[0]}"
 }
@@ -91,7 +93,7 @@ ab_bench() {  # ab_bench TREE NAME: `bench e2e` of $AB_MODEL, mooncake only, wit
     (cd "$1" && PYTHONPATH=$1:/tmp/site timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e \
         --device cuda --model "${AB_MODEL:-qwen2-vl-2b}" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
         --media "${MEDIA:-data-uri}" --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" \
-        --kv-tokens 4096 --backends mooncake ${PAIRS:+--pairs "$PAIRS"} \
+        --kv-tokens 4096 --backends mooncake ${PAIRS:+--pairs "$PAIRS"} ${GATED_PREFILL:+--gated-prefill} \
         --json "$OUT/e2e-cuda-${AB_MODEL:-qwen2-vl-2b}-$2.json") 2>&1 | stamp
     say "$2: exit ${PIPESTATUS[0]}"
 }

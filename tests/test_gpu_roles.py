@@ -152,9 +152,9 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(reference, recv_b
     """2 encoders, a prefill and a decode on the GPU in bfloat16: embeddings and KV in GPU memory, moved by
     the engine (GPU to GPU over CUDA IPC, or into the receiver's pinned or pageable host buffer); the streamed
     answers (greedy, and drawn with a seed) equal the monolithic model's on the same GPU, and every pool is idle
-    after."""
+    after. With --gated-prefill: a lone request's forward is queued before its pinned or GPU buffer is written."""
     topology = Topology(encoders=2, prefills=1, decodes=1, proxy=True, device="cuda", timeout=60,
-                        settings={"prefill": {"recv_buffer": recv_buffer}})
+                        settings={"prefill": {"recv_buffer": recv_buffer, "gated_prefill": True}})
     with Cluster(topology) as cluster:
         for url in (*cluster.encoder_urls, *cluster.prefill_urls, *cluster.decode_urls):
             health = httpx.get(url + "/health", timeout=10).json()

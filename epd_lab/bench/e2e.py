@@ -107,6 +107,8 @@ class Setup:
             encoders, and by the floor, from the bench's media server).
         recv_buffer: where the prefill's E→P receive buffer lives (`epd_lab.ep.receiver.RECV_BUFFERS`; ``auto``:
             pinned host memory on CUDA, pageable on the CPU).
+        gated_prefill: the prefill's ``--gated-prefill`` (a lone request's forward queued on the GPU before its
+            embeddings land).
     """
 
     device: str = "cpu"
@@ -118,6 +120,7 @@ class Setup:
     runtime: str = "fast"
     media: str = "data-uri"
     recv_buffer: str = "auto"
+    gated_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size < MIN_IMAGE_SIZE:
@@ -440,7 +443,8 @@ def cluster_for(setup: Setup, backend: str = "mooncake", pipelined: bool = False
                                   pipelined=pipelined, kv_blocks=room.kv_blocks,
                                   settings={"encoder": {"max_held_bytes": room.max_held_bytes,
                                                         "media_private_hosts": setup.media == "url"},
-                                            "prefill": {"recv_buffer": setup.recv_buffer}}))
+                                            "prefill": {"recv_buffer": setup.recv_buffer,
+                                                        "gated_prefill": setup.gated_prefill}}))
 
 
 def epd(cluster: Cluster, requests: int, max_tokens: int, log=print, setup: Setup = Setup(),
@@ -656,6 +660,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
                     "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
                     "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
                     "media": setup.media, "recv_buffer": resolve_recv_buffer(setup.recv_buffer, setup.device),
+                    "gated_prefill": setup.gated_prefill,
                     "media_fetches": None if media.server is None else media.server.requests,
                     "max_tokens": max_tokens, "concurrency": list(concurrency), "kv_blocks": room.kv_blocks,
                     "max_held_bytes": room.max_held_bytes,
@@ -746,6 +751,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recv-buffer", default="auto", choices=RECV_BUFFERS,
                     help="the prefill's E→P receive buffer: host, pinned or device (GPU) memory; auto: pinned on "
                          "CUDA, host on the CPU")
+    ap.add_argument("--gated-prefill", action="store_true",
+                    help="the prefill queues a lone request's forward on the GPU before its embeddings land "
+                         "(the prefill server's --gated-prefill)")
     ap.add_argument("--pairs", type=int, default=0,
                     help="after each point's levels, this many split and floor requests side by side at concurrency "
                          "1, alternating (the floor's model stays on the device beside the servers)")
@@ -754,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pairs < 0:
             raise ValueError(f"--pairs must be >= 0, got {args.pairs}")
         setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens,
-                      args.runtime, args.media, args.recv_buffer)
+                      args.runtime, args.media, args.recv_buffer, args.gated_prefill)
         grid = [(size, images) for size in args.image_size for images in args.images]
         for size, images in grid:
             replace(setup, image_size=size, images=images)  # each point's sizes checked here, not mid-run
