@@ -249,7 +249,7 @@ class PrefillServer:
             # all, for seconds: the event loop, and /health with it, would stop answering)
             self._check_length(prompt_tokens(req.prompt))
             queued = None
-            if req.images:  # KV held, forward planned (on a GPU: queued) while the embeddings come
+            if req.images:  # KV held, forward planned (--gated-prefill on a GPU: queued) while the embeddings come
                 input_ids, embeds, grid, plan, queued = self._receive(req, rid, kv)
             else:
                 input_ids, embeds, grid, plan = models.build_input_ids(req.prompt, []), None, None, None
