@@ -22,7 +22,8 @@
 #               `git archive REV | tar -x -C ab-base`, carried untracked), alternating base/head $AB_ROUNDS (2) times
 #               in the order $AB_ORDER ("base head") in odd rounds and the other in even ones (AB_BALANCED=0: the
 #               same in every round): $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own
-#               monolithic row); `epd-lab bench ab $OUT` then gives the head's and the order's effects
+#               monolithic row); `epd-lab bench ab $OUT` then gives the head's and the order's effects. A flag's A/B
+#               on one tree: AB_BASE=. AB_HEAD_ARGS="--gated-prefill" (arguments given to the head side's runs only)
 #     mps       the ab stage's run on this tree, alternating without and with an MPS daemon (nvidia-cuda-mps-control -d,
 #               started and quit here: every CUDA process of the run, the floor's and the servers', is then its
 #               client), $AB_ROUNDS (2) times: $OUT/e2e-cuda-<model>-mps-{off,on}-r<round>.json
@@ -89,13 +90,16 @@ bench() {  # bench MODEL ARGS...: one `bench e2e` run on the GPU, its JSON in $O
     say "bench $model: exit ${PIPESTATUS[0]}"
 }
 
-ab_bench() {  # ab_bench TREE NAME: `bench e2e` of $AB_MODEL, mooncake only, with TREE's code, into $OUT/e2e-cuda-<model>-NAME.json
-    (cd "$1" && PYTHONPATH=$1:/tmp/site timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e \
+ab_bench() {  # ab_bench TREE NAME [ARGS...]: `bench e2e` of $AB_MODEL, mooncake only, with TREE's code and ARGS,
+    # into $OUT/e2e-cuda-<model>-NAME.json
+    local tree=$1 name=$2
+    shift 2
+    (cd "$tree" && PYTHONPATH=$tree:/tmp/site timeout "$STAGE_TIMEOUT" python3 -m epd_lab.cli bench e2e \
         --device cuda --model "${AB_MODEL:-qwen2-vl-2b}" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
         --media "${MEDIA:-data-uri}" --image-size "$SIZES" --images "$IMAGES" --concurrency "$CONCURRENCY" \
         --kv-tokens 4096 --backends mooncake ${PAIRS:+--pairs "$PAIRS"} ${GATED_PREFILL:+--gated-prefill} \
-        --json "$OUT/e2e-cuda-${AB_MODEL:-qwen2-vl-2b}-$2.json") 2>&1 | stamp
-    say "$2: exit ${PIPESTATUS[0]}"
+        --json "$OUT/e2e-cuda-${AB_MODEL:-qwen2-vl-2b}-$name.json" "$@") 2>&1 | stamp
+    say "$name: exit ${PIPESTATUS[0]}"
 }
 
 sweep_rates() {  # sweep_rates NAME ARGS...: `sweep rates` of $RATES_MODEL at $RATES, the stage's own ARGS (--out...)
@@ -163,10 +167,12 @@ for stage in "$@"; do
                     sides=$(echo "$order" | awk '{print $2, $1}')
                 fi
                 for side in $sides; do
-                    tree=$ROOT
+                    tree=$ROOT args=()
                     [ "$side" = base ] && tree=$(cd "$AB_BASE" && pwd)
-                    say "ab round $round: $side ($tree)"
-                    ab_bench "$tree" "ab-$side-r$round"
+                    # shellcheck disable=SC2206  # AB_HEAD_ARGS is a list of arguments
+                    [ "$side" = head ] && args=(${AB_HEAD_ARGS:-})
+                    say "ab round $round: $side ($tree) ${args[*]}"
+                    ab_bench "$tree" "ab-$side-r$round" "${args[@]}"
                 done
             done
             ;;
