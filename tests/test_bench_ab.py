@@ -55,3 +55,26 @@ def test_the_command_writes_the_summary_and_refuses_a_folder_without_runs(tmp_pa
     refused = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "ab", str(tmp_path)],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "no ab run" in refused.stderr
+
+
+def test_a_flags_ab_on_one_tree_gives_the_load_levels_too():
+    """The fifteenth session's `--gated-prefill` A/B (AB_BASE=. AB_HEAD_ARGS=--gated-prefill): the head runs are
+    the gated ones; levels above concurrency 1 come out per side with head over base of their medians, and
+    load-only runs (no pairs) give no crossover."""
+    folder = BENCH / "gated-prefill-policy-s15"
+    with_pairs = summarize(sorted((folder / "call1").glob("e2e-*.json")), {})
+    assert {(r["side"], r["gated_prefill"]) for r in with_pairs["runs"]} == {("base", False), ("head", True)}
+    assert with_pairs["crossover"]["rounds"] == 2 and with_pairs["crossover"]["head_first_rounds"] == 1
+    load_only = summarize(sorted((folder / "call2").glob("e2e-*.json")), {})
+    assert load_only["crossover"] is None and load_only["by_side"] == {}
+    for summary in (with_pairs, load_only):
+        assert set(summary["load"]) == {"4", "16"}
+        for level in summary["load"].values():
+            base, head = level["base"]["requests_per_s"], level["head"]["requests_per_s"]
+            assert level["head_over_base"]["requests_per_s"] == pytest.approx(head["median"] / base["median"],
+                                                                               abs=0.001)
+    runs = load_only["runs"]
+    four = sorted(r["load"]["4"]["ttft_p50_ms"] for r in runs if r["side"] == "head")
+    assert load_only["load"]["4"]["head"]["ttft_p50_ms"] == {"median": four[1], "min": four[0], "max": four[2], "n": 3}
+    committed = json.loads((folder / "call2" / "summary.json").read_text())
+    assert committed["load"] == load_only["load"]

@@ -91,9 +91,10 @@ class PrefillSettings(PagedKVSettings):
                                       "pinned on CUDA, host on the CPU", choices=RECV_BUFFERS)
     gated_prefill: bool = option(False, "on a GPU, queue a lone request's forward before its embeddings land, behind a "
                                         "gate that its last notify opens (models.runtime.gate), when no other request "
-                                        "is in flight here: 0.40 ms off a lone split request's TTFT on an H200; "
-                                        "gating every request cost 11-14 percent of the requests/s at 4 and 16 in "
-                                        "flight (one round), hence off by default")
+                                        "is in flight here: 0.40-0.71 ms off a lone split request's TTFT on an H200; "
+                                        "under load it keeps the requests/s but raised the TTFT p50 by 11-13 percent "
+                                        "at 4 in flight (a forward queued behind a gate waits for that request's "
+                                        "embeddings), hence off by default")
     timeout: float = option(10.0, "seconds: E→P per request, and the side channel's wait for a request not yet "
                                   "ready")
     kv_free_timeout: float = option(30.0, "seconds a prefilled KV waits for decode before its blocks are freed")
