@@ -67,8 +67,7 @@ def crossover(rows: list[dict[str, Any]], measure: str = "split_minus_floor_less
     the two effects cannot be told apart and ``second_in_round_effect_ms`` is None."""
     rounds: dict[str, dict[str, dict]] = {}
     for row in rows:
-        if measure in row:
-            rounds.setdefault(row["key"], {})[row["side"]] = row
+        rounds.setdefault(row["key"], {})[row["side"]] = row
     diffs, signs = [], []
     for pair in rounds.values():
         if set(pair) != {"base", "head"}:
@@ -100,9 +99,12 @@ def load_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     base of their medians."""
     out: dict[str, Any] = {}
     for conc in sorted({c for r in rows for c in r["load"]}, key=int):
-        sides = {side: {k: _stats([r["load"][conc][k] for r in rows if r["side"] == side and conc in r["load"]])
-                        for k in ("requests_per_s", "ttft_p50_ms", "ttft_p90_ms")}
-                 for side in ("base", "head") if any(r["side"] == side and conc in r["load"] for r in rows)}
+        sides: dict[str, Any] = {}
+        for side in ("base", "head"):
+            levels = [r["load"][conc] for r in rows if r["side"] == side and conc in r["load"]]
+            if levels:
+                sides[side] = {k: _stats([level[k] for level in levels])
+                               for k in ("requests_per_s", "ttft_p50_ms", "ttft_p90_ms")}
         if len(sides) == 2:
             sides["head_over_base"] = {k: round(sides["head"][k]["median"] / sides["base"][k]["median"], 3)
                                        for k in sides["head"]}
