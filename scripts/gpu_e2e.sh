@@ -23,12 +23,13 @@
 #               in the order $AB_ORDER ("base head") in odd rounds and the other in even ones (AB_BALANCED=0: the
 #               same in every round): $OUT/e2e-cuda-<model>-ab-{base,head}-r<round>.json (each with its own
 #               monolithic row); `epd-lab bench ab $OUT` then gives the head's and the order's effects. A flag's A/B
-#               on one tree: AB_BASE=. AB_HEAD_ARGS="--gated-prefill" (arguments given to the head side's runs only)
+#               on one tree: AB_BASE=. AB_HEAD_ARGS="--gated-prefill" (arguments given to the head side's runs only;
+#               AB_HEAD_ARGS=--keep-cpus-awake: the head's runs with a SCHED_IDLE spinner on every CPU)
 #     mps       the ab stage's run on this tree, alternating without and with an MPS daemon (nvidia-cuda-mps-control -d,
 #               started and quit here: every CUDA process of the run, the floor's and the servers', is then its
 #               client), $AB_ROUNDS (2) times: $OUT/e2e-cuda-<model>-mps-{off,on}-r<round>.json
-#     hops      what one cross-process hop costs on this host: scripts/wakeup_latency.py (a ping-pong after idle gaps,
-#               with and without /dev/cpu_dma_latency held at 0) and `epd-lab bench http` (one kept-alive POST per
+#     hops      what one cross-process hop costs on this host: scripts/wakeup_latency.py (a ping-pong after idle gaps:
+#               idle, /dev/cpu_dma_latency held at 0, a SCHED_IDLE spinner on every CPU) and `epd-lab bench http` (one kept-alive POST per
 #               server stack and client): $OUT/wakeup-latency.json, $OUT/http.json
 #     runtime   epd-lab bench runtime --device cuda --models $RT_MODELS (default qwen2-vl-2b,qwen2-vl-7b): the model
 #               runtimes $RT_RUNTIMES (default hf,fast) in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)

@@ -1,9 +1,12 @@
-"""How much a sleeping CPU adds to one cross-process hop, and what the kernel's PM QoS request takes off.
+"""How much a sleeping CPU adds to one cross-process hop, and what the kernel's PM QoS request or polling
+CPUs take off.
 
 A ping-pong of one byte between two processes over a socketpair: the round trip after idle gaps of 0, 1 and
-5 ms (the gaps between a lone request's hops), each with the CPUs free to enter their idle states, then with
-``/dev/cpu_dma_latency`` held at 0 µs (the PM QoS request of tuned's latency-performance profile: idle CPUs poll
-instead of halting; released when the file closes). Conditions alternate per round. Prints one JSON object.
+5 ms (the gaps between a lone request's hops), in three conditions: the CPUs free to enter their idle states
+(``idle``); ``/dev/cpu_dma_latency`` held at 0 µs (``qos0``: the PM QoS request of tuned's latency-performance
+profile, which a cpuidle driver honours by polling instead of halting; released when the file closes; skipped
+where the file cannot be opened); a ``SCHED_IDLE`` spinner on every CPU (``awake``: `epd_lab.bench.awake`,
+user-space idle=poll). The conditions' order rotates per round. Prints one JSON object.
 
     python3 scripts/wakeup_latency.py [--rounds 4] [--json PATH]   # epd_lab importable (venv or PYTHONPATH=.)
     python3 scripts/wakeup_latency.py --hold -- CMD ARGS...   # run CMD with the QoS request held (root)
@@ -23,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from epd_lab.bench.awake import cpus_awake
 from epd_lab.transfer.shm_copy import cpu_info
 
 QOS_PATH = "/dev/cpu_dma_latency"
@@ -66,13 +70,16 @@ def ping_pong(n: int, gap_s: float) -> list[float]:
 
 
 def measure(rounds: int, n: int) -> dict:
+    conditions = {"idle": contextlib.nullcontext, "qos0": latency_qos, "awake": cpus_awake}
+    if not os.access(QOS_PATH, os.W_OK):
+        del conditions["qos0"]
+    names = list(conditions)
     cells: dict[str, list[float]] = {}
     for r in range(rounds):
-        for qos in ((False, True) if r % 2 == 0 else (True, False)):
-            with latency_qos() if qos else contextlib.nullcontext():
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            with conditions[name]():
                 for gap in GAPS_S:
-                    cells.setdefault(f"{'qos0' if qos else 'idle'}/gap{gap * 1e3:g}ms", []).extend(
-                        ping_pong(n if gap else 10 * n, gap))
+                    cells.setdefault(f"{name}/gap{gap * 1e3:g}ms", []).extend(ping_pong(n if gap else 10 * n, gap))
     rows = {}
     for key, xs in cells.items():
         xs.sort()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -61,9 +62,11 @@ def _check(data: dict, device: str, dtype: str, image_size: int, image_tokens: i
 
 
 def test_a_small_cpu_run_writes_device_model_and_timings(tmp_path):
-    data, stdout = _bench(tmp_path, "--device", "cpu", "--model", "tiny", "--image-size", "112", "--images", "1,2")
+    data, stdout = _bench(tmp_path, "--device", "cpu", "--model", "tiny", "--image-size", "112", "--images", "1,2",
+                          "--keep-cpus-awake")
     _check(data, "cpu", "float32", 112, 16, (1, 2))  # 112² → 8×8 patches → 16 tokens after the 2×2 merge
     assert data["gpu"] is None and data["recv_buffer"] == "host" and data["gated_prefill"] is False  # auto, CPU
+    assert data["cpus_awake"] == sorted(os.sched_getaffinity(0))  # a spinner on each, for the whole run
     assert "tiny on cpu (no GPU), float32" in stdout
 
 

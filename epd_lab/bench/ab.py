@@ -41,6 +41,7 @@ def run_row(path: Path, commits: dict[str, str]) -> dict[str, Any]:
     row = {"file": path.name, "side": match["side"], "round": int(match["round"]), "call": match["call"].lstrip("-"),
            "key": f"{match['stem']}-r{match['round']}{match['call']}", "created": data["created"],
            "commit": commits.get(match["side"]), "gated_prefill": data.get("gated_prefill", False),
+           "cpus_awake": bool(data.get("cpus_awake")),
            "answers_equal_monolithic": data["answers_equal_monolithic"],
            "load": {str(r["concurrency"]): {"requests_per_s": round(r["requests_per_s"], 3),
                                             "ttft_p50_ms": round(r["ttft_ms"]["p50"], 3),

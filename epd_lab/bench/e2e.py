@@ -53,6 +53,7 @@ import torch
 from PIL import Image
 
 from epd_lab.bench import write_json
+from epd_lab.bench.awake import cpus_awake
 from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.ep.media import MediaPolicy, fetch_media
 from epd_lab.ep.messages import BACKENDS, DTYPES
@@ -109,6 +110,8 @@ class Setup:
             pinned host memory on CUDA, pageable on the CPU).
         gated_prefill: the prefill's ``--gated-prefill`` (a lone request's forward queued on the GPU before its
             embeddings land).
+        cpus_awake: a ``SCHED_IDLE`` spinner on every CPU for the whole run, floor included
+            (`epd_lab.bench.awake`: a wake-up lands on a running vCPU, not a halted one).
     """
 
     device: str = "cpu"
@@ -121,6 +124,7 @@ class Setup:
     media: str = "data-uri"
     recv_buffer: str = "auto"
     gated_prefill: bool = False
+    cpus_awake: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size < MIN_IMAGE_SIZE:
@@ -641,6 +645,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
         f"images x side per request: {', '.join(f'{p.images} x {p.image_size}²' for p in points)}, by {setup.media}")
     # the media server, if any, and the paired rounds' floors (one per point, kept for every backend) live for the run
     with Media(setup.media) as media, contextlib.ExitStack() as held:
+        awake = held.enter_context(cpus_awake()) if setup.cpus_awake else None
         model = open_floor_model(setup)
         floors = [monolithic(requests, max_tokens, point, model, media) for point in points]
         if not pairs:
@@ -660,7 +665,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
                     "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
                     "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
                     "media": setup.media, "recv_buffer": resolve_recv_buffer(setup.recv_buffer, setup.device),
-                    "gated_prefill": setup.gated_prefill,
+                    "gated_prefill": setup.gated_prefill, "cpus_awake": None if awake is None else sorted(awake),
                     "media_fetches": None if media.server is None else media.server.requests,
                     "max_tokens": max_tokens, "concurrency": list(concurrency), "kv_blocks": room.kv_blocks,
                     "max_held_bytes": room.max_held_bytes,
@@ -754,6 +759,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gated-prefill", action="store_true",
                     help="the prefill queues a lone request's forward on the GPU before its embeddings land "
                          "(the prefill server's --gated-prefill)")
+    ap.add_argument("--keep-cpus-awake", action="store_true",
+                    help="a SCHED_IDLE spinner on every CPU while the run lasts, floor included, so that a wake-up "
+                         "lands on a running vCPU instead of a halted one (epd_lab.bench.awake; a measurement "
+                         "condition, recorded as cpus_awake)")
     ap.add_argument("--pairs", type=int, default=0,
                     help="after each point's levels, this many split and floor requests side by side at concurrency "
                          "1, alternating (the floor's model stays on the device beside the servers)")
@@ -762,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pairs < 0:
             raise ValueError(f"--pairs must be >= 0, got {args.pairs}")
         setup = Setup(args.device, args.model, args.dtype, args.image_size[0], args.images[0], args.kv_tokens,
-                      args.runtime, args.media, args.recv_buffer, args.gated_prefill)
+                      args.runtime, args.media, args.recv_buffer, args.gated_prefill, args.keep_cpus_awake)
         grid = [(size, images) for size in args.image_size for images in args.images]
         for size, images in grid:
             replace(setup, image_size=size, images=images)  # each point's sizes checked here, not mid-run
