@@ -78,3 +78,22 @@ def test_a_flags_ab_on_one_tree_gives_the_load_levels_too():
     assert load_only["load"]["4"]["head"]["ttft_p50_ms"] == {"median": four[1], "min": four[0], "max": four[2], "n": 3}
     committed = json.loads((folder / "call2" / "summary.json").read_text())
     assert committed["load"] == load_only["load"]
+
+
+def test_the_spinners_ab_records_the_condition_per_run_and_the_committed_summaries_hold():
+    """The sixteenth and seventeenth sessions' `--keep-cpus-awake` A/Bs (AB_HEAD_ARGS=--keep-cpus-awake): every head
+    run recorded the CPUs it kept awake and no base run did; each call's committed summary is what the command gives
+    from its runs, and its crossover has one round of each order."""
+    calls = sorted(BENCH.glob("cpus-awake-s1*/call*"))
+    assert len(calls) == 5
+    for call in calls:
+        summary = summarize(sorted(call.glob("e2e-*.json")), {})
+        assert {(r["side"], bool(r["cpus_awake"])) for r in summary["runs"]} == {("base", False), ("head", True)}
+        for run in call.glob("e2e-*.json"):  # the result names the CPUs: all 16 of the H200's host, or none
+            kept = json.loads(run.read_text())["cpus_awake"]
+            assert kept == (list(range(16)) if "-head-" in run.name else None)
+        assert summary["crossover"]["rounds"] == 2 and summary["crossover"]["head_first_rounds"] == 1
+        committed = json.loads((call / "summary.json").read_text())
+        assert summary["crossover"]["head_effect_ms"] == pytest.approx(committed["crossover"]["head_effect_ms"],
+                                                                       abs=0.002)
+        assert summary["by_side"] == committed["by_side"] and summary["answers_equal_monolithic"]

@@ -762,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-cpus-awake", action="store_true",
                     help="a SCHED_IDLE spinner on every CPU while the run lasts, floor included, so that a wake-up "
                          "lands on a running vCPU instead of a halted one (epd_lab.bench.awake; a measurement "
-                         "condition, recorded as cpus_awake)")
+                         "condition, recorded as cpus_awake; on the H200's host a wake-up after 5 ms idle took "
+                         "50 us instead of 86)")
     ap.add_argument("--pairs", type=int, default=0,
                     help="after each point's levels, this many split and floor requests side by side at concurrency "
                          "1, alternating (the floor's model stays on the device beside the servers)")
