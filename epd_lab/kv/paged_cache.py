@@ -75,11 +75,15 @@ class PagedKVCache:
     @classmethod
     def from_config(cls, config: Any, *, num_blocks: int, block_size: int = 16,
                     dtype: torch.dtype = torch.float32, engine: Any = None,
-                    device: str | torch.device = "cpu") -> "PagedKVCache":
-        """A cache shaped for a model's text config (a Qwen2-VL config or its `text_config`)."""
+                    device: str | torch.device = "cpu", tp_size: int = 1) -> "PagedKVCache":
+        """A cache shaped for a model's text config (a Qwen2-VL config or its `text_config`); with `tp_size` > 1,
+        for one rank of a tensor-parallel group: its share of the KV heads (`runtime.tp.kv_head_range`)."""
+        from epd_lab.models.runtime.tp import kv_head_range, text_heads  # the runtime imports this module
+
         text = getattr(config, "text_config", config)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return cls(text.num_hidden_layers, text.num_key_value_heads, head_dim, num_blocks=num_blocks,
+        _, kv_heads, head_dim = text_heads(text)
+        start, stop = kv_head_range(kv_heads, tp_size, 0)
+        return cls(text.num_hidden_layers, stop - start, head_dim, num_blocks=num_blocks,
                    block_size=block_size, dtype=dtype, engine=engine, device=device)
 
     # ---- the regions ----

@@ -24,6 +24,7 @@ from epd_lab.models.runtime import PrefillOutput, PrefillPlan, RuntimeBase, toke
 from epd_lab.models.runtime.gate import Gate, GateWord
 from epd_lab.models.runtime.graph import DecodeGraphs, PrefillGraphs
 from epd_lab.models.runtime.qwen2 import Qwen2LM
+from epd_lab.models.runtime.tp import TPGroup
 from epd_lab.models.runtime.vision import VisionTower
 from epd_lab.transfer.errors import TransferError
 
@@ -50,26 +51,35 @@ class FastRuntime(RuntimeBase):
             which gives the same bits; for comparison).
         staged_graphs: capture each decode bucket in parts launched back to back (`runtime.graph`); False: one
             graph per bucket (the same bits; for comparison).
+        tp: this rank's place in a tensor-parallel group (`runtime.tp`; `cache` then holds its KV heads). Every
+            rank must make the same calls in the same order: each layer all-reduces. The tower then runs the
+            runtime's own forward sharded, image by image on the CPU; on a GPU a TP rank runs eagerly (no graphs,
+            no gates: untested on GPUs).
     """
 
     name = "fast"
 
     def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None, *,
                  max_batch: int = 16, max_seq_len: int = 16384, max_prefill_tokens: int = 4096,
-                 vision_budget: int | None = None, cuda_graphs: bool = True, staged_graphs: bool = True) -> None:
+                 vision_budget: int | None = None, cuda_graphs: bool = True, staged_graphs: bool = True,
+                 tp: TPGroup | None = None) -> None:
         self.model, self.cache = model, cache
         self.device = model_device(model)
-        on_gpu = self.device.type == "cuda"
+        self.tp = tp = tp or TPGroup(0, 1)
+        on_gpu = self.device.type == "cuda" and tp.size == 1
         if vision_budget is None and on_gpu:
             vision_budget = DEFAULT_VISION_BUDGET
-        self.vision = VisionTower(model.model.visual, vision_budget, cuda_graphs) if vision_budget else None
+        if vision_budget is None and tp.size > 1:  # one call per image: a call's rows never depend on its request
+            vision_budget = model.model.visual.spatial_merge_size ** 2
+        self.vision = VisionTower(model.model.visual, vision_budget, cuda_graphs and on_gpu, tp) \
+            if vision_budget else None
         self._hf_vision = VisionEncoder(model)
         self._lock = threading.Lock()  # the buckets' static buffers: one prefill or decode at a time on a GPU
         self._vision_lock = threading.Lock()
         self.lm = self.prefill_graphs = self.graphs = self._gates = None
         if cache is None:
             return
-        self.lm = Qwen2LM(model, cache)
+        self.lm = Qwen2LM(model, cache, tp=tp)
         if on_gpu:
             self.prefill_graphs = PrefillGraphs(self.lm, max_prefill_tokens, model.config.image_token_id, cuda_graphs)
             try:

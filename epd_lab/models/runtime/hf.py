@@ -16,14 +16,20 @@ from transformers import DynamicCache, Qwen2VLForConditionalGeneration
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.runners import DecodeRunner, PrefillRunner, VisionEncoder
 from epd_lab.models.runtime import Gate, PrefillOutput, PrefillPlan, RuntimeBase
+from epd_lab.models.runtime.tp import TPGroup
 
 
 class HFRuntime(RuntimeBase):
-    """See the module docstring."""
+    """See the module docstring. One process: tensor parallelism is the fast runtime's (`tp` of more than one
+    rank is refused)."""
 
     name = "hf"
 
-    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None) -> None:
+    def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache | None = None,
+                 tp: TPGroup | None = None) -> None:
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"the hf runtime runs HF's whole model in one process; tensor parallelism "
+                             f"(tp_size {tp.size}) needs --runtime fast")
         self.model, self.cache = model, cache
         self._vision, self._prefill, self._decode = VisionEncoder(model), PrefillRunner(model), DecodeRunner(model)
 

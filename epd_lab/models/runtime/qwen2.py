@@ -24,6 +24,7 @@ from transformers import Qwen2VLForConditionalGeneration
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.models.catalog import model_device
 from epd_lab.models.runtime.kernels import open_ops
+from epd_lab.models.runtime.tp import TPGroup, check_model, input_columns, output_rows
 
 
 @dataclass(slots=True)
@@ -106,16 +107,21 @@ class Qwen2LM:
             the weights (15 GB for 7B).
         cache: the paged KV cache to write and attend (its geometry and dtype must be the model's).
         fuse: fuse the projections (default: on a GPU; on the CPU HF's separate ones keep HF's bits).
+        tp: this rank's place in a tensor-parallel group (`runtime.tp`): it keeps its heads' and its MLP share's
+            weights and all-reduces after o_proj and down; `cache` holds its KV heads only. None: the whole model.
     """
 
     def __init__(self, model: Qwen2VLForConditionalGeneration, cache: PagedKVCache,
-                 fuse: bool | None = None) -> None:
+                 fuse: bool | None = None, tp: TPGroup | None = None) -> None:
         text = model.model.language_model
         config = text.config
         self.device = model_device(model)
         self.dtype = text.embed_tokens.weight.dtype
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp = tp or TPGroup(0, 1)
+        check_model(model.config, tp.size)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q_heads, kv_heads = tp.head_range(config.num_attention_heads), tp.kv_head_range(config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = q_heads[1] - q_heads[0], kv_heads[1] - kv_heads[0]
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype) != (
                 config.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype):
             raise ValueError(f"{cache!r} does not fit the model ({config.num_hidden_layers} layers, "
@@ -136,7 +142,20 @@ class Qwen2LM:
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         fuse = self.device.type == "cuda" if fuse is None else fuse
 
-        def parts(*linears: torch.nn.Linear) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        d, inter = self.head_dim, config.intermediate_size // tp.size
+        # each projection's output rows this rank keeps: q, k, v by heads; gate, up by its MLP share
+        qkv_rows = [(q_heads[0] * d, q_heads[1] * d), (kv_heads[0] * d, kv_heads[1] * d),
+                    (kv_heads[0] * d, kv_heads[1] * d)]
+        mlp_rows = [(tp.rank * inter, (tp.rank + 1) * inter)] * 2
+
+        def parts(linears: tuple[torch.nn.Linear, ...], shares: list[tuple[int, int]],
+                  ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+            if tp.size > 1:  # a share of each, fused into a copy where asked (HF's parameters stay whole)
+                sliced = [output_rows(m.weight, m.bias, *share) for m, share in zip(linears, shares)]
+                if not fuse:
+                    return sliced
+                bias = None if sliced[0][1] is None else torch.cat([b for _, b in sliced])
+                return [(torch.cat([w for w, _ in sliced]), bias)]
             if not fuse:
                 return [(m.weight, m.bias) for m in linears]
             weight = torch.cat([m.weight for m in linears])
@@ -153,13 +172,17 @@ class Qwen2LM:
         with torch.no_grad():
             self.layers = [_Layer(
                 input_norm=layer.input_layernorm.weight,
-                qkv=parts(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                o_weight=layer.self_attn.o_proj.weight,
+                qkv=parts((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), qkv_rows),
+                o_weight=self._row_parallel(layer.self_attn.o_proj.weight, *qkv_rows[0]),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=parts(layer.mlp.gate_proj, layer.mlp.up_proj),
-                down_weight=layer.mlp.down_proj.weight,
+                gate_up=parts((layer.mlp.gate_proj, layer.mlp.up_proj), mlp_rows),
+                down_weight=self._row_parallel(layer.mlp.down_proj.weight, *mlp_rows[0]),
             ) for layer in text.layers]
         self.vocab_size = self.lm_head.shape[0]
+
+    def _row_parallel(self, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """A row-parallel layer's weight: its input columns ``[start, stop)`` under TP, else the weight itself."""
+        return weight if self.tp.size == 1 else input_columns(weight, start, stop)
 
     # ---- rotary ----
     def _cos_sin(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,9 +258,10 @@ class Qwen2LM:
             qkv = _project(h, layer.qkv)
             q, k, v = ops.rope_store(qkv, state.cos, state.sin, slots, k_cache, v_cache, self.num_heads,
                                      self.num_kv_heads)
-            x = F.linear(attend(q, k, v, k_cache, v_cache).reshape(x.shape[0], -1), layer.o_weight)
+            x = self.tp.all_reduce(F.linear(attend(q, k, v, k_cache, v_cache).reshape(x.shape[0], -1),
+                                            layer.o_weight))
             h, residual = ops.add_rms_norm(x, residual, layer.post_norm, self.eps)
-            x = F.linear(ops.silu_mul(_project(h, layer.gate_up)), layer.down_weight)
+            x = self.tp.all_reduce(F.linear(ops.silu_mul(_project(h, layer.gate_up)), layer.down_weight))
         return _State(x, residual, state.cos, state.sin)
 
     @torch.no_grad()

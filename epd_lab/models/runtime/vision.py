@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,8 +35,31 @@ from transformers.activations import QuickGELUActivation
 
 from epd_lab.models.runtime.graph import capture
 from epd_lab.models.runtime.kernels import open_ops
+from epd_lab.models.runtime.tp import TPGroup, check_heads, input_columns, output_rows
 
 MAX_GRAPHS = 16  # captured call shapes kept (least recently used dropped first)
+
+Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) of one linear layer, or a rank's share of it
+
+
+class _Block(NamedTuple):
+    """A vision block's linear layers as this rank holds them: qkv and fc1 column-parallel, proj and fc2
+    row-parallel (under TP their biases are added once, after the all-reduce)."""
+
+    qkv: Linear
+    proj: Linear
+    fc1: Linear
+    fc2: Linear
+
+
+def _linear_tp(x: torch.Tensor, layer: Linear, tp: TPGroup) -> torch.Tensor:
+    """A row-parallel layer: the rank's partial product, all-reduced, then the bias; at TP 1 the one GEMM with
+    its bias (nn.Linear's bits)."""
+    weight, bias = layer
+    if tp.size == 1:
+        return F.linear(x, weight, bias)
+    out = tp.all_reduce(F.linear(x, weight))
+    return out if bias is None else out + bias
 
 
 def budget_calls(patches: list[int], budget: int) -> list[list[int]]:
@@ -59,9 +83,12 @@ class VisionTower:
         tower: ``model.model.visual``.
         budget: patch rows per call; a positive multiple of merge² (4).
         cuda_graphs: replay each call shape from a CUDA graph (a GPU only; False: the same calls eagerly).
+        tp: this rank's place in a tensor-parallel group (`runtime.tp`): it keeps its heads' and MLP share's
+            weights and all-reduces after proj and fc2. None: the whole tower.
     """
 
-    def __init__(self, tower: torch.nn.Module, budget: int, cuda_graphs: bool = True) -> None:
+    def __init__(self, tower: torch.nn.Module, budget: int, cuda_graphs: bool = True,
+                 tp: TPGroup | None = None) -> None:
         self.tower = tower
         self.merge = tower.spatial_merge_size
         unit = self.merge * self.merge
@@ -69,7 +96,11 @@ class VisionTower:
             raise ValueError(f"the vision budget must be a positive multiple of {unit} patch rows, got {budget}")
         self.budget = budget
         first = tower.blocks[0]
-        self.num_heads = first.attn.num_heads
+        self.tp = tp = tp or TPGroup(0, 1)
+        check_heads(first.attn.num_heads, None, tp.size, "the vision tower")
+        start, stop = tp.head_range(first.attn.num_heads)
+        self.num_heads = stop - start
+        self.blocks = [self._share(block, start, stop) for block in tower.blocks]
         self.device = first.attn.qkv.weight.device
         self.dtype = first.attn.qkv.weight.dtype
         self.inv_freq = tower.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
@@ -82,6 +113,21 @@ class VisionTower:
         self._pool = None
         self._pixels: torch.Tensor | None = None  # static inputs of the graphs: [rows, patch_dim]
         self._angles: torch.Tensor | None = None  # [rows, head_dim / 2]
+
+    def _share(self, block: torch.nn.Module, start: int, stop: int) -> _Block:
+        """The linear layers of `block` this rank keeps: heads ``[start, stop)``, the same share of the MLP."""
+        qkv, proj, fc1, fc2 = block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2
+        if self.tp.size == 1:
+            return _Block(*((m.weight, m.bias) for m in (qkv, proj, fc1, fc2)))
+        dim = proj.weight.shape[0]
+        head_dim = dim // block.attn.num_heads
+        a, b = start * head_dim, stop * head_dim
+        parts = [output_rows(qkv.weight, qkv.bias, j * dim + a, j * dim + b) for j in range(3)]  # its q, k, v rows
+        share = fc1.weight.shape[0] // self.tp.size
+        m0, m1 = self.tp.rank * share, (self.tp.rank + 1) * share
+        return _Block((torch.cat([w for w, _ in parts]), torch.cat([c for _, c in parts])),
+                      (input_columns(proj.weight, a, b), proj.bias), output_rows(fc1.weight, fc1.bias, m0, m1),
+                      (input_columns(fc2.weight, m0, m1), fc2.bias))
 
     # ---- host side ----
     def _positions(self, grid: Sequence[int]) -> np.ndarray:
@@ -110,16 +156,15 @@ class VisionTower:
         pad = rows - sum(lengths)
         sizes = [*lengths, pad] if pad else list(lengths)
         real = len(lengths)  # the padding's share of each split is left out
-        for block in tower.blocks:
-            q, k, v = ops.vision_rope(block.attn.qkv(block.norm1(x)), cos, sin, self.num_heads)  # [heads, rows, D]
+        for block, share in zip(tower.blocks, self.blocks):
+            q, k, v = ops.vision_rope(F.linear(block.norm1(x), *share.qkv), cos, sin, self.num_heads)  # [H, rows, D]
             outs = [F.scaled_dot_product_attention(qi[None], ki[None], vi[None]) for qi, ki, vi in zip(
                 q.split(sizes, dim=1)[:real], k.split(sizes, dim=1)[:real], v.split(sizes, dim=1)[:real])]
             if pad:
                 outs.append(q.new_zeros(1, self.num_heads, pad, q.shape[-1]))
             out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-            x = x + block.attn.proj(out[0].transpose(0, 1).reshape(rows, -1))
-            mlp = block.mlp
-            x = x + mlp.fc2(self.act(mlp.fc1(block.norm2(x))))
+            x = x + _linear_tp(out[0].transpose(0, 1).reshape(rows, -1), share.proj, self.tp)
+            x = x + _linear_tp(self.act(F.linear(block.norm2(x), *share.fc1)), share.fc2, self.tp)
         return tower.merger(x)
 
     def _call(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
