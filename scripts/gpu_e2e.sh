@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU run of issue 12's roles-on-a-device part, on the device machine (one H200; Python 3.12, torch 2.11+cu130,
-# without pyzmq/fastapi/msgspec/uvicorn/openai: they travel as wheels in .whl/, carried by the call).
+# The GPU runs of the roles on a device, the model runtime and the A/Bs, on a machine with one H200 and a 10-minute
+# limit per run (Python 3.12, torch 2.11+cu130, without pyzmq/fastapi/msgspec/uvicorn/openai: they travel as wheels
+# in .whl/, copied with the tree).
 #
 #   bash scripts/gpu_e2e.sh STAGE...      stages, in the order given:
 #     tests     pytest -m cuda on every test file with cuda-marked tests
@@ -9,10 +10,10 @@
 #     7b        ... --model qwen2-vl-7b, the same grid ($BACKENDS_7B, default mooncake)
 #     notebook  notebooks/08_gpu.ipynb through papermill with -p device cuda (skipped where papermill is absent)
 #     rates     epd-lab sweep rates --device cuda --launch-model $RATES_MODEL (default qwen2-vl-2b): goodput against
-#               request rate for $RATES_TOPOLOGIES (default monolithic,1e1p1d,2e1p1d; one per call fits the budget) at
+#               request rate for $RATES_TOPOLOGIES (default monolithic,1e1p1d,2e1p1d; one per run fits 10 minutes) at
 #               $RATES (req/s), $RATES_PROMPTS requests each, $RATES_IMAGES x $RATES_RESOLUTION, into
-#               $OUT/goodput-h200-<model>-<images>x<side>/ (a later call adds its topologies to the same folder)
-#     x2        issue 22 on two GPUs: `nvidia-smi topo -m` into $OUT/x2-topo-m.txt, then `epd-lab sweep rates
+#               $OUT/goodput-h200-<model>-<images>x<side>/ (a later run adds its topologies to the same folder)
+#     x2        the placements at equal GPUs: `nvidia-smi topo -m` into $OUT/x2-topo-m.txt, then `epd-lab sweep rates
 #               --placements $X2_PLACEMENTS (default all: 2xmonolithic,e-gpu1,d-gpu1,spread) --gpus $X2_GPUS (default
 #               cuda:0,cuda:1)` of $RATES_MODEL at $RATES, $RATES_PROMPTS requests each, $RATES_IMAGES x
 #               $RATES_RESOLUTION, into $OUT/<placement>/ (commit them as data/bench/e2e-cuda-x2-<model>-<images>x<side>/);
@@ -35,7 +36,7 @@
 #               runtimes $RT_RUNTIMES (default hf,fast) in one process ($OUT/runtime-h200-full.json, summary $OUT/runtime-h200.json)
 #
 # Every stage appends to $OUT/gpu_e2e.log, each line stamped with the UTC time; a bench writes
-# $OUT/e2e-cuda-<model>[-$TAG].json. One call of the device tool runs at most 10 minutes: give each call the stages
+# $OUT/e2e-cuda-<model>[-$TAG].json. A run on the GPU machine may take at most 10 minutes: give each run the stages
 # that fit (about: setup 1-2 min, tests 2-3, each bench 2-4), e.g. "tests tiny" then "2b 7b".
 # Knobs (environment): REQUESTS (8 per concurrency level), MAX_TOKENS (16), SIZES (448,896), IMAGES (1,4,8),
 # CONCURRENCY (1,4,16), QOS (1: every bench e2e runs with /dev/cpu_dma_latency held at 0 µs), RECV_BUFFER
@@ -150,8 +151,8 @@ for stage in "$@"; do
                 --out "${dir%x*}"
             ;;
         x2)
-            # into $OUT itself: the device tool brings back folders two deep at most ($OUT/<placement>/<topology>/);
-            # one $RATES_IMAGES x $RATES_RESOLUTION per call, committed as data/bench/e2e-cuda-x2-<model>-<images>x<side>/
+            # into $OUT itself: results come back from folders two deep at most ($OUT/<placement>/<topology>/);
+            # one $RATES_IMAGES x $RATES_RESOLUTION a run, committed as data/bench/e2e-cuda-x2-<model>-<images>x<side>/
             nvidia-smi topo -m > "$OUT/x2-topo-m.txt" 2>&1
             sweep_rates x2 --placements "${X2_PLACEMENTS:-all}" --gpus "${X2_GPUS:-cuda:0,cuda:1}" --out "$OUT"
             ;;
@@ -162,8 +163,8 @@ for stage in "$@"; do
             order=${AB_ORDER:-base head}
             for round in $(seq "${AB_ROUNDS:-2}"); do
                 sides=$order
-                # balanced: every other round in the other order, so that one call holds both (the side that ran
-                # second in a round did worse by about 0.5 ms in three calls); `epd-lab bench ab` separates the two
+                # balanced: every other round in the other order, so that one run holds both (the side that ran
+                # second in a round did worse by 0.17-0.48 ms in three A/Bs); `epd-lab bench ab` separates the two
                 if [ "${AB_BALANCED:-1}" = 1 ] && [ $((round % 2)) = 0 ]; then
                     sides=$(echo "$order" | awk '{print $2, $1}')
                 fi

@@ -1,4 +1,4 @@
-"""Prefill wall of the fast runtime under two bucket schemes, side by side (seventh session of issue 17): the
+"""Prefill wall of the fast runtime under two bucket schemes, side by side: the
 prompt-length buckets in steps of 512 past 512 (`graph.token_buckets`' default) against powers of two, 2B bf16 on a
 GPU, 1/4/8 x 448² prompts, the schemes alternating call by call; the host read of the argmax included.
 

@@ -5,7 +5,7 @@ daemons too (`remove_node(allow_graceful=False)`). ``--kill raylet``: only the R
 and exit, their roles follow by their death signal. Every answer is checked against the monolithic model's.
 Prints one JSON object; `--out` writes it.
 
-Targets (issue 20): of the requests sent after the kill, >= 99% answered right; a request in flight at the kill
+Targets: of the requests sent after the kill, >= 99% answered right; a request in flight at the kill
 that fails ends within the request timeout.
 
     .venv/bin/python scripts/ray_node_kill.py --runs 3 --before 15 --out data/bench/ray-node-kill.json

@@ -58,7 +58,7 @@ def test_the_command_writes_the_summary_and_refuses_a_folder_without_runs(tmp_pa
 
 
 def test_a_flags_ab_on_one_tree_gives_the_load_levels_too():
-    """The fifteenth session's `--gated-prefill` A/B (AB_BASE=. AB_HEAD_ARGS=--gated-prefill): the head runs are
+    """The `--gated-prefill` A/B at 5ebe8ea (AB_BASE=. AB_HEAD_ARGS=--gated-prefill): the head runs are
     the gated ones; levels above concurrency 1 come out per side with head over base of their medians, and
     load-only runs (no pairs) give no crossover."""
     folder = BENCH / "gated-prefill-policy-s15"
@@ -81,7 +81,7 @@ def test_a_flags_ab_on_one_tree_gives_the_load_levels_too():
 
 
 def test_the_spinners_ab_records_the_condition_per_run_and_the_committed_summaries_hold():
-    """The sixteenth and seventeenth sessions' `--keep-cpus-awake` A/Bs (AB_HEAD_ARGS=--keep-cpus-awake): every head
+    """The `--keep-cpus-awake` A/Bs at 6f80aab and dc566ce (AB_HEAD_ARGS=--keep-cpus-awake): every head
     run recorded the CPUs it kept awake and no base run did; each call's committed summary is what the command gives
     from its runs, and its crossover has one round of each order."""
     calls = sorted(BENCH.glob("cpus-awake-s1*/call*"))

@@ -342,7 +342,7 @@ def test_load_rates_recomputes_goodput_and_reads_rates_csv_where_a_point_s_json_
 
 
 def test_every_placement_places_processes_its_topology_starts():
-    """Issue 22's placements over two devices: what runs on the second is a process or role of the placement's
+    """The placements at equal GPUs, over two devices: what runs on the second is a process or role of the placement's
     topology (`Topology` refuses other names); an unknown placement or another count of devices is refused."""
     assert set(PLACEMENTS) == {"2xmonolithic", "e-gpu1", "d-gpu1", "spread"}
     for name in PLACEMENTS:

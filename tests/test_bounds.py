@@ -1,4 +1,4 @@
-"""Bounds on the data-plane sockets, through real sockets and processes (issue 11).
+"""Bounds on the data-plane sockets, through real sockets and processes.
 
 - The engine's port: a connection cap (past it, closed at once and counted) and an idle timeout (closed and
   counted), so 1,000 idle connections cost at most `max_connections` threads; a writer whose pooled connection
@@ -192,7 +192,7 @@ def legit_transfers(producer: KVProducer, consumer: KVConsumer, p_blocks: BlockM
 
 
 def test_asks_naming_too_many_requests_are_refused_at_once_and_ready_asks_keep_flowing(pd):
-    """The issue's flood: 200 asks naming 20,000 unknown requests each. Before, they waited out the producer's
+    """A flood: 200 asks naming 20,000 unknown requests each. Before, they waited out the producer's
     timeout and every ready ask behind them took 5-6 s; now each is TRANS_ERROR at once (read from the array's
     header, before the costly decode of 20,000 ids), and ready asks go through while the flood lasts."""
     producer, consumer, p_blocks, d_blocks, d_engine = pd

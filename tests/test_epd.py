@@ -1,7 +1,7 @@
 """E→P end to end: real encoder processes on loopback started by `Cluster`, a real `EmbeddingReceiver` and
 `EPDPrefill` in this process, the monolithic model as the reference. No mocks.
 
-1. Correctness matrix (issue 3's acceptance test): per backend × dtype one cluster of 3 encoders; receivers
+1. Correctness matrix (the E→P acceptance test): per backend × dtype one cluster of 3 encoders; receivers
    wired to the first 1, 2 and 3 of them; requests with 1–4 images of different sizes plus text. The prefill
    logits must equal (`torch.equal`) one monolithic forward in this process, and no registration may be left.
 2. The persistent pool (`pool_bytes > 0`): same logits, slices go back to the pool and are reused.

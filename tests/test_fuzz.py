@@ -1,4 +1,4 @@
-"""Fuzzing as tests (issue 11): every msgspec decoder of the wire, the transfer engine's wire header through a real
+"""Fuzzing as tests: every msgspec decoder of the wire, the transfer engine's wire header through a real
 engine port, and the campaign's fuzz leg (`epd_lab.campaign.fuzz.fuzz`) on a real 1E/1P/1D cluster with the proxy,
 on a small budget.
 

@@ -1,7 +1,7 @@
 """The roles on a device: ``--device``, ``--dtype auto``, ``--model`` shapes and prefill's ``--recv-buffer``.
 
 The option checks and the refusal of a GPU that is not there run everywhere. The cluster tests are marked
-`cuda` and skip with the reason where there is no GPU (CI has none); they run on the device machine (an
+`cuda` and skip with the reason where there is no GPU (CI has none); they run on a machine with a GPU (an
 H200), where every role keeps its model, embeddings and KV cache in GPU memory and the answers through the
 proxy must equal the monolithic use of the roles' runtime (the fast one, the default) on the same GPU.
 """

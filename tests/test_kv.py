@@ -392,7 +392,7 @@ def test_kv_arrives_bit_identical_and_decode_continues(model, producer, decode, 
     try:
         decode.consumer.receive_kv(producer.url, f"ok-{case}", ids[:-1])
         received = decode.cache.read_layers(ids, sent["prompt_len"])
-        # decode the second token at mrope position prompt_len + rope_delta (DESIGN.md §4)
+        # decode the second token at mrope position prompt_len + rope_delta (Qwen2-VL's rule after the prompt)
         logits = open_runtime("fast", model, decode.cache).decode([first], [result.next_position], [ids],
                                                                   [result.prompt_len + 1])
     finally:

@@ -1,6 +1,6 @@
 """A prefill that freezes or dies in the middle of writing a request's KV into decode: the client's error comes
 within the request's deadline (the proxy's ``--timeout``, counted from when the proxy took the request), and
-decode's blocks all come back (issue 20's miss: decode waited a whole ``--timeout`` from its own ask).
+decode's blocks all come back (before, decode waited a whole ``--timeout`` from its own ask).
 
 Through real processes: 1 encoder, 2 prefills, 1 decode and the proxy (`Cluster`), started with
 ``EPD_FAILPOINTS=@<dir>`` so that each prefill can be stopped at ``prefill.kv_write`` (the producer has decode's

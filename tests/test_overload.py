@@ -1,4 +1,4 @@
-"""Overload without turning users away (issue 18), through real processes: the proxy, encoders, prefills and
+"""Overload without turning users away, through real processes: the proxy, encoders, prefills and
 decodes of `epd_lab.launch.Cluster`, driven by the campaign's streaming chat client.
 
 - A burst of 200 concurrent streamed chats is queued and served in full on 1E/1P/1D and 2E/2P/2D, every answer

@@ -319,7 +319,7 @@ def test_bad_requests_are_4xx_or_503_with_detail(stack):
 def test_a_prefill_past_its_queue_bound_refuses_at_once_with_retry_after(tmp_path):
     """workers 1 + max_queued 1 (the memory backstop, here tiny): of a burst of 8 concurrent prefills, those beyond
     the one running and the one waiting are refused with 503 and Retry-After at once (before their body is read),
-    counted by reason, and the admitted ones are served. (Before issue 18 this bound was the only admission rule:
+    counted by reason, and the admitted ones are served. (Before deadline-aware admission it was the only rule:
     workers + max_queued, 4 + 32 by default; now a request waits while its deadline allows, and this bound is a
     large backstop.)"""
     tight = Server("tight", "epd_lab.servers.prefill", "--workers", "1", "--max-queued", "1", "--kv-blocks", "64",
@@ -382,7 +382,7 @@ def test_a_prefill_queues_what_fits_the_deadline_and_refuses_what_does_not(tmp_p
 def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
     """max_active 1 and no queue (--max-queued 0): while one streamed request generates, a second is refused with
     503 and Retry-After at once (its KV stays with prefill, untouched); once the first stream ends, the second is
-    admitted and served. (Before issue 18 max_active alone refused; now --max-queued 0 asks for that.)"""
+    admitted and served. (Before deadline-aware admission max_active refused; now --max-queued 0 asks for that.)"""
     tight = Server("tight-decode", "epd_lab.servers.decode", "--max-active", "1", "--max-queued", "0",
                    "--kv-blocks", str(DECODE_KV_BLOCKS), log_dir=tmp_path).wait_ready()
     try:

@@ -255,7 +255,7 @@ def _package_imports(nodes: Iterable[ast.AST]) -> set[str]:
 
 def _import_graph() -> dict[str, set[str]]:
     """Module → the package modules it imports anywhere in it, lazy imports inside functions included:
-    a lazy import still makes the two modules depend on each other (the circle of issue 10 was one)."""
+    a lazy import still makes the two modules depend on each other (one such circle was found here)."""
     return {path.stem: _package_imports(ast.walk(ast.parse(path.read_text())))
             for path in sorted(PKG_DIR.glob("*.py"))}
 

@@ -1,4 +1,4 @@
-"""The vision tower gives each image the same bits whichever images share its call (issue 9).
+"""The vision tower gives each image the same bits whichever images share its call.
 
 Encoders split a request's images into parts; the monolithic model encodes them all at once. On CPUs whose
 matrix kernels choose their blocking by the number of rows (Intel Xeons with AVX-512: the batched tower

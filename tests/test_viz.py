@@ -255,7 +255,7 @@ def test_split_pays_and_its_figure_from_the_committed_gpu_grids():
         for trace in fig.data:  # several runs of one point: one value drawn, the newest run's
             assert len(set(trace.x)) == len(trace.x), (model, trace.name)
     with pytest.raises(ValueError, match="not a grid run"):
-        load_e2e([RESULTS / "e2e.json"])  # the CPU run of issue 10, before the grid
+        load_e2e([RESULTS / "e2e.json"])  # the CPU run on a 2-vCPU AMD EPYC (b0c56ae), before the GPU grid
 
 
 def test_runtime_frame_and_figure_from_the_committed_h200_run():

@@ -43,8 +43,8 @@ pytestmark = pytest.mark.timeout(240)
 
 MAX_TOKENS = 16
 # every role's timeout: the proxy's idle timeout, decode's wait for the producer, E→P. At 4 s the six concurrent
-# chats (pipelined: decode's wait spans the prefill) failed 1 run in 3 on a loaded 2-vCPU host, before and after
-# this session's changes alike
+# chats (pipelined: decode's wait spans the prefill) failed 1 run in 3 on a loaded
+# 2-vCPU host
 TIMEOUT = 6.0
 SLACK = 3.0  # bounded-time checks only; the prefills' KV free timeout (30 s) is far above TIMEOUT + SLACK
 PREFILLS, DECODES = slice(2, 4), slice(4, 6)  # Cluster.procs: encoders, prefills, decodes, proxy

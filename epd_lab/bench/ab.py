@@ -2,13 +2,13 @@
 
     epd-lab bench ab data/bench/fast-lane-ab-s13 --base d38ad3e --head c2c6432 --json data/bench/fast-lane-ab-s13/summary.json
 
-Each run is one `bench e2e` JSON named ``...-ab-<side>-r<round>[-<call>].json`` (side ``base`` or ``head``). The
-two runs of one round (the same name but for the side) are paired, and which ran second is read from their
-``created`` times. On the H200 the side that ran second in a round did worse by about half a millisecond in three
-device calls (docs/gpu.md), so the difference per round is fitted as ``head - base = head_effect +
-second_effect * s``, with ``s`` +1 where head ran second and -1 where base did (least squares over the rounds;
-with both orders equally often this is the mean difference and half the order's contrast). Per side: the
-medians of each run's paired split - floor - transfer spans, split - floor, the two TTFTs, the harness at
+Each run is one `bench e2e` JSON named ``...-ab-<side>-r<round>[-<call>].json`` (side ``base`` or ``head``). The two
+runs of one round (the same name but for the side) are paired, and which ran second is read from their ``created``
+times. On the H200 the side that ran second in a round did worse, by 0.17-0.48 ms in three A/Bs of 2026-12-03, and
+moved by -0.44 to +0.92 ms in later ones (docs/gpu-results.md), so the difference per round is fitted as
+``head - base = head_effect + second_effect * s``, with ``s`` +1 where head ran second and -1 where base did (least squares
+over the rounds; with both orders equally often this is the mean difference and half the order's contrast). Per
+side: the medians of each run's paired split - floor - transfer spans, split - floor, the two TTFTs, the harness at
 concurrency 1 (`proxy_parse`, `intake`, `reassemble` and the gaps on the critical path), its `prefill` span and the
 largest gaps. Runs with levels above concurrency 1 (``CONCURRENCY=1,4,16``, or load-only runs without pairs) also
 give ``load``: per level, each side's requests/s and TTFT p50/p90 over its runs, and head over base of their
@@ -26,7 +26,7 @@ from typing import Any
 
 NAME = re.compile(r"(?P<stem>.*)-ab-(?P<side>base|head)-r(?P<round>\d+)(?P<call>.*)\.json")
 HARNESS_STAGES = ("proxy_parse", "intake", "reassemble", "gap")
-# notify→prefill: a gated prefill's span starts as the last notify lands (no reassemble span; fourteenth session)
+# notify→prefill: a gated prefill's span starts as the last notify lands (no reassemble span with --gated-prefill)
 GAPS = ("kv_write→end", "intake→intake", "proxy_parse→intake", "notify→reassemble", "notify→prefill")
 
 

@@ -2,7 +2,7 @@
 
 On a virtual machine an idle vCPU halts, and waking a thread on it costs an exit to the host and the host's
 wake-up of that vCPU: 56-83 µs after 1-5 ms of idle on the H200's Firecracker guest, whose kernel has no cpuidle
-driver, so ``/dev/cpu_dma_latency`` changes nothing there (docs/gpu.md, eighth session). A lone split request
+driver, so ``/dev/cpu_dma_latency`` changes nothing there (docs/gpu-results.md). A lone split request
 crosses about eight more thread and process wake-ups than the monolithic floor, each after the idle spell the
 GPU work leaves on the host.
 

@@ -1,5 +1,5 @@
 """`epd-lab bench runtime`: the model runtimes ("hf", "fast") in one process, each call timed by wall clock and
-by GPU busy time, with the bit checks that make the fast runtime usable for EPD (issue 17).
+by GPU busy time, with the bit checks that make the fast runtime usable for EPD.
 
 For each model and runtime, on 448² images and a short text:
 - ``vit_1x448``, ``vit_4x448``: `encode` of one and of four images (one call);
@@ -295,7 +295,7 @@ def split_overhead(e2e: dict, images: int = 1, image_size: int = 448) -> tuple[f
 
 
 def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict:
-    """The issue's summary keys (times in ms) from the fast runtime's rows, and from `e2e` (a `bench e2e`
+    """The summary keys (times in ms: `runtime-h200.json`'s) from the fast runtime's rows, and from `e2e` (a `bench e2e`
     result through the servers on the same machine) the split's overhead."""
     def fast(model: str, what: str, key: str = "median_ms", runtime: str = "fast") -> float | None:
         row = next((r for r in results if r["model"] == model), None)
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=16, help="timed calls of each (default 16)")
     ap.add_argument("--profile-repeats", type=int, default=8, help="profiled calls of each on a GPU (default 8)")
     ap.add_argument("--json", help="write the full result here")
-    ap.add_argument("--summary", help="write the issue's summary keys here")
+    ap.add_argument("--summary", help="write the summary keys here")
     ap.add_argument("--e2e", help="a `bench e2e` JSON of the same machine: the summary's split overhead")
     ap.add_argument("--summarize", metavar="FULL_JSON[,FULL_JSON...]",
                     help="measure nothing: rewrite --summary from these full JSONs (a model's first result counts; "

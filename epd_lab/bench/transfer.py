@@ -233,7 +233,7 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """The issue's targets as ratios of medians measured in this run; `ok` is None where a side is missing."""
+    """The transfer targets as ratios of medians measured in this run; `ok` is None where a side is missing."""
     def g(path: str, size: int, blocks: int = 1) -> float | None:
         for r in rows:
             if r["path"] == path and r["size"] == size and r["blocks"] == blocks:

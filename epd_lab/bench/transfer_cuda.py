@@ -487,7 +487,7 @@ def mps_daemon() -> bool:
 
 
 def ratios(rows: list[dict], kv: list[dict]) -> list[dict]:
-    """The issue's targets as ratios of medians measured in this run."""
+    """The `cuda` transport's targets as ratios of medians measured in this run."""
     def g(path: str, size: int, blocks: int = 1) -> float | None:
         return next((r["gbps"] for r in rows if r["path"] == path and r["size"] == size and r["blocks"] == blocks),
                     None)

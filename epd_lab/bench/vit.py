@@ -3,7 +3,7 @@
 For float32 and bfloat16, on the tiny model, with images of three sizes:
 - ``kernels``: the unchanged (batched) tower run over all images at once against each image alone; the largest
   difference says whether this machine's matrix kernels give a row bits that depend on the other rows of the
-  call (0 on the AMD EPYC here; not 0 on Intel Xeons with AVX-512, issue 9). The image-invariant tower's
+  call (0 on the AMD EPYC here; not 0 on Intel Xeons with AVX-512). The image-invariant tower's
   difference must be 0 everywhere.
 - ``encoder``: `VisionEncoder.encode` of one part (2 images), batched tower against per-image tower.
 - ``monolithic``: `monolithic_prefill` over all images (tower + LLM prefill), batched against per-image.

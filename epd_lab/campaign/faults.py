@@ -10,7 +10,7 @@ stopped process resumed at once. Each cell's cluster has two of the victim's rol
 others, plus the proxy.
 
 Per cell, while the fault lasts, new requests keep coming; after it (the frozen or slowed process resumed, the
-killed one left dead) the cell sends requests again. Verdict (issue 11's targets): the failpoint was reached;
+killed one left dead) the cell sends requests again. Verdict (the campaign's targets): the failpoint was reached;
 every in-flight request ended, with an answer or a clear error (an OpenAI error object), within the servers'
 timeout + 1 s of the fault; >= 99% of the new requests during the fault succeeded with the right answer; no
 pool leaked (every gauge of the surviving servers back at idle); after recovery every answer equals the

@@ -6,7 +6,7 @@ model's answer, `servers.reference`), then the load; every request's
 outcome and latency, whether its answer equals its prompt's solo answer (greedy decoding: it must), pool
 levels and RSS sampled throughout, and how long after the last answer every pool is back at its idle level.
 
-Targets (issue 11): 0 requests fail for any reason but a 503 that came back within 1 s; 0 client timeouts;
+Targets: 0 requests fail for any reason but a 503 that came back within 1 s; 0 client timeouts;
 every answer equals its solo answer; every pool idle within 1 s of the last answer.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`epd-lab bench overload`: issue 18's targets, measured once through real processes (tiny model, this host).
+"""`epd-lab bench overload`: the overload targets (queue what can be served in time, refuse the rest at once),
+measured once through real processes (tiny model, this host).
 
 1. ``burst``: 200 concurrent streamed chats (one image, 8 tokens, greedy) on 1E/1P/1D and on 2E/2P/2D, through
    the campaign's load leg (`epd_lab.campaign.load.run_topology`: solo answers first, every answer checked

@@ -8,7 +8,7 @@ import time
 from epd_lab.campaign.report import write_report
 
 LEGS = ("load", "soak", "faults", "fuzz")
-# each leg's defaults: the issue's full campaign (the lead's run); smaller runs pass --count and friends
+# each leg's defaults: the full campaign (docs/campaign.md); smaller runs pass --count and friends
 DEFAULTS = {"load": {"count": 200, "concurrency": 200, "time_budget": 900.0},
             "soak": {"count": 10_000, "concurrency": 16, "time_budget": 1800.0},
             "faults": {"count": 4, "concurrency": 2, "time_budget": 7200.0},
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fuzz(count: int, frames: int, seed: int, budget: float, progress) -> dict:
-    """The fuzz leg (`epd_lab.campaign.fuzz`) against a 1E/1P/1D cluster with its proxy, with issue 11's
+    """The fuzz leg (`epd_lab.campaign.fuzz`) against a 1E/1P/1D cluster with its proxy, with the campaign's
     targets read from its report."""
     from epd_lab.campaign.fuzz import fuzz
     from epd_lab.campaign.verdict import target

@@ -2,7 +2,7 @@
 by the client mid-stream and a share of them bad (an image that is not one, bad fields), on a 1E/1P/1D
 cluster; pool levels and every process's RSS sampled throughout.
 
-Targets (issue 11): 0 leaked registrations, blocks, pins or embedding buffers at the end (every pool gauge
+Targets: 0 leaked registrations, blocks, pins or embedding buffers at the end (every pool gauge
 back at its idle level); every process's RSS grows by at most 5% over the second half of the run; bad input
 is refused with a 4xx (never a 5xx); every answer equals its solo answer.
 """

@@ -1,4 +1,4 @@
-"""Tracing (DESIGN.md §5): spans recorded in every process (`spans`), one table of them and its exports
+"""Tracing: spans recorded in every process (`spans`), one table of them and its exports
 (`frame`), their collection from a cluster's servers with each node's clock offset (`collect`), and a
 request's critical path through them with the time no span covers (`critical`)."""
 from epd_lab.trace.collect import ClockOffset, SpansPage, clock_answer, collect, estimate_clock_offset, spans_answer

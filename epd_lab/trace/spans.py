@@ -1,4 +1,4 @@
-"""Timed spans of protocol stages (DESIGN.md §5), recorded in every process.
+"""Timed spans of protocol stages, recorded in every process.
 
 A span is ``(req_id, part, stage, node, t_start_ns, t_end_ns, nbytes)``. Clocks are CLOCK_MONOTONIC
 (`time.monotonic_ns`), which all processes of one boot and one time namespace share (`clock_id`), so spans
@@ -28,7 +28,7 @@ STAGES = ("intake", "http_encode", "load", "decode", "vit", "buffer_alloc", "reg
           "notify", "reassemble", "prefill")
 # The P→D stages and the proxy's per-request spans, in the order a request meets them.
 PD_STAGES = ("proxy_parse", "kv_write", "kv_query", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
-# The spans that move bytes between the roles on a split request's TTFT path (issue 17's split target leaves them
+# The spans that move bytes between the roles on a split request's TTFT path (the split's target leaves them
 # out: "split − floor ≤ 3 ms plus the transfer spans").
 TRANSFER_STAGES = ("transfer", "notify", "kv_write")
 

@@ -1,4 +1,4 @@
-"""Plotly figures of epd_lab's measurements, and their export (DESIGN.md §5).
+"""Plotly figures of epd_lab's measurements, and their export.
 
 - `timeline`: per-request waterfalls (optionally with the request's critical path and its gaps on top) and
   per-stage distributions of the spans table (`epd_lab.trace.spans_frame`).

@@ -5,8 +5,8 @@
 - `goodput_figure`: goodput (solid) and throughput (dotted) against the offered rate, one colour per topology;
   the dashed diagonal is goodput = rate (every request served within its SLOs).
 - `goodput_gain`: each split topology's goodput over the monolithic floor's at the same rate.
-- `load_placements`: an `epd-lab sweep rates --placements` folder (issue 22) as `load_rates`' rows, one line per
-  placement (in ``topology``), with its ``answers.json``.
+- `load_placements`: an `epd-lab sweep rates --placements` folder (placements at equal GPUs) as `load_rates`' rows,
+  one line per placement (in ``topology``), with its ``answers.json``.
 - `pareto_front` / `pareto_figure`: each point a rate's (TTFT, TPOT) at a statistic (p50, p99); per topology the
   points no other point of it beats on both, joined as a step line.
 """

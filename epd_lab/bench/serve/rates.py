@@ -6,16 +6,16 @@
 Each topology's cluster starts once (`topologies.launch`), answers warm-up requests sent all at once, then takes
 every rate in turn, lowest first. Each rate's requests come from a seed of their own, and every image is distinct, so
 no request hits an encoder's embedding cache; every topology gets the same requests at a rate. Every point's result
-(`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate-<r>.json`` (no ``=`` in the name: the device tool
-does not carry such names back); ``OUT/rates.csv`` has a row per point (`point_row`) and ``OUT/sweep.json`` the
+(`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate-<r>.json`` (no ``=`` in the name: some result
+transfers do not carry such names back); ``OUT/rates.csv`` has a row per point (`point_row`) and ``OUT/sweep.json`` the
 settings. A later call into the same folder replaces the rows of the
-topologies it runs and keeps the others (a device budget may allow one topology per call). The per-request lists in
+topologies it runs and keeps the others (a time limit per run may allow one topology per call). The per-request lists in
 each JSON let goodput be recomputed for
 any other SLOs afterwards (`epd_lab.viz.goodput`). On several GPUs, ``--devices monolithic1=cuda:1`` (or
 ``encoder=cuda:1``) places a role or a process over ``--device`` for every topology of the call: one placement per
 call, each into its own ``--out`` (two placements of ``1e1p1d`` would share ``OUT/1e1p1d/``; docs/gpu.md).
 
-``--placements 2xmonolithic,e-gpu1,d-gpu1,spread --gpus cuda:0,cuda:1`` runs issue 22's deployments at equal GPUs
+``--placements 2xmonolithic,e-gpu1,d-gpu1,spread --gpus cuda:0,cuda:1`` runs the deployments at equal GPUs
 (`topologies.PLACEMENTS`) instead, one after the other, each into ``OUT/<placement>/``, the same requests at each
 rate; ``OUT/answers.json`` then says, per rate, how many answers each placement in ``OUT`` (an earlier call's too)
 gave that equal the reference placement's (`placement_answers`: greedy, every split must answer as the monolithic
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="roles' or processes' own devices over --device (monolithic1=cuda:1), for every topology "
                     "of the call: a name one of them does not start is refused")
     ap.add_argument("--placements", default=None, metavar="NAME[,...]",
-                    help=f"issue 22's placements over --gpus instead of --topologies: {','.join(PLACEMENTS)}, or all")
+                    help=f"the placements at equal GPUs over --gpus instead of --topologies: "
+                         f"{','.join(PLACEMENTS)}, or all")
     ap.add_argument("--gpus", default="cuda:0,cuda:1", metavar="DEV0,DEV1", help="the two devices of --placements")
     ap.add_argument("--launch-model", default=None)
     ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of each prefill, decode or floor")

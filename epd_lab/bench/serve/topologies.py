@@ -9,7 +9,7 @@ the bench's media server listens on 127.0.0.1, which their policy refuses otherw
 ``encoder=cuda:1,prefill0=cuda:0``): a process's entry wins over its role's; a name the topology does not start
 is refused (`Topology`'s check), before any process starts.
 
-`PLACEMENTS` are issue 22's deployments at equal GPUs (two): each a topology and the processes or roles that run
+`PLACEMENTS` are the deployments compared at equal GPUs (two): each a topology and the processes or roles that run
 on the second GPU, every other one on the first (`placement`).
 """
 from __future__ import annotations
