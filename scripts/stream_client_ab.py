@@ -1,5 +1,5 @@
-"""Side by side, one cluster: `bench e2e`'s streaming client against the `http.client` one it replaced (session
-11), alternating per request at concurrency 1, and where each one's client-side time goes: from its send to the
+"""Side by side, one cluster: `bench e2e`'s streaming client against the `http.client` one it replaced,
+alternating per request at concurrency 1, and where each one's client-side time goes: from its send to the
 proxy's ``proxy_parse`` span, and from the proxy's ``ttft`` span's end to its first content chunk parsed (one
 host, one clock). Writes JSON.
 
