@@ -53,7 +53,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -74,6 +74,7 @@ from epd_lab.kv.messages import (
 )
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.kv.runs import BlockCopies, block_copies
+from epd_lab.kv.tp_plan import CacheGeometry, KVLayout, head_copies, plan_kv_transfer
 from epd_lab.failpoints import failpoint
 from epd_lab.transfer.engine import parse_session_id
 
@@ -112,6 +113,15 @@ def _peer_address(frame: zmq.Frame) -> str:
         return ""
 
 
+def _layout_of(cache: PagedKVCache, layout: KVLayout | None) -> KVLayout:
+    """`layout`, checked against the rank's cache (its KV heads); None: one rank holding the cache's heads."""
+    layout = layout or KVLayout(cache.num_kv_heads)
+    if layout.local_heads != cache.num_kv_heads:
+        raise ValueError(f"rank {layout.tp_rank} of tp {layout.tp_size} holds {layout.local_heads} of "
+                         f"{layout.num_kv_heads} KV heads, but its cache has {cache.num_kv_heads}")
+    return layout
+
+
 REPLY_SLACK_S = 0.5  # a consumer waits this much past its timeout for the producer's answer (see KVConsumer)
 
 
@@ -142,6 +152,7 @@ class _Held:
     block_ids: list[int]
     expires: float  # monotonic time after which the blocks are freed unasked
     aux: KVAux | None = None  # sent with TRANS_DONE (a pipelined decode learns the first token there)
+    asked: set[int] = field(default_factory=set)  # the decode TP ranks answered so far: each rank asks once
 
 
 @dataclass(slots=True)
@@ -186,6 +197,10 @@ class KVProducer:
             An ask whose requests are all finished is served on arrival and never waits.
         secret: the shared secret whose tag every ask must carry (`epd_lab.security`); None takes ``EPD_SECRET``
             from the environment. Replies are tagged with it too.
+        layout: this prefill rank's place in its TP group (`tp_plan.KVLayout`); None: one rank holding every KV
+            head. A decode rank names its own in its metadata; this rank writes the head slices the plan between
+            the two group sizes gives it (`tp_plan.plan_kv_transfer`), possibly none, and refuses a decode whose
+            model has another KV layout.
 
     Waiting work is indexed by request id: `request_finished`, `announce` and `abort` re-examine only the asks
     naming that request, so the serving thread's work per event does not grow with what waits.
@@ -194,7 +209,9 @@ class KVProducer:
     def __init__(self, engine: Any, cache: PagedKVCache, *, free_blocks: Callable[[list[int]], None],
                  host: str = "127.0.0.1", port: int = 0, timeout: float = 5.0, free_timeout: float = 30.0,
                  max_request_ids: int = MAX_REQUEST_IDS, max_waiting: int = MAX_WAITING,
-                 max_waiting_per_peer: int = MAX_WAITING_PER_PEER, secret: bytes | str | None = None) -> None:
+                 max_waiting_per_peer: int = MAX_WAITING_PER_PEER, secret: bytes | str | None = None,
+                 layout: KVLayout | None = None) -> None:
+        self.layout = _layout_of(cache, layout)
         if timeout <= 0 or free_timeout <= 0:
             raise ValueError(f"timeout and free_timeout must be positive, got {timeout}, {free_timeout}")
         if min(max_request_ids, max_waiting, max_waiting_per_peer) < 1:
@@ -393,9 +410,12 @@ class KVProducer:
             else:
                 entries = [self._held.get(rid) for rid in rids]
                 if all(entries) and not aborted:
-                    for rid in rids:
-                        del self._held[rid]
-                        self._plans.pop(rid, None)
+                    meta = item.metadata
+                    for rid, entry in zip(rids, entries):
+                        entry.asked.add(meta.tp_rank)
+                        if len(entry.asked) >= meta.tp_size:  # the last decode rank: the blocks go after this
+                            del self._held[rid]
+                            self._plans.pop(rid, None)
         if aborted:  # the other requests of the ask stay held: they may be asked for again
             if isinstance(item, _Ask):
                 self._count("transfers_failed")
@@ -405,7 +425,7 @@ class KVProducer:
                 return False
             self._reply(item.envelope, plan)
         elif all(entries):
-            self.send_kv_to_decode(item, entries)
+            self.send_kv_to_decode(item, entries, last=len(entries[0].asked) >= item.metadata.tp_size)
         else:
             return False
         return True
@@ -453,9 +473,10 @@ class KVProducer:
                 error = f"request(s) {missing} not found on the producer within {self.timeout} s"
             self._reply(item.envelope, TransError(item.request_ids, error, reason="not_found"))
 
-    def send_kv_to_decode(self, ask: _Ask, entries: list[_Held]) -> None:
+    def send_kv_to_decode(self, ask: _Ask, entries: list[_Held], last: bool = True) -> None:
         """Write the finished requests of `ask` into decode's blocks (`_send_blocks`), answer ``TRANS_DONE``
-        (``TRANS_ERROR`` on any failure) and free the blocks. Called on the serving thread only."""
+        (``TRANS_ERROR`` on any failure) and, once `last` (every rank of the decode's TP group has asked), free
+        the blocks. Called on the serving thread only."""
         meta = ask.metadata
         try:
             nbytes = self._send_blocks(meta, entries)
@@ -467,29 +488,63 @@ class KVProducer:
             reply = TransDone(meta.request_ids, auxes if all(a is not None for a in auxes) else [])
             self._count("transfers_done", requests_done=len(entries), bytes_sent=nbytes)
         self._reply(ask.envelope, reply)
-        for entry in entries:  # answered either way: decode will not ask again
-            self._free(entry.block_ids)
+        if last:  # answered either way: no decode rank will ask again
+            for entry in entries:
+                self._free(entry.block_ids)
 
     def _send_blocks(self, meta: MooncakeAgentMetadata, entries: list[_Held]) -> int:
-        """One ``batch_transfer_sync_write`` of every request's blocks into decode's, in the runs contiguous on
-        both sides (`block_copies`, `group_concurrent_contiguous`); returns the bytes written. Raises
-        `ValueError` when decode's cache or block tables do not match prefill's."""
-        if (meta.block_len not in (None, self.cache.block_len)  # None: the seed's, which never says
-                or len(meta.kv_caches_base_addr) != len(self.cache.base_addrs)):
-            raise ValueError(f"decode's cache ({len(meta.kv_caches_base_addr)} regions, block_len {meta.block_len}) "
-                             f"does not match prefill's ({len(self.cache.base_addrs)}, {self.cache.block_len})")
-        out = BlockCopies([], [], [], [])
+        """One ``batch_transfer_sync_write`` of every request's blocks into decode's: whole blocks in the runs
+        contiguous on both sides (`block_copies`, `group_concurrent_contiguous`), or under TP this rank's head
+        slices of them (`tp_plan.head_copies`); returns the bytes written. Raises `ValueError` when decode's
+        cache, KV layout or block tables do not match prefill's."""
         for rid, entry, dst_ids in zip(meta.request_ids, entries, meta.block_ids):
             if len(dst_ids) != len(entry.block_ids):
                 raise ValueError(f"request {rid!r}: decode sent {len(dst_ids)} blocks, "
                                  f"prefill has {len(entry.block_ids)}")
-            part = block_copies(self.cache.base_addrs, meta.kv_caches_base_addr, entry.block_ids, dst_ids,
-                                self.cache.block_len, meta.rkeys or None)
-            for mine, theirs in zip(out, part):
-                mine.extend(theirs)
+        out = BlockCopies([], [], [], [])
+        if meta.num_kv_heads is None:  # the seed's metadata: whole caches on both sides
+            if self.layout.tp_size > 1:
+                raise ValueError(f"prefill is rank {self.layout.tp_rank} of a TP group of {self.layout.tp_size}: "
+                                 f"decode's metadata must name its KV layout (num_kv_heads, block_size)")
+            if (meta.block_len not in (None, self.cache.block_len)  # None: the seed's, which never says
+                    or len(meta.kv_caches_base_addr) != len(self.cache.base_addrs)):
+                raise ValueError(f"decode's cache ({len(meta.kv_caches_base_addr)} regions, block_len "
+                                 f"{meta.block_len}) does not match prefill's ({len(self.cache.base_addrs)}, "
+                                 f"{self.cache.block_len})")
+            for entry, dst_ids in zip(entries, meta.block_ids):
+                part = block_copies(self.cache.base_addrs, meta.kv_caches_base_addr, entry.block_ids, dst_ids,
+                                    self.cache.block_len, meta.rkeys or None)
+                for mine, theirs in zip(out, part):
+                    mine.extend(theirs)
+        else:
+            src, dst = self._geometries(meta)
+            slices = plan_kv_transfer(self.layout.num_kv_heads, self.layout.tp_size, meta.tp_size).between(
+                self.layout.tp_rank, meta.tp_rank)
+            for entry, dst_ids in zip(entries, meta.block_ids):
+                part = head_copies(slices, src, dst, entry.block_ids, dst_ids, meta.rkeys or None)
+                for mine, theirs in zip(out, part):
+                    mine.extend(theirs)
         failpoint("prefill.kv_write")
-        self.engine.batch_transfer_sync_write(meta.session_id, *out)
+        if out.srcs:
+            self.engine.batch_transfer_sync_write(meta.session_id, *out)
         return sum(out.lengths)
+
+    def _geometries(self, meta: MooncakeAgentMetadata) -> tuple[CacheGeometry, CacheGeometry]:
+        """This rank's cache and the decode rank's, as the plan's runs address them; ValueError (the handshake's
+        refusal) when decode's model has another KV layout: heads, layers, block size, head width or dtype."""
+        cache, layout = self.cache, self.layout
+        head_bytes = cache.block_len // (cache.block_size * cache.num_kv_heads)
+        dst = KVLayout(meta.num_kv_heads, meta.tp_size, meta.tp_rank) if meta.num_kv_heads == layout.num_kv_heads \
+            else None
+        if dst is None or meta.block_size != cache.block_size or len(meta.kv_caches_base_addr) != len(
+                cache.base_addrs) or meta.block_len != cache.block_size * dst.local_heads * head_bytes:
+            raise ValueError(
+                f"decode's KV layout ({meta.num_kv_heads} KV heads, {len(meta.kv_caches_base_addr)} regions, "
+                f"block size {meta.block_size}, block_len {meta.block_len} at tp {meta.tp_size}) is not prefill's "
+                f"({layout.num_kv_heads} KV heads, {len(cache.base_addrs)} regions, block size {cache.block_size}, "
+                f"{head_bytes} bytes a head): different models or head layouts")
+        return (CacheGeometry(cache.base_addrs, cache.block_size, cache.num_kv_heads, head_bytes),
+                CacheGeometry(meta.kv_caches_base_addr, meta.block_size, dst.local_heads, head_bytes))
 
     def _expire_held(self) -> None:
         now = time.monotonic()
@@ -567,13 +622,16 @@ class KVConsumer:
             same timeout answers an ask it could not serve (``TRANS_ERROR`` "not found") before this gives up.
         secret: the shared secret asks are tagged with and replies must carry (`epd_lab.security`); None takes
             ``EPD_SECRET`` from the environment.
+        layout: this decode rank's place in its TP group (`tp_plan.KVLayout`), sent in every ask; None: one rank
+            holding every KV head.
     """
 
     MAX_PRODUCERS = 64
     MAX_IDLE = 8
 
     def __init__(self, engine: Any, cache: PagedKVCache, *, timeout: float = 5.0,
-                 secret: bytes | str | None = None) -> None:
+                 secret: bytes | str | None = None, layout: KVLayout | None = None) -> None:
+        self.layout = _layout_of(cache, layout)
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if not cache.keys:
@@ -641,7 +699,9 @@ class KVConsumer:
         return MooncakeAgentMetadata(
             remote_hostname=host, remote_port=port, request_ids=[request_id],
             kv_caches_base_addr=self.cache.base_addrs, block_ids=[list(block_ids)],
-            session_id=self.engine.session_id, rkeys=list(self.cache.keys), block_len=self.cache.block_len)
+            session_id=self.engine.session_id, rkeys=list(self.cache.keys), block_len=self.cache.block_len,
+            tp_size=self.layout.tp_size, tp_rank=self.layout.tp_rank, num_kv_heads=self.layout.num_kv_heads,
+            block_size=self.cache.block_size)
 
     def query(self, producer_url: str, request_id: str, timeout: float | None = None) -> KVPlan:
         """The pipelined handshake's first step: ask the producer how long `request_id`'s prompt is and how many
@@ -660,11 +720,39 @@ class KVConsumer:
         ``TRANS_DONE`` (with prefill's first token and rope delta when prefill gave them). Raises
         `KVTransferError` otherwise (`KVTransferTimeout` after `timeout` seconds, when given and shorter than this
         consumer's own: what is left of the request's deadline); the blocks stay the caller's to free."""
-        reply = self._round_trip(producer_url, request_id, encode(self.metadata(request_id, block_ids)), timeout)
-        if not isinstance(reply, TransDone) or reply.request_ids != [request_id]:
-            what = f"TRANS_DONE for {reply.request_ids}" if isinstance(reply, TransDone) else type(reply).__name__
-            raise KVTransferError(f"request {request_id!r}: {what} instead")
-        return reply
+        return self.receive_kv_group([producer_url], request_id, block_ids, timeout)
+
+    def receive_kv_group(self, producer_urls: Sequence[str], request_id: str, block_ids: Sequence[int],
+                         timeout: float | None = None) -> TransDone:
+        """`receive_kv` from a prefill TP group, `producer_urls` its ranks' side channels in rank order: the same
+        ask goes to every rank at once (each writes the head slices the plan gives it, possibly none, and frees
+        its blocks), and this returns once every rank answered ``TRANS_DONE``: rank 0's. Raises
+        `KVTransferError` as `receive_kv`, naming the rank, after asking them all (no reply is left pending)."""
+        if not producer_urls:
+            raise ValueError("no producer to ask")
+        # both groups' sizes give the same plan on both sides; a plan that cannot cover this rank is refused here
+        plan_kv_transfer(self.layout.num_kv_heads, len(producer_urls), self.layout.tp_size)
+        payload = encode(self.metadata(request_id, block_ids))
+        own = self.timeout + REPLY_SLACK_S
+        wait = own if timeout is None else min(own, timeout)
+        deadline = time.monotonic() + wait
+        asked = [(url, self._ask(url, payload)) for url in producer_urls]
+        replies: list[TransDone | KVPlan] = []
+        error: KVTransferError | None = None
+        for rank, (url, sock) in enumerate(asked):
+            try:
+                reply = self._answer(url, sock, request_id, deadline - time.monotonic(), wait == own)
+            except KVTransferError as exc:
+                if error is None:
+                    error = exc if len(asked) == 1 else type(exc)(f"prefill rank {rank}: {exc}", exc.reason)
+                continue
+            if not isinstance(reply, TransDone) or reply.request_ids != [request_id]:
+                what = f"TRANS_DONE for {reply.request_ids}" if isinstance(reply, TransDone) else type(reply).__name__
+                error = error or KVTransferError(f"request {request_id!r}: {what} instead")
+            replies.append(reply)
+        if error is not None:
+            raise error
+        return replies[0]
 
     def _round_trip(self, producer_url: str, request_id: str, payload: bytes,
                     timeout: float | None) -> TransDone | KVPlan:
@@ -672,11 +760,25 @@ class KVConsumer:
         # mid-transfer is given up on then, not after this consumer's whole timeout
         own = self.timeout + REPLY_SLACK_S
         wait = own if timeout is None else min(own, timeout)
+        return self._answer(producer_url, self._ask(producer_url, payload), request_id, wait, wait == own)
+
+    def _ask(self, producer_url: str, payload: bytes) -> zmq.Socket:
+        """Send a signed ask on a pooled socket; the socket awaits its answer (`_answer`)."""
         sock = self._socket(producer_url)
         try:
             sock.send(security.sign(self._secret, security.KV_ASK, payload))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _answer(self, producer_url: str, sock: zmq.Socket, request_id: str, wait: float,
+                whole: bool) -> TransDone | KVPlan:
+        """The verified answer on `sock` within `wait` seconds (`whole`: this consumer's own timeout, else the
+        request's deadline); `KVTransferError` otherwise. The socket goes back to the pool only after a reply."""
+        try:
             if not sock.poll(max(0, int(wait * 1000)), zmq.POLLIN):
-                within = f"{self.timeout} s" if wait == own else f"the request's deadline ({max(wait, 0.0):.2f} s)"
+                within = f"{self.timeout} s" if whole else f"the request's deadline ({max(wait, 0.0):.2f} s)"
                 raise KVTransferTimeout(f"request {request_id!r}: no answer from the producer at {producer_url} "
                                         f"within {within} (dead or stuck)")
             frame = sock.recv(copy=False)

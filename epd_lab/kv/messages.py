@@ -44,6 +44,11 @@ class MooncakeAgentMetadata(msgspec.Struct, tag="metadata", forbid_unknown_field
     session_id: str = ""  # "remote_hostname:remote_port", what batch_transfer_sync_write takes
     rkeys: list[NonNegative] = []  # empty: no keys
     block_len: Annotated[int, msgspec.Meta(gt=0)] | None = None  # bytes per block per region
+    # the decode rank's place in its TP group and its model's KV layout (None: the seed's whole caches, unchecked)
+    tp_size: Annotated[int, msgspec.Meta(gt=0, le=1024)] = 1
+    tp_rank: NonNegative = 0
+    num_kv_heads: Annotated[int, msgspec.Meta(gt=0)] | None = None  # the model's, not the rank's
+    block_size: Annotated[int, msgspec.Meta(gt=0)] | None = None  # tokens per block
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into a ValidationError of the decode.
@@ -51,6 +56,10 @@ class MooncakeAgentMetadata(msgspec.Struct, tag="metadata", forbid_unknown_field
             raise ValueError("no request_ids")
         if len(self.block_ids) != len(self.request_ids):
             raise ValueError(f"{len(self.block_ids)} block lists for {len(self.request_ids)} requests")
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} of tp_size {self.tp_size}")
+        if self.tp_size > 1 and (self.num_kv_heads is None or self.block_size is None):
+            raise ValueError("a TP rank's metadata must name num_kv_heads and block_size")
         if self.rkeys and len(self.rkeys) != len(self.kv_caches_base_addr):
             raise ValueError(f"{len(self.rkeys)} rkeys for {len(self.kv_caches_base_addr)} regions")
         if not self.session_id:
