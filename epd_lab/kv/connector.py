@@ -475,14 +475,20 @@ class KVProducer:
 
     def send_kv_to_decode(self, ask: _Ask, entries: list[_Held], last: bool = True) -> None:
         """Write the finished requests of `ask` into decode's blocks (`_send_blocks`), answer ``TRANS_DONE``
-        (``TRANS_ERROR`` on any failure) and, once `last` (every rank of the decode's TP group has asked), free
-        the blocks. Called on the serving thread only."""
+        (``TRANS_ERROR`` on any failure) and, once `last` (every rank of the decode's TP group has asked) or on a
+        failure, free the blocks. Called on the serving thread only."""
         meta = ask.metadata
         try:
             nbytes = self._send_blocks(meta, entries)
         except Exception as exc:  # any failure is the consumer's TRANS_ERROR, never a crash of this thread
             reply: TransDone | TransError = TransError(meta.request_ids, f"{type(exc).__name__}: {exc}")
             self._count("transfers_failed", requests_failed=len(entries))
+            if not last:  # the request failed for every decode rank: the others' asks find it gone
+                with self._lock:
+                    for rid in meta.request_ids:
+                        self._held.pop(rid, None)
+                        self._plans.pop(rid, None)
+                last = True
         else:
             auxes = [entry.aux for entry in entries]
             reply = TransDone(meta.request_ids, auxes if all(a is not None for a in auxes) else [])

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from epd_lab.kv.block_manager import BlockManager, blocks_needed
 from epd_lab.kv.connector import KVConsumer, KVProducer
 from epd_lab.kv.messages import KVAux
 from epd_lab.kv.paged_cache import PagedKVCache
-from epd_lab.kv.tp_plan import KVLayout
+from epd_lab.kv.tp_plan import KVLayout, side_channel_port
 from epd_lab.models.runtime.tp import TPGroup, kv_head_range, run_ranks
 
 
@@ -47,13 +48,15 @@ class PDCase:
     num_blocks: int = 64
     protocol: str = "shm"  # the transfer engine's: shm or tcp
     timeout_s: float = 60.0  # each wait of a rank on another group
+    side_channel_base: int = 0  # prefill ranks listen on base + dp_rank * tp_size + tp_rank; 0: ports from the OS
 
 
 @dataclass
 class PDResult:
-    """Per prefill rank its summary; per decode TP size, per rank, its summary (see `decode_rank`)."""
+    """Per prefill DP replica, per rank, its summary (`prefill_rank`); per decode TP size, per rank, its summary
+    (`decode_rank`)."""
 
-    prefill: list[dict[str, Any]]
+    prefill: dict[int, list[dict[str, Any]]]
     decode: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -82,23 +85,27 @@ def _blocks(cache: PagedKVCache, table: list[int]) -> list[torch.Tensor]:
     return [cache.layer(i)[j][index].clone() for i in range(cache.num_layers) for j in (0, 1)]
 
 
-def prefill_rank(tp: TPGroup, case: PDCase, meeting: str, request_ids: list[str]) -> dict[str, Any]:
-    """Rank `tp.rank` of the prefill group: prefill the prompt once per request id into its own blocks, save the
-    first one's KV blocks, serve the side channel until every request was asked for, and report its block pool
-    (every block back) and producer counters."""
+def prefill_rank(tp: TPGroup, case: PDCase, meeting: str, request_ids: list[str], dp_rank: int = 0,
+                 ) -> dict[str, Any]:
+    """Rank `tp.rank` of DP replica `dp_rank` of the prefill role: prefill the prompt once per request id into its
+    own blocks, save the first one's KV blocks, serve the side channel (on seed 003's port when
+    `case.side_channel_base` is set) until every request was asked for, and report its block pool (every block
+    back), its producer's counters and its process's listening TCP ports."""
     from epd_lab.models.runtime import open_runtime
     from epd_lab.models.sampling import sample
     from epd_lab.transfer import TransferEngine
 
-    folder = Path(meeting)
+    folder, name = Path(meeting), f"prefill-{dp_rank}-{tp.rank}"
     model, ids, pixel_values, grid = _load(case)
     n_blocks = blocks_needed(ids.shape[-1], case.block_size)
+    port = side_channel_port(dp_rank, tp.size, tp.rank, case.side_channel_base)
     pool = BlockManager(case.num_blocks)
     layout = KVLayout(model.config.text_config.num_key_value_heads, tp.size, tp.rank)
     with TransferEngine(protocol=case.protocol) as engine, \
             PagedKVCache.from_config(model.config, num_blocks=case.num_blocks, block_size=case.block_size,
                                      dtype=model.dtype, engine=engine, tp_size=tp.size) as cache, \
-            KVProducer(engine, cache, free_blocks=pool.free, layout=layout, timeout=case.timeout_s) as producer:
+            KVProducer(engine, cache, free_blocks=pool.free, layout=layout, timeout=case.timeout_s,
+                       port=port) as producer:
         runtime = open_runtime("fast", model, cache, tp=tp)
         embeds = None if pixel_values is None else runtime.encode(pixel_values, grid)
         for i, rid in enumerate(request_ids):
@@ -107,15 +114,18 @@ def prefill_rank(tp: TPGroup, case: PDCase, meeting: str, request_ids: list[str]
             first = int(sample(out.logits.reshape(1, -1), [0.0], [case.seed], [0]))
             if i == 0:
                 torch.save({"blocks": _blocks(cache, table), "first_token": first, "rope_delta": out.rope_delta},
-                           folder / f"prefill-{tp.rank}.pt")
+                           folder / f"{name}.pt")
             producer.request_finished(rid, table, KVAux(first, out.rope_delta))
-        (folder / f"prefill-{tp.rank}.url").write_text(producer.url)
+        (folder / f"{name}.url").write_text(producer.url)
         _wait_for([folder / f"done-{rid}" for rid in request_ids], case.timeout_s, "the decode groups' asks")
         deadline = time.monotonic() + case.timeout_s  # the producer frees after its reply has gone
         while pool.num_used_blocks and time.monotonic() < deadline:
             time.sleep(0.01)
-        return {"rank": tp.rank, "kv_heads": kv_head_range(layout.num_kv_heads, tp.size, tp.rank),
-                "blocks_in_use": pool.num_used_blocks, **producer.stats()}
+        listening = sorted({c.laddr.port for c in psutil.Process().net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN})
+        return {"rank": tp.rank, "dp_rank": dp_rank, "kv_heads": kv_head_range(layout.num_kv_heads, tp.size, tp.rank),
+                "url": producer.url, "listening_ports": listening, "blocks_in_use": pool.num_used_blocks,
+                **producer.stats()}
 
 
 def regrouped(prefill_blocks: list[list[torch.Tensor]], num_kv_heads: int, dst_tp: int,
@@ -139,8 +149,10 @@ def regrouped(prefill_blocks: list[list[torch.Tensor]], num_kv_heads: int, dst_t
     return out, replicas_equal
 
 
-def decode_rank(tp: TPGroup, case: PDCase, meeting: str, src_tp: int, request_id: str) -> dict[str, Any]:
-    """Rank `tp.rank` of a decode group: receive `request_id`'s KV from every prefill rank, compare the landed
+def decode_rank(tp: TPGroup, case: PDCase, meeting: str, src_tp: int, request_id: str, src_dp: int = 0,
+                ) -> dict[str, Any]:
+    """Rank `tp.rank` of a decode group: receive `request_id`'s KV from every rank of prefill replica `src_dp`,
+    compare the landed
     blocks with the prefill KV regrouped (`regrouped`), then decode greedy and seeded from them, and from a second
     copy of the blocks filled locally with the regrouped KV (the in-process reference). Reports the comparison,
     the answers and its block pool."""
@@ -153,9 +165,10 @@ def decode_rank(tp: TPGroup, case: PDCase, meeting: str, src_tp: int, request_id
     num_kv_heads = model.config.text_config.num_key_value_heads
     pool = BlockManager(case.num_blocks)
     n_blocks = blocks_needed(prompt_len + case.max_new_tokens - 1, case.block_size)
-    _wait_for([folder / f"prefill-{r}.url" for r in range(src_tp)], case.timeout_s, "the prefill group")
-    urls = [(folder / f"prefill-{r}.url").read_text() for r in range(src_tp)]
-    saved = [torch.load(folder / f"prefill-{r}.pt") for r in range(src_tp)]
+    names = [folder / f"prefill-{src_dp}-{r}" for r in range(src_tp)]
+    _wait_for([n.with_suffix(".url") for n in names], case.timeout_s, "the prefill group")
+    urls = [n.with_suffix(".url").read_text() for n in names]
+    saved = [torch.load(n.with_suffix(".pt")) for n in names]
     with TransferEngine(protocol=case.protocol) as engine, \
             PagedKVCache.from_config(model.config, num_blocks=case.num_blocks, block_size=case.block_size,
                                      dtype=model.dtype, engine=engine, tp_size=tp.size) as cache, \
@@ -192,18 +205,34 @@ def decode_rank(tp: TPGroup, case: PDCase, meeting: str, src_tp: int, request_id
                 "first_token": aux.first_token, "blocks_in_use": pool.num_used_blocks}
 
 
-def run_pd(case: PDCase, src_tp: int, dst_tps: list[int]) -> PDResult:
-    """A prefill group of `src_tp` ranks and one decode group per size in `dst_tps`, all at once (each rank a
-    process), over a fresh meeting folder that is removed afterwards; see the module docstring."""
+def monolithic_rank(tp: TPGroup, case: PDCase) -> dict[str, list[int]]:
+    """The monolithic use at this group's TP size: encode, prefill and decode in one group, greedy and seeded
+    (token 0 drawn with the seed too, where `prefill_rank` draws it greedily)."""
+    from epd_lab.models.runtime import generate, open_runtime
+
+    model, ids, pixel_values, grid = _load(case)
+    table = list(range(blocks_needed(ids.shape[-1] + case.max_new_tokens - 1, case.block_size)))
+    with PagedKVCache.from_config(model.config, num_blocks=len(table), block_size=case.block_size, dtype=model.dtype,
+                                  tp_size=tp.size) as cache:
+        runtime = open_runtime("fast", model, cache, tp=tp)
+        return {"tokens": generate(runtime, ids, pixel_values, grid, case.max_new_tokens, table),
+                "seeded_tokens": generate(runtime, ids, pixel_values, grid, case.max_new_tokens, table,
+                                          case.temperature, case.seed)}
+
+
+def run_pd(case: PDCase, src_tp: int, dst_tps: list[int], dp_size: int = 1) -> PDResult:
+    """`dp_size` prefill replicas of `src_tp` ranks and one decode group per size in `dst_tps` (decode group i
+    asks replica i % dp_size), all at once, each rank a process, over a fresh meeting folder that is removed
+    afterwards; see the module docstring."""
     folder = Path(tempfile.mkdtemp(prefix="epd-tp-pd-"))
     rids = [f"tp-pd-{src_tp}-{d}-{i}" for i, d in enumerate(dst_tps)]
     try:
-        with ThreadPoolExecutor(max_workers=1 + len(dst_tps)) as pool:
-            prefill = pool.submit(run_ranks, prefill_rank, src_tp, case, str(folder), rids,
-                                  timeout_s=3 * case.timeout_s)
-            decodes = {d: pool.submit(run_ranks, decode_rank, d, case, str(folder), src_tp, rid,
-                                      timeout_s=3 * case.timeout_s) for d, rid in zip(dst_tps, rids)}
+        with ThreadPoolExecutor(max_workers=dp_size + len(dst_tps)) as pool:
+            prefills = {dp: pool.submit(run_ranks, prefill_rank, src_tp, case, str(folder), rids[dp::dp_size], dp,
+                                        timeout_s=3 * case.timeout_s) for dp in range(dp_size)}
+            decodes = {d: pool.submit(run_ranks, decode_rank, d, case, str(folder), src_tp, rid, i % dp_size,
+                                      timeout_s=3 * case.timeout_s) for i, (d, rid) in enumerate(zip(dst_tps, rids))}
             decode = {d: f.result() for d, f in decodes.items()}  # a decode group's failure first: the cause
-            return PDResult(prefill.result(), decode)
+            return PDResult({dp: f.result() for dp, f in prefills.items()}, decode)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

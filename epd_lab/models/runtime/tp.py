@@ -198,8 +198,12 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"TP group of {size} ranks did not finish within {timeout_s:.0f} s")
                 continue
-            if not ok:
-                raise RuntimeError(f"TP rank {rank} of {size} failed: {value}")
+            if not ok:  # a rank that died is the cause of its peers' failed collectives: name it first
+                for p in procs:
+                    p.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())) / size)
+                dead = [f"TP rank {r} of {size} died (exit code {p.exitcode}); " for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r != rank]
+                raise RuntimeError(f"{''.join(dead)}TP rank {rank} of {size} failed: {value}")
             results[rank] = pickle.loads(value)  # our own child's result, over a local pipe
         return [results[r] for r in range(size)]
     finally:
