@@ -33,7 +33,7 @@ REPORTS_DIR = Path(__file__).resolve().parents[1] / "data" / "reports"
 
 def main(argv: list[str] | None = None) -> int:
     """`epd-lab demo [--report-dir DIR]`."""
-    ap = argparse.ArgumentParser(prog="epd-lab demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab demo", description=__doc__.split("\n")[0])
     ap.add_argument("--report-dir", type=Path, default=None,
                     help="where report.html goes (default: data/reports/demo-<UTC timestamp>/)")
     run(ap.parse_args(argv).report_dir)

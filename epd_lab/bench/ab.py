@@ -139,7 +139,7 @@ def summarize(files: list[Path], commits: dict[str, str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab bench ab DIR ...``: see the module docstring."""
-    ap = argparse.ArgumentParser(prog="epd-lab bench ab", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench ab", description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="a folder of ...-ab-{base,head}-r<round>[-<call>].json runs")
     ap.add_argument("--base", default=None, help="the base side's commit")
     ap.add_argument("--head", default=None, help="the head side's commit")

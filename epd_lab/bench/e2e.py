@@ -732,7 +732,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="epd-lab bench e2e", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench e2e", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least the level)")

@@ -121,7 +121,7 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="epd-lab bench epd", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench epd", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--backends", default=",".join(VARIANTS))
     ap.add_argument("--encoders", default="1,2")

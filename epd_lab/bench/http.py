@@ -440,7 +440,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab bench http``."""
-    ap = argparse.ArgumentParser(prog="epd-lab bench http", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench http", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
     ap.add_argument("--batch", type=int, default=25, help="round trips per cell per round")

@@ -92,7 +92,7 @@ def serve_zmq(pickled: bool) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("kind", choices=["socket", "zmq", "zmq_pickle"])
     ap.add_argument("--max-bytes", type=int, default=256 << 20)
     args = ap.parse_args()

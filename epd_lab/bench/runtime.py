@@ -335,7 +335,7 @@ def summary(results: list[dict], machine: dict, e2e: dict | None = None) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `epd-lab bench runtime`."""
-    ap = argparse.ArgumentParser(prog="epd-lab bench runtime", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench runtime", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--models", default="tiny", help="comma-separated: tiny, qwen2-vl-2b, qwen2-vl-7b")
     ap.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"comma-separated of {', '.join(RUNTIMES)}")

@@ -123,7 +123,8 @@ def two_process(sizes: tuple[int, ...], budget_s: float, rounds: int, chosen: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m epd_lab.bench.shm_copy", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m epd_lab.bench.shm_copy", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="bytes, comma-separated")
     ap.add_argument("--repeats", type=int, default=9, help="in-process repeats of each copy per size")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds per two-process point, over all rounds")

@@ -109,7 +109,7 @@ def run(pairs: int = 100, rounds: int = 3, side: int = 224, images: int = 1, enc
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="epd-lab bench trace", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench trace", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--pairs", type=int, default=100, help="request pairs (traced + untraced) per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each on two fresh clusters")

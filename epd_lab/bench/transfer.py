@@ -270,7 +270,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    device = argparse.ArgumentParser(add_help=False)
+    device = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     device.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     where, rest = device.parse_known_args(sys.argv[1:] if argv is None else argv)
     if where.device == "cuda":  # GPU memory: epd_lab.bench.transfer_cuda, its own paths and sizes
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return transfer_cuda.main(rest)
     argv = rest
-    ap = argparse.ArgumentParser(prog="epd-lab bench transfer", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench transfer", description=__doc__.splitlines()[0],
                                  epilog="--device cuda: the GPU benchmark (epd_lab.bench.transfer_cuda; --help there)")
     ap.add_argument("--json", metavar="PATH", help="write the result here")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of: " + ", ".join(PATHS))

@@ -611,7 +611,8 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="epd-lab bench transfer --device cuda", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="epd-lab bench transfer --device cuda", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
     ap.add_argument("--json", metavar="PATH", help="write the result here")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of: " + ", ".join(PATHS))
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="bytes, comma-separated")

@@ -130,7 +130,7 @@ def run(repeats: int = 30) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `epd-lab bench vit`."""
-    ap = argparse.ArgumentParser(prog="epd-lab bench vit", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench vit", description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30, help="timed calls of each path (default 30)")
     ap.add_argument("--json", help="write the result here (e.g. data/bench/vit.json)")
     args = ap.parse_args(argv)

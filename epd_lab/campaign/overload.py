@@ -299,7 +299,7 @@ def run(parts: tuple[str, ...] = PARTS, log: Any = print) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="epd-lab bench overload", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench overload", description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="data/bench/overload.json", help="where to write the results")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     args = ap.parse_args(argv)

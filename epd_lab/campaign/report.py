@@ -153,7 +153,7 @@ def load_result(json_path: str | Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """``compact <leg>.json ...`` before committing a run; ``html <leg>.json --out DIR`` to rebuild its page."""
-    ap = argparse.ArgumentParser(prog="python -m epd_lab.campaign.report", description=main.__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m epd_lab.campaign.report", description=main.__doc__)
     ap.add_argument("action", choices=("compact", "html"))
     ap.add_argument("paths", nargs="+", type=Path, help="legs' JSON files")
     ap.add_argument("--out", type=Path, default=Path("out/campaign"), help="html: folder for <leg>.html")

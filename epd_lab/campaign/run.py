@@ -16,7 +16,7 @@ DEFAULTS = {"load": {"count": 200, "concurrency": 200, "time_budget": 900.0},
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="epd-lab campaign", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab campaign", description=__doc__.splitlines()[0])
     ap.add_argument("leg", choices=LEGS)
     ap.add_argument("--count", type=int, help="load, soak: requests (per topology); faults: in-flight requests "
                                                "per cell; fuzz: generated inputs per server")

@@ -81,7 +81,8 @@ def _base(hint: Any) -> tuple[Any, bool]:
 def parser(cls: type, prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
     """The command line of settings dataclass `cls`: one option per field, typed from its annotation (``bool``
     → ``--x/--no-x``, ``tuple[str, ...]`` → comma-separated or repeated, ``X | None`` → optional)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").split("\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or "").split("\n")[0],
+                                 allow_abbrev=False)
     for field, hint in _cli_fields(cls):
         kind, _ = _base(hint)
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING

@@ -90,7 +90,7 @@ class CudaPeerProcess(PeerProcess):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--protocol", default="auto")
     ap.add_argument("--timeout", type=float, default=5.0)
     args = ap.parse_args()

@@ -192,7 +192,7 @@ class PeerProcess:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--protocol", default="auto")
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--engine-args", type=json.loads, default={}, help="JSON: more TransferEngine arguments")

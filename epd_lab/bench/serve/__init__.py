@@ -77,7 +77,7 @@ def _rate(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's options, grouped: where to send, the load, the dataset, the report."""
-    ap = argparse.ArgumentParser(prog="epd-lab bench serve", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench serve", description=__doc__.splitlines()[0])
     where = ap.add_argument_group("where")
     where.add_argument("--base-url", help="the server's root, e.g. http://127.0.0.1:8000 (or --launch)")
     where.add_argument("--launch", metavar="TOPOLOGY", help="start an epd_lab cluster on loopback: monolithic, "

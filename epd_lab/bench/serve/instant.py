@@ -52,7 +52,8 @@ class _Answer(asyncio.Protocol):
 
 def main(argv: list[str] | None = None) -> int:
     """Serve on 127.0.0.1 (a port the OS picks, printed as ``{"url", "pid"}``) until killed."""
-    ap = argparse.ArgumentParser(prog="python -m epd_lab.bench.serve.instant", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m epd_lab.bench.serve.instant", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
     ap.add_argument("--tokens", type=int, default=16)
     args = ap.parse_args(argv)
     body = stream_body(args.tokens)

@@ -138,7 +138,7 @@ def placement_answers(out: str | Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``epd-lab sweep rates ...``: see the module docstring."""
-    ap = argparse.ArgumentParser(prog="epd-lab sweep rates", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab sweep rates", description=__doc__.splitlines()[0])
     ap.add_argument("--topologies", default="monolithic,1e1p1d,2e1p1d")
     ap.add_argument("--rates", required=True, help="requests/s, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=32)
