@@ -789,4 +789,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from epd_lab.cli import guarded
+
+    sys.exit(guarded(main, sys.argv[1:]))  # a user's mistake in one line (epd_lab.cli)
