@@ -123,12 +123,23 @@ def run_point(notebook: Path, point_dir: Path, parameters: dict[str, Any], timeo
     try:
         papermill.execute_notebook(str(notebook), str(point_dir / notebook.name),
                                    parameters={**parameters, "out_dir": str(point_dir)}, kernel_name="python3",
-                                   progress_bar=False, cwd=str(notebook.parent), execution_timeout=timeout)
+                                   progress_bar=False, cwd=str(notebook.parent), execution_timeout=timeout,
+                                   config=_kernel_config())
     except Exception as exc:  # a failed point is recorded, and the sweep goes on
         status, error = "failed", _describe(exc)
     marker = {"status": status, "error": error, "parameters": parameters, "seconds": time.monotonic() - t0}
     (point_dir / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     return marker
+
+
+def _kernel_config() -> Any:
+    """nbclient's config for a point's kernel: CurveZMQ keys on its loopback channels where pyzmq has them.
+    Without, ipykernel warns at every point that it runs "over TCP without encryption", which a sweep's user
+    cannot act on; "auto" leaves a kernel that does not declare Curve support as it was."""
+    import zmq
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport_encryption": "auto"}}) if zmq.has("curve") else Config()
 
 
 def _describe(exc: Exception) -> str:
@@ -259,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         from epd_lab.bench.serve.rates import main as rates
 
         return rates(argv[1:])
-    ap = argparse.ArgumentParser(prog="epd-lab sweep", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab sweep", description=__doc__.splitlines()[0],
                                  epilog="epd-lab sweep rates --help: bench serve over request rates and topologies")
     ap.add_argument("notebook", help="a notebook with a cell tagged 'parameters' and an out_dir parameter")
     ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to sweep (repeatable)")
