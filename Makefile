@@ -16,10 +16,11 @@ demo: build
 test: build
 	EPD_ARTIFACTS=$(CURDIR)/.artifacts $(BIN)/python -m pytest -q
 
-# JupyterLab on loopback, with Jupyter's config, data and runtime dirs inside the project (.jupyter/).
+# JupyterLab on loopback, with Jupyter's config, data and runtime dirs inside the project (.jupyter/); as root
+# too. The command line is scripts/lab.sh, which the tests run.
 lab: build
 	mkdir -p .jupyter
-	$(JUPYTER_ENV) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser notebooks
+	$(JUPYTER_ENV) scripts/lab.sh
 
 # Re-run every notebook in place (the committed outputs). Widget state is not stored: plotly's FigureWidget
 # would put its whole JavaScript bundle (5 MB) into the file.
@@ -35,15 +36,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first and pinned: a looser pin pulls a multi-GB CUDA build (DESIGN.md §7).
+# torch first and pinned to the version of the CPU-only wheel pip finds locally (torch 2.13.0+cpu, through its
+# find-links): with a looser pin pip may take a newer torch from the index, whose Linux wheel is the CUDA build
+# with multi-GB nvidia-* dependencies; installed first, it is already satisfied when the packages below need it.
 # The Mooncake engine is optional: where its wheel does not install, its tests and bench row skip.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q "cython>=3.0" numpy setuptools wheel
 	$(BIN)/pip install -q --no-build-isolation -e '.[test,ray]'
 	$(BIN)/pip install -q --no-build-isolation -e '.[mooncake]' || echo "epd_lab: Mooncake engine not installed; its tests will skip"
-	# jsonschema's format checker pulls rfc3987-syntax, which adds ~1.7 s to every Jupyter process and to
-	# plotly's first show() (DESIGN.md §7); without it the checker skips that one format.
+	# jsonschema's format checker pulls rfc3987-syntax, which adds ~1.7 s to the start of every Jupyter process
+	# and to plotly's first show(); without it the checker skips that one format.
 	$(BIN)/pip uninstall -q -y rfc3987-syntax || true
 	touch $@
 
