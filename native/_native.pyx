@@ -155,6 +155,50 @@ cdef class _Vectors:
         return 0
 
 
+cdef class _Strided:
+    """A C array of strided writes (`epd_strided`) built from Python sequences, each checked: positive lengths
+    and counts, strides no shorter than a piece, extents that do not overflow."""
+    cdef epd_strided *w
+    cdef int n
+    cdef uint64_t nbytes
+
+    def __cinit__(self, srcs, dsts, lengths, counts, src_strides, dst_strides, keys=None):
+        cdef Py_ssize_t n = len(srcs)
+        if n == 0 or any(len(a) != n for a in (dsts, lengths, counts, src_strides, dst_strides)) or (
+                keys is not None and len(keys) != n):
+            raise ValueError(f"need equal, non-empty lists of sources, destinations, lengths, counts and strides "
+                             f"(and keys) (got {len(srcs)} sources)")
+        self.w = <epd_strided *> malloc(n * sizeof(epd_strided))
+        if self.w == NULL:
+            raise MemoryError()
+        self.n = n
+        self.nbytes = 0
+        for i in range(n):
+            w = &self.w[i]
+            w.src, w.dst, w.len, w.count = srcs[i], dsts[i], lengths[i], counts[i]
+            w.src_stride, w.dst_stride = src_strides[i], dst_strides[i]
+            w.key = 0 if keys is None else keys[i]
+            if epd_strided_extent(w.len, w.count, w.dst_stride) == 0 or \
+                    epd_strided_extent(w.len, w.count, w.src_stride) == 0:
+                raise ValueError(f"strided write {i}: {w.count} pieces of {w.len} bytes with strides "
+                                 f"{w.src_stride}/{w.dst_stride}: lengths and counts must be positive and strides "
+                                 f"at least a piece")
+            self.nbytes += w.len * w.count
+
+    def __dealloc__(self):
+        free(self.w)
+
+    cdef int check_sources(self, Owner owner) except -1:
+        """Each source extent must lie in the writer's own registrations (the lkey's role)."""
+        for i in range(self.n):
+            extent = epd_strided_extent(self.w[i].len, self.w[i].count, self.w[i].src_stride)
+            if not epd_owner_covers(owner.o, self.w[i].src, extent):
+                raise RegistrationError(
+                    f"source 0x{self.w[i].src:x} ({extent} bytes) of strided write {i} is not inside memory "
+                    f"registered with this engine; register() it first")
+        return 0
+
+
 cdef int _control_callback(void *ctx, const uint8_t *req, uint32_t length, uint8_t **resp,
                            uint32_t *resp_len) noexcept nogil:
     with gil:
@@ -343,6 +387,19 @@ cdef class TcpConn:
         check(rc, err, errno)
         return sum(lengths)
 
+    def write_strided(self, Owner owner, srcs, dsts, lengths, counts, src_strides, dst_strides, keys=None) -> int:
+        """Strided writes (`epd_strided`: `counts[i]` pieces of `lengths[i]` bytes); returns the bytes written."""
+        cdef char err[EPD_ERRLEN]
+        cdef _Strided v = _Strided(srcs, dsts, lengths, counts, src_strides, dst_strides, keys)
+        cdef int rc
+        if self.c == NULL:
+            raise ValueError("the connection is closed")
+        v.check_sources(owner)
+        with nogil:
+            rc = epd_conn_write_strided(self.c, v.w, v.n, err)
+        check(rc, err, errno)
+        return v.nbytes
+
     def hello(self) -> tuple:
         cdef char err[EPD_ERRLEN]
         cdef epd_hello h
@@ -411,6 +468,19 @@ cdef class ShmPeer:
             rc = epd_shm_write(self.p, v.srcs, v.dsts, v.lens, v.keys, v.n, err)
         check(rc, err, errno)
         return sum(lengths)
+
+    def write_strided(self, Owner owner, srcs, dsts, lengths, counts, src_strides, dst_strides, keys=None) -> int:
+        """Strided writes into the peer (`epd_strided`); returns the bytes written."""
+        cdef char err[EPD_ERRLEN]
+        cdef _Strided v = _Strided(srcs, dsts, lengths, counts, src_strides, dst_strides, keys)
+        cdef int rc
+        if self.p == NULL:
+            raise ValueError("the peer is detached")
+        v.check_sources(owner)
+        with nogil:
+            rc = epd_shm_write_strided(self.p, v.w, v.n, err)
+        check(rc, err, errno)
+        return v.nbytes
 
     def close(self) -> None:
         if self.p != NULL:

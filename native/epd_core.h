@@ -32,7 +32,7 @@ enum {
 /* wire protocol (little-endian hosts only; checked at build time in epd_core.c) */
 #define EPD_WIRE_MAGIC 0x57445045u /* "EPDW" */
 #define EPD_WIRE_VERSION 2
-enum { EPD_OP_WRITE = 1, EPD_OP_HELLO = 2, EPD_OP_CONTROL = 3, EPD_OP_AUTH = 4 };
+enum { EPD_OP_WRITE = 1, EPD_OP_HELLO = 2, EPD_OP_CONTROL = 3, EPD_OP_AUTH = 4, EPD_OP_WRITE_STRIDED = 5 };
 enum { EPD_ST_OK = 0, EPD_ST_REFUSED = 1, EPD_ST_BADREQ = 2, EPD_ST_CONTROL_ERR = 3, EPD_ST_NOAUTH = 4 };
 #define EPD_CONTROL_MAX (1u << 20)
 
@@ -55,6 +55,15 @@ typedef struct {
     uint64_t length; /* payload bytes that follow */
     uint64_t key;    /* WRITE: the registration's key (the rkey's role); 0 checks bounds only */
 } epd_wire_req;
+
+/* WRITE_STRIDED: the request's `length` payload bytes are `count` pieces of `piece_len` bytes, piece k placed at
+ * addr + k * stride; this follows the header, then the payload. The owner checks and pins the whole extent
+ * [addr, addr + (count - 1) * stride + piece_len) as one write. */
+typedef struct {
+    uint64_t piece_len;
+    uint64_t count;
+    uint64_t stride;
+} epd_wire_strided;
 
 typedef struct {
     uint32_t magic;
@@ -158,6 +167,20 @@ const char *epd_copy_stream_isa(void);
 /* One copy of `len` bytes (no overlap) by `kind`; its stores are complete (fenced) on return. */
 void epd_copy(int kind, void *dst, const void *src, uint64_t len);
 
+/* ---- strided writes ----
+ * One entry: `count` pieces of `len` bytes, piece k read at src + k * src_stride and written at
+ * dst + k * dst_stride (a head slice of every token of a run of KV blocks). Strides are at least `len` when
+ * count > 1, so pieces never overlap; the destination extent is checked against the owner's registrations
+ * (and `key`) as one write. */
+typedef struct {
+    uint64_t src, dst, len, key, count, src_stride, dst_stride;
+} epd_strided;
+
+/* The bytes [dst, dst + extent) an entry spans, or 0 when it is malformed (zero length or count, a stride
+ * shorter than a piece, an overflow). */
+uint64_t epd_strided_extent(uint64_t len, uint64_t count, uint64_t stride);
+int epd_conn_write_strided(epd_conn *c, const epd_strided *w, int n, char *err);
+
 /* ---- writer: same-host peer ---- */
 typedef struct epd_shm_peer epd_shm_peer;
 int epd_shm_attach(epd_shm_peer **out, const epd_hello *h, int timeout_ms, char *err);
@@ -165,5 +188,6 @@ void epd_shm_detach(epd_shm_peer *p);
 int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
                   const uint64_t *keys, int n,
                   char *err);
+int epd_shm_write_strided(epd_shm_peer *p, const epd_strided *w, int n, char *err);
 
 #endif

@@ -48,6 +48,11 @@ cdef extern from "epd_core.h" nogil:
         int32_t table_fd
         uint64_t nonce
 
+    ctypedef struct epd_strided:
+        uint64_t src, dst, len, key, count, src_stride, dst_stride
+
+    uint64_t epd_strided_extent(uint64_t length, uint64_t count, uint64_t stride)
+
     ctypedef struct epd_region:
         uint64_t addr
         uint64_t length
@@ -110,6 +115,7 @@ cdef extern from "epd_core.h" nogil:
     int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
                        const uint64_t *keys, int n,
                        char *err)
+    int epd_conn_write_strided(epd_conn *c, const epd_strided *w, int n, char *err)
     int epd_conn_hello(epd_conn *c, epd_hello *h, char *err)
     int epd_conn_control(epd_conn *c, const uint8_t *req, uint32_t length, uint8_t **resp, uint32_t *resp_len,
                          char *err)
@@ -124,3 +130,4 @@ cdef extern from "epd_core.h" nogil:
     int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
                       const uint64_t *keys, int n,
                       char *err)
+    int epd_shm_write_strided(epd_shm_peer *p, const epd_strided *w, int n, char *err)

@@ -52,9 +52,9 @@ def test_the_plan_covers_every_destination_byte_exactly_once(num_kv_heads, src_t
         for r in range(src_tp):
             src = CacheGeometry([(r + 1) << 50 | g << 30 for g in range(4)], 16,
                                 KVLayout(num_kv_heads, src_tp, r).local_heads, head_bytes)
-            copies = head_copies(plan.between(r, d), src, dst, src_ids, dst_ids)
-            dsts += copies.dsts
-            lengths += copies.lengths
+            pieces = head_copies(plan.between(r, d), src, dst, src_ids, dst_ids).pieces()
+            dsts += pieces.dsts
+            lengths += pieces.lengths
         assert covered_exactly_once(dsts, lengths, dst, dst_ids)
         assert not covered_exactly_once(dsts[1:], lengths[1:], dst, dst_ids)  # one run short: refused
     for s in plan.slices:  # every slice moves a head from a rank that holds it

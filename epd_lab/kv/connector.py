@@ -74,7 +74,7 @@ from epd_lab.kv.messages import (
 )
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.kv.runs import BlockCopies, block_copies
-from epd_lab.kv.tp_plan import CacheGeometry, KVLayout, head_copies, plan_kv_transfer
+from epd_lab.kv.tp_plan import CacheGeometry, KVLayout, StridedCopies, head_copies, plan_kv_transfer
 from epd_lab.failpoints import failpoint
 from epd_lab.transfer.engine import parse_session_id
 
@@ -507,7 +507,6 @@ class KVProducer:
             if len(dst_ids) != len(entry.block_ids):
                 raise ValueError(f"request {rid!r}: decode sent {len(dst_ids)} blocks, "
                                  f"prefill has {len(entry.block_ids)}")
-        out = BlockCopies([], [], [], [])
         if meta.num_kv_heads is None:  # the seed's metadata: whole caches on both sides
             if self.layout.tp_size > 1:
                 raise ValueError(f"prefill is rank {self.layout.tp_rank} of a TP group of {self.layout.tp_size}: "
@@ -517,23 +516,34 @@ class KVProducer:
                 raise ValueError(f"decode's cache ({len(meta.kv_caches_base_addr)} regions, block_len "
                                  f"{meta.block_len}) does not match prefill's ({len(self.cache.base_addrs)}, "
                                  f"{self.cache.block_len})")
+            out = BlockCopies([], [], [], [])
             for entry, dst_ids in zip(entries, meta.block_ids):
                 part = block_copies(self.cache.base_addrs, meta.kv_caches_base_addr, entry.block_ids, dst_ids,
                                     self.cache.block_len, meta.rkeys or None)
                 for mine, theirs in zip(out, part):
                     mine.extend(theirs)
-        else:
-            src, dst = self._geometries(meta)
-            slices = plan_kv_transfer(self.layout.num_kv_heads, self.layout.tp_size, meta.tp_size).between(
-                self.layout.tp_rank, meta.tp_rank)
-            for entry, dst_ids in zip(entries, meta.block_ids):
-                part = head_copies(slices, src, dst, entry.block_ids, dst_ids, meta.rkeys or None)
-                for mine, theirs in zip(out, part):
-                    mine.extend(theirs)
-        failpoint("prefill.kv_write")
-        if out.srcs:
+            failpoint("prefill.kv_write")
             self.engine.batch_transfer_sync_write(meta.session_id, *out)
-        return sum(out.lengths)
+            return sum(out.lengths)
+        src, dst = self._geometries(meta)
+        slices = plan_kv_transfer(self.layout.num_kv_heads, self.layout.tp_size, meta.tp_size).between(
+            self.layout.tp_rank, meta.tp_rank)
+        copies = StridedCopies([], [], [], [], [], [], [])
+        for entry, dst_ids in zip(entries, meta.block_ids):
+            for mine, theirs in zip(copies, head_copies(slices, src, dst, entry.block_ids, dst_ids,
+                                                        meta.rkeys or None)):
+                mine.extend(theirs)
+        failpoint("prefill.kv_write")
+        if not copies.srcs:  # this rank holds none of the decode rank's heads
+            return 0
+        if all(c == 1 for c in copies.counts):  # whole blocks: the plain batch write
+            self.engine.batch_transfer_sync_write(meta.session_id, copies.srcs, copies.dsts, copies.lengths,
+                                                  copies.rkeys)
+        elif hasattr(self.engine, "batch_transfer_sync_write_strided"):
+            self.engine.batch_transfer_sync_write_strided(meta.session_id, *copies)
+        else:  # an engine without strided writes (Mooncake's): a batch of pieces
+            self.engine.batch_transfer_sync_write(meta.session_id, *copies.pieces())
+        return copies.nbytes
 
     def _geometries(self, meta: MooncakeAgentMetadata) -> tuple[CacheGeometry, CacheGeometry]:
         """This rank's cache and the decode rank's, as the plan's runs address them; ValueError (the handshake's

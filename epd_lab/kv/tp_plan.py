@@ -14,9 +14,11 @@ heterogeneous-TP planner for its Mooncake connector wrote only one replica's sli
 block unwritten while marking it ready; here such a plan is refused by `KVTransferPlan.check` with the head
 that would be left unwritten.
 
-Bytes: a cache block is ``[block_size, kv_heads, head_dim]``, so a head slice is one run per token (strided
-``kv_heads * head_dim`` elements apart) unless it spans the whole row on both sides, where whole blocks move as
-runs merged across contiguous blocks (`runs.block_copies`), as between equal TP sizes.
+Bytes: a cache block is ``[block_size, kv_heads, head_dim]``, so a head slice is a piece per token, the pieces
+``kv_heads * head_dim`` elements apart: one strided entry per run of blocks contiguous on both sides
+(`head_copies`, written by `TransferEngine.batch_transfer_sync_write_strided` in native code). A slice that spans
+the whole row on both sides moves as whole blocks merged into runs (`runs.block_copies`), as between equal TP
+sizes.
 
 Ports (seed 003): a worker's side channel listens on ``base + dp_rank * tp_size + tp_rank``
 (`side_channel_port`), the base from ``VLLM_MOONCAKE_SIDE_CHANNEL_PORT`` (6557 when unset).
@@ -26,10 +28,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from epd_lab.kv.runs import BlockCopies, block_copies
+from epd_lab.kv.runs import BlockCopies, block_copies, group_concurrent_contiguous
 from epd_lab.models.runtime.tp import kv_head_range
 
 DEFAULT_SIDE_CHANNEL_PORT = 6557  # vLLM's VLLM_MOONCAKE_SIDE_CHANNEL_PORT default
@@ -183,38 +186,69 @@ class CacheGeometry:
         return self.block_size * self.kv_heads * self.head_bytes
 
 
+class StridedCopies(NamedTuple):
+    """The arguments of one `batch_transfer_sync_write_strided`: entry i is `counts[i]` pieces of `lengths[i]`
+    bytes, `src_strides[i]` / `dst_strides[i]` apart; `rkeys` the destination region's key per entry (0: bounds
+    only). Whole blocks are entries of one piece."""
+
+    srcs: list[int]
+    dsts: list[int]
+    lengths: list[int]
+    counts: list[int]
+    src_strides: list[int]
+    dst_strides: list[int]
+    rkeys: list[int]
+
+    def pieces(self) -> BlockCopies:
+        """One (src, dst, length, key) per piece: for byte-level checks, and paths without strided writes."""
+        counts = np.asarray(self.counts, dtype=np.int64)
+        entry = np.repeat(np.arange(len(counts)), counts)
+        k = (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.uint64)
+
+        def per_piece(base: list[int], stride: list[int]) -> list[int]:
+            return (np.asarray(base, dtype=np.uint64)[entry] + k * np.asarray(stride, dtype=np.uint64)[entry]).tolist()
+        return BlockCopies(per_piece(self.srcs, self.src_strides), per_piece(self.dsts, self.dst_strides),
+                           np.asarray(self.lengths, dtype=np.uint64)[entry].tolist(),
+                           np.asarray(self.rkeys, dtype=np.uint64)[entry].tolist())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entries move."""
+        return sum(n * c for n, c in zip(self.lengths, self.counts))
+
+
 def head_copies(slices: Sequence[HeadSlice], src: CacheGeometry, dst: CacheGeometry, src_block_ids: Sequence[int],
-                dst_block_ids: Sequence[int], dst_rkeys: Sequence[int] | None = None) -> BlockCopies:
-    """The (src, dst, length) runs that write `slices` (one source rank's to one destination rank) of the blocks
-    `src_block_ids` into `dst_block_ids`, region by region. Raises ValueError when the caches' regions, block
-    sizes or head widths differ, or the block lists do not pair up."""
+                dst_block_ids: Sequence[int], dst_rkeys: Sequence[int] | None = None) -> StridedCopies:
+    """The strided entries that write `slices` (one source rank's to one destination rank) of the blocks
+    `src_block_ids` into `dst_block_ids`, region by region: for each run of blocks contiguous on both sides
+    (`group_concurrent_contiguous`), a slice is one entry of a piece a token. Slices spanning whole rows on both
+    sides are whole blocks, one piece a run (`runs.block_copies`). Raises ValueError when the caches' regions,
+    block sizes or head widths differ, or the block lists do not pair up."""
     if len(src.base_addrs) != len(dst.base_addrs) or src.block_size != dst.block_size \
             or src.head_bytes != dst.head_bytes:
         raise ValueError(f"caches do not match: {len(src.base_addrs)} / {len(dst.base_addrs)} regions, block size "
                          f"{src.block_size} / {dst.block_size}, {src.head_bytes} / {dst.head_bytes} bytes a head")
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
-    whole = [s for s in slices if s.num_heads == src.kv_heads == dst.kv_heads]
-    if whole:  # the whole row on both sides: whole blocks, merged runs
-        return block_copies(src.base_addrs, dst.base_addrs, src_block_ids, dst_block_ids, src.block_len, dst_rkeys)
-    src_ids = np.asarray(src_block_ids, dtype=np.uint64)
-    dst_ids = np.asarray(dst_block_ids, dtype=np.uint64)
-    token = np.arange(src.block_size, dtype=np.uint64)
-    srcs, dsts, lengths, rkeys = [], [], [], []
+    if any(s.num_heads == src.kv_heads == dst.kv_heads for s in slices):  # whole rows: whole blocks
+        runs = block_copies(src.base_addrs, dst.base_addrs, src_block_ids, dst_block_ids, src.block_len, dst_rkeys)
+        return StridedCopies(runs.srcs, runs.dsts, runs.lengths, [1] * len(runs.srcs), runs.lengths, runs.lengths,
+                             runs.rkeys)
+    src_groups, dst_groups = group_concurrent_contiguous(src_block_ids, dst_block_ids)
+    src_row, dst_row = src.kv_heads * src.head_bytes, dst.kv_heads * dst.head_bytes  # a token's bytes
+    out = StridedCopies([], [], [], [], [], [], [])
     for region, (src_base, dst_base) in enumerate(zip(src.base_addrs, dst.base_addrs)):
-        for s in slices:
-            # [blocks, tokens]: each token's run of the slice's heads, in both caches
-            src_at = (src_base + src_ids[:, None] * src.block_len + token * (src.kv_heads * src.head_bytes)
-                      + s.src_head * src.head_bytes)
-            dst_at = (dst_base + dst_ids[:, None] * dst.block_len + token * (dst.kv_heads * dst.head_bytes)
-                      + s.dst_head * dst.head_bytes)
-            srcs.append(src_at.reshape(-1))
-            dsts.append(dst_at.reshape(-1))
-            lengths.append(np.full(src_at.size, s.num_heads * src.head_bytes, dtype=np.uint64))
-            rkeys.append(np.full(src_at.size, 0 if dst_rkeys is None else dst_rkeys[region], dtype=np.uint64))
-    if not srcs:
-        return BlockCopies([], [], [], [])
-    return BlockCopies(*(np.concatenate(part).tolist() for part in (srcs, dsts, lengths, rkeys)))
+        rkey = 0 if dst_rkeys is None else dst_rkeys[region]
+        for src_run, dst_run in zip(src_groups, dst_groups):
+            for s in slices:
+                out.srcs.append(src_base + src_run[0] * src.block_len + s.src_head * src.head_bytes)
+                out.dsts.append(dst_base + dst_run[0] * dst.block_len + s.dst_head * dst.head_bytes)
+                out.lengths.append(s.num_heads * src.head_bytes)
+                out.counts.append(len(src_run) * src.block_size)
+                out.src_strides.append(src_row)
+                out.dst_strides.append(dst_row)
+                out.rkeys.append(rkey)
+    return out
 
 
 def covered_exactly_once(dsts: Sequence[int], lengths: Sequence[int], dst: CacheGeometry,

@@ -33,7 +33,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from epd_lab import _native, security
 from epd_lab.transfer import cuda, shm_copy
@@ -55,6 +55,21 @@ class TransferStatus(Enum):
     PENDING = "pending"
     COMPLETED = "completed"
     FAILED = "failed"
+
+
+def strided_pieces(srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int], counts: Sequence[int],
+                   src_strides: Sequence[int], dst_strides: Sequence[int], rkeys: Sequence[int] | None = None,
+                   ) -> tuple[list[int], list[int], list[int], list[int] | None]:
+    """Strided entries (see `TransferEngine.batch_transfer_sync_write_strided`) as one (src, dst, length[, key])
+    per piece: what a path without strided writes takes."""
+    out: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+    for i, count in enumerate(counts):
+        for k in range(count):
+            out[0].append(srcs[i] + k * src_strides[i])
+            out[1].append(dsts[i] + k * dst_strides[i])
+            out[2].append(lengths[i])
+            out[3].append(rkeys[i] if rkeys else 0)
+    return out[0], out[1], out[2], out[3] if rkeys else None
 
 
 def parse_session_id(session_id: str) -> tuple[str, int]:
@@ -279,6 +294,35 @@ class TransferEngine:
             raise
         self._out.count(len(lengths), n, path=peer.path)
 
+    def batch_transfer_sync_write_strided(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
+                                          lengths: Sequence[int], counts: Sequence[int], src_strides: Sequence[int],
+                                          dst_strides: Sequence[int], rkeys: Sequence[int] | None = None) -> None:
+        """Strided writes in one call: entry i is `counts[i]` pieces of `lengths[i]` bytes, piece k from
+        ``srcs[i] + k * src_strides[i]`` to ``dsts[i] + k * dst_strides[i]`` (strides at least a piece). The peer
+        checks each entry's whole destination extent as one write. A head slice of every token of a run of KV
+        blocks is one entry. Over shm and tcp the pieces go in native code (a system call or a memcpy per piece
+        batch, not a Python entry each); over other paths (verbs, GPU memory) they go as one batch of pieces.
+        Fails as a whole as `batch_transfer_sync_write`."""
+        peer = self._peer(session_id)
+        if peer.path not in ("shm", "tcp") or self._cuda is not None or cuda.gpu_memory_possible():
+            self.batch_transfer_sync_write(session_id, *strided_pieces(srcs, dsts, lengths, counts, src_strides,
+                                                                       dst_strides, rkeys))
+            return
+        try:
+            if peer.path == "shm":
+                n = peer.shm.write_strided(self._owner, srcs, dsts, lengths, counts, src_strides, dst_strides, rkeys)
+            else:
+                n = self._tcp_write(peer, lambda conn: conn.write_strided(
+                    self._owner, srcs, dsts, lengths, counts, src_strides, dst_strides, rkeys))
+        except PeerUnreachable:
+            self._drop_peer(session_id)
+            self._out.count(failed=True)
+            raise
+        except (TransferError, ValueError):
+            self._out.count(failed=True)
+            raise
+        self._out.count(len(lengths), n, path=peer.path)
+
     def _host_write(self, peer: _Peer, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
                     rkeys: Sequence[int] | None) -> int:
         if peer.path == "shm":
@@ -286,7 +330,7 @@ class TransferEngine:
         if peer.path == "verbs":
             peer.verbs.write_batch(srcs, dsts, lengths, self.timeout)  # the NIC checks its own rkeys
             return sum(lengths)
-        return self._tcp_write(peer, srcs, dsts, lengths, rkeys)
+        return self._tcp_write(peer, lambda conn: conn.write(self._owner, srcs, dsts, lengths, rkeys))
 
     def _cuda_transport(self) -> "cuda.CudaTransport":
         if self._cuda is None:
@@ -295,18 +339,18 @@ class TransferEngine:
                     self._cuda = cuda.CudaTransport(self._owner.covers, self._owner.register, self._owner.deregister)
         return self._cuda
 
-    def _tcp_write(self, peer: _Peer, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
-                   rkeys: Sequence[int] | None) -> int:
+    def _tcp_write(self, peer: _Peer, write: Callable[["_native.TcpConn"], int]) -> int:
+        """`write` on a pooled connection to `peer`; returns its bytes."""
         conn = peer.conn()
         try:
-            return conn.write(self._owner, srcs, dsts, lengths, rkeys)
+            return write(conn)
         except PeerUnreachable:
             # The peer may have closed this pooled connection for idleness just as the write went out (the
             # `alive` check in `conn` catches all but that instant). Nothing was placed on a closed
             # connection, and writing the same bytes again is harmless: once more on a new connection.
             conn.close()
             conn = peer.connect()
-            return conn.write(self._owner, srcs, dsts, lengths, rkeys)
+            return write(conn)
         finally:
             peer.give_back(conn)
 
