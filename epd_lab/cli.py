@@ -37,6 +37,7 @@ BENCHES: dict[str, str] = {
     "overload": "epd_lab.campaign.overload",
     "serve": "epd_lab.bench.serve",
     "ab": "epd_lab.bench.ab",
+    "tp-kv": "epd_lab.bench.tp_kv",
 }
 
 

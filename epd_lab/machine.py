@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 
 import numpy as np
 
@@ -21,3 +22,13 @@ def machine_info() -> dict:
             "memory_gib": round(mem / 2**30, 1), "kernel": platform.release(), "libc": shm_copy.libc_version(),
             "memcpy_nt_threshold": shm_copy.memcpy_nt_threshold(), "python": platform.python_version(),
             "numpy": np.__version__}
+
+
+def commit() -> str | None:
+    """The commit the numbers were measured at: ``EPD_LAB_COMMIT`` when set (a copy of the tree whose .git is
+    older than its files names its own), else git's HEAD; None outside a checkout."""
+    try:
+        return os.environ.get("EPD_LAB_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

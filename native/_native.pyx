@@ -156,34 +156,49 @@ cdef class _Vectors:
 
 
 cdef class _Strided:
-    """A C array of strided writes (`epd_strided`) built from Python sequences, each checked: positive lengths
-    and counts, strides no shorter than a piece, extents that do not overflow."""
+    """A C array of strided writes (`epd_strided`) built from sequences or numpy arrays (taken as uint64, without a
+    Python object per value), each checked: positive lengths and counts, strides no shorter than a piece,
+    extents that do not overflow."""
     cdef epd_strided *w
     cdef int n
     cdef uint64_t nbytes
 
     def __cinit__(self, srcs, dsts, lengths, counts, src_strides, dst_strides, keys=None):
+        import numpy as np
+
         cdef Py_ssize_t n = len(srcs)
         if n == 0 or any(len(a) != n for a in (dsts, lengths, counts, src_strides, dst_strides)) or (
                 keys is not None and len(keys) != n):
             raise ValueError(f"need equal, non-empty lists of sources, destinations, lengths, counts and strides "
                              f"(and keys) (got {len(srcs)} sources)")
+        cdef const uint64_t[::1] a_src = np.ascontiguousarray(srcs, dtype=np.uint64)
+        cdef const uint64_t[::1] a_dst = np.ascontiguousarray(dsts, dtype=np.uint64)
+        cdef const uint64_t[::1] a_len = np.ascontiguousarray(lengths, dtype=np.uint64)
+        cdef const uint64_t[::1] a_count = np.ascontiguousarray(counts, dtype=np.uint64)
+        cdef const uint64_t[::1] a_sstride = np.ascontiguousarray(src_strides, dtype=np.uint64)
+        cdef const uint64_t[::1] a_dstride = np.ascontiguousarray(dst_strides, dtype=np.uint64)
+        cdef const uint64_t[::1] a_key = np.ascontiguousarray(np.zeros(n) if keys is None else keys, dtype=np.uint64)
         self.w = <epd_strided *> malloc(n * sizeof(epd_strided))
         if self.w == NULL:
             raise MemoryError()
         self.n = n
         self.nbytes = 0
-        for i in range(n):
-            w = &self.w[i]
-            w.src, w.dst, w.len, w.count = srcs[i], dsts[i], lengths[i], counts[i]
-            w.src_stride, w.dst_stride = src_strides[i], dst_strides[i]
-            w.key = 0 if keys is None else keys[i]
-            if epd_strided_extent(w.len, w.count, w.dst_stride) == 0 or \
-                    epd_strided_extent(w.len, w.count, w.src_stride) == 0:
-                raise ValueError(f"strided write {i}: {w.count} pieces of {w.len} bytes with strides "
-                                 f"{w.src_stride}/{w.dst_stride}: lengths and counts must be positive and strides "
-                                 f"at least a piece")
-            self.nbytes += w.len * w.count
+        cdef Py_ssize_t i
+        cdef Py_ssize_t bad = -1
+        with nogil:
+            for i in range(n):
+                self.w[i].src, self.w[i].dst, self.w[i].len = a_src[i], a_dst[i], a_len[i]
+                self.w[i].count, self.w[i].key = a_count[i], a_key[i]
+                self.w[i].src_stride, self.w[i].dst_stride = a_sstride[i], a_dstride[i]
+                if epd_strided_extent(a_len[i], a_count[i], a_dstride[i]) == 0 or \
+                        epd_strided_extent(a_len[i], a_count[i], a_sstride[i]) == 0:
+                    bad = i
+                    break
+                self.nbytes += a_len[i] * a_count[i]
+        if bad >= 0:
+            raise ValueError(f"strided write {bad}: {a_count[bad]} pieces of {a_len[bad]} bytes with strides "
+                             f"{a_sstride[bad]}/{a_dstride[bad]}: lengths and counts must be positive and strides "
+                             f"at least a piece")
 
     def __dealloc__(self):
         free(self.w)

@@ -796,25 +796,27 @@ uint64_t epd_strided_extent(uint64_t len, uint64_t count, uint64_t stride) {
     return span;
 }
 
-#define BOUNCE_BYTES (1u << 20) /* a strided write's small pieces are received this many bytes at a time */
+#define BOUNCE_BYTES (1u << 20) /* a strided request's payload is received this many bytes at a time */
+#define STRIDED_IOV_MAX (1u << 20) /* source pieces per strided request: bounds the writer's iovec array */
 
-/* Receive a strided payload into [addr, ...) piece by piece: large pieces straight into place, small ones
- * through a bounce buffer and scattered (one receive per piece would cost a system call each). */
-static int recv_strided(int fd, uint64_t addr, const epd_wire_strided *x, int timeout_ms) {
-    if (x->piece_len >= BOUNCE_BYTES / 4) {
-        for (uint64_t k = 0; k < x->count; k++)
-            if (recv_all(fd, (void *)(addr + k * x->stride), x->piece_len, NULL, timeout_ms) != RECV_DONE) return 0;
-        return 1;
-    }
-    uint64_t per = BOUNCE_BYTES / x->piece_len, total = x->count * x->piece_len;
-    char *bounce = malloc(total < BOUNCE_BYTES ? total : per * x->piece_len);
+/* Receive a strided request's payload and scatter it, entry by entry and piece by piece, through a bounce
+ * buffer: a few large receives, not one per piece. */
+static int recv_strided(int fd, const epd_wire_strided *tab, uint64_t length, int timeout_ms) {
+    char *bounce = malloc(length < BOUNCE_BYTES ? length : BOUNCE_BYTES);
     if (!bounce) return 0;
+    uint64_t entry = 0, piece = 0, off = 0; /* where the next payload byte goes */
     int ok = 1;
-    for (uint64_t k = 0; ok && k < x->count; k += per) {
-        uint64_t m = x->count - k < per ? x->count - k : per;
-        ok = recv_all(fd, bounce, m * x->piece_len, NULL, timeout_ms) == RECV_DONE;
-        for (uint64_t j = 0; ok && j < m; j++)
-            memcpy((void *)(addr + (k + j) * x->stride), bounce + j * x->piece_len, x->piece_len);
+    for (uint64_t left = length; ok && left;) {
+        uint64_t got = left < BOUNCE_BYTES ? left : BOUNCE_BYTES;
+        ok = recv_all(fd, bounce, got, NULL, timeout_ms) == RECV_DONE;
+        for (uint64_t p = 0; ok && p < got;) {
+            const epd_wire_strided *e = &tab[entry];
+            uint64_t take = e->piece_len - off < got - p ? e->piece_len - off : got - p;
+            memcpy((char *)(e->addr + piece * e->stride + off), bounce + p, take);
+            p += take;
+            if ((off += take) == e->piece_len && (off = 0, ++piece == e->count)) piece = 0, entry++;
+        }
+        left -= got;
     }
     free(bounce);
     return ok;
@@ -822,22 +824,35 @@ static int recv_strided(int fd, uint64_t addr, const epd_wire_strided *x, int ti
 
 static int serve_write_strided(epd_server *s, int fd, const epd_wire_req *q) {
     table_t *t = s->o->t;
-    epd_wire_strided x;
-    uint64_t payload;
-    if (recv_all(fd, &x, sizeof(x), NULL, s->timeout_ms) != RECV_DONE) return 0;
-    uint64_t extent = epd_strided_extent(x.piece_len, x.count, x.stride);
-    /* framing that does not add up cannot be drained safely: close */
-    if (!extent || __builtin_mul_overflow(x.piece_len, x.count, &payload) || payload != q->length) return 0;
-    int32_t *sl = table_acquire(t, NULL, q->addr, extent, q->key, NULL);
-    if (!sl) {
+    uint64_t n, payload = 0;
+    if (recv_all(fd, &n, sizeof(n), NULL, s->timeout_ms) != RECV_DONE || n == 0 || n > EPD_STRIDED_MAX) return 0;
+    epd_wire_strided *tab = malloc(n * sizeof(*tab));
+    int32_t **pins = calloc(n, sizeof(*pins));
+    int ok = tab && pins && recv_all(fd, tab, n * sizeof(*tab), NULL, s->timeout_ms) == RECV_DONE;
+    for (uint64_t i = 0; ok && i < n; i++) { /* framing that does not add up cannot be drained safely: close */
+        uint64_t bytes;
+        ok = epd_strided_extent(tab[i].piece_len, tab[i].count, tab[i].stride) &&
+             !__builtin_mul_overflow(tab[i].piece_len, tab[i].count, &bytes) &&
+             !__builtin_add_overflow(payload, bytes, &payload);
+    }
+    ok = ok && payload == q->length;
+    uint64_t npin = 0;
+    for (; ok && npin < n; npin++) {
+        uint64_t extent = epd_strided_extent(tab[npin].piece_len, tab[npin].count, tab[npin].stride);
+        if (!(pins[npin] = table_acquire(t, NULL, tab[npin].addr, extent, tab[npin].key, NULL))) break;
+    }
+    if (ok && npin < n) { /* an entry outside the registrations: the request is refused as a whole */
+        for (uint64_t i = 0; i < npin; i++) table_release(pins[i]);
         ADD(&t->writes_refused, 1);
+        free(tab), free(pins);
         if (q->length > DRAIN_MAX || !drain(fd, q->length, s->timeout_ms)) return 0;
         return reply(fd, q->seq, EPD_ST_REFUSED, NULL, 0);
     }
-    int ok = recv_strided(fd, q->addr, &x, s->timeout_ms);
-    table_release(sl);
+    ok = ok && recv_strided(fd, tab, q->length, s->timeout_ms);
+    for (uint64_t i = 0; i < npin; i++) table_release(pins[i]);
+    free(tab), free(pins);
     if (!ok) return 0;
-    ADD(&t->writes_in, 1);
+    ADD(&t->writes_in, n);
     ADD(&t->bytes_in, q->length);
     return reply(fd, q->seq, EPD_ST_OK, NULL, 0);
 }
@@ -1186,37 +1201,54 @@ int epd_conn_write(epd_conn *c, const uint64_t *srcs, const uint64_t *dsts, cons
 
 int epd_conn_write_strided(epd_conn *c, const epd_strided *w, int n, char *err) {
     if (c->broken) return fail(err, EPD_ECONN, "connection to %s is broken", c->peer);
-    int first_err = EPD_OK;
-    for (int base = 0; base < n; base += WINDOW) {
-        int m = n - base < WINDOW ? n - base : WINDOW;
-        uint64_t seq0 = c->seq;
-        for (int i = 0; i < m; i++) {
-            const epd_strided *e = &w[base + i];
-            epd_wire_req hdr = {EPD_WIRE_MAGIC, EPD_WIRE_VERSION, EPD_OP_WRITE_STRIDED, c->seq++, e->dst,
-                                e->len * e->count, e->key};
-            epd_wire_strided x = {e->len, e->count, e->dst_stride};
-            /* pieces that lie end to end in the source (a rank's own heads) leave as one */
-            uint64_t pieces = e->src_stride == e->len ? 1 : e->count;
-            struct iovec *iov = malloc((2 + pieces) * sizeof(*iov));
-            if (!iov) return fail(err, EPD_ESYS, "no memory for a strided write of %lu pieces", e->count);
-            iov[0] = (struct iovec){&hdr, sizeof(hdr)};
-            iov[1] = (struct iovec){&x, sizeof(x)};
-            for (uint64_t k = 0; k < pieces; k++)
-                iov[2 + k] = (struct iovec){(void *)(e->src + k * e->src_stride), pieces == 1 ? hdr.length : e->len};
-            int rc = send_all(c->fd, iov, (int)(2 + pieces), 0);
-            free(iov);
-            if (rc != RECV_DONE) return conn_fail(c, err, "sending the strided write", rc);
+    int first_err = EPD_OK, sent = 0;
+    uint64_t seq0 = c->seq, m_sent = 0;
+    /* requests, all sent before their replies are read */
+    for (int base = 0; base < n; base += (int)m_sent, sent++) {
+        /* entries up to EPD_STRIDED_MAX and STRIDED_IOV_MAX source pieces (at least one entry) */
+        uint64_t m = 0, pieces = 0, payload = 0;
+        while (base + (int)m < n && m < EPD_STRIDED_MAX) {
+            const epd_strided *e = &w[base + m];
+            uint64_t p = e->src_stride == e->len ? 1 : e->count; /* pieces end to end in the source leave as one */
+            if (m && pieces + p > STRIDED_IOV_MAX) break;
+            pieces += p;
+            payload += e->len * e->count;
+            m++;
         }
-        for (int i = 0; i < m; i++) {
-            epd_wire_rep rep;
-            int rc = read_reply(c, &rep, seq0 + (uint64_t)i, err);
-            if (rc) return rc;
-            const epd_strided *e = &w[base + i];
-            if (rep.status != EPD_ST_OK && first_err == EPD_OK)
-                first_err = fail(err, EPD_EREFUSED,
-                                 "%s refused the strided write of %lu x %lu bytes to 0x%lx: not inside memory it "
-                                 "registered%s", c->peer, e->count, e->len, e->dst, e->key ? " under that key" : "");
+        m_sent = m;
+        epd_wire_strided *tab = malloc(m * sizeof(*tab));
+        struct iovec *iov = malloc((3 + pieces) * sizeof(*iov));
+        if (!tab || !iov) {
+            free(tab), free(iov);
+            return fail(err, EPD_ESYS, "no memory for a strided write of %lu entries", m);
         }
+        epd_wire_req hdr = {EPD_WIRE_MAGIC, EPD_WIRE_VERSION, EPD_OP_WRITE_STRIDED, c->seq++, 0, payload, 0};
+        iov[0] = (struct iovec){&hdr, sizeof(hdr)};
+        iov[1] = (struct iovec){&m, sizeof(m)};
+        iov[2] = (struct iovec){tab, m * sizeof(*tab)};
+        uint64_t v = 3;
+        for (uint64_t i = 0; i < m; i++) {
+            const epd_strided *e = &w[base + i];
+            tab[i] = (epd_wire_strided){e->dst, e->len, e->count, e->dst_stride, e->key};
+            if (e->src_stride == e->len) {
+                iov[v++] = (struct iovec){(void *)e->src, e->len * e->count};
+            } else {
+                for (uint64_t k = 0; k < e->count; k++)
+                    iov[v++] = (struct iovec){(void *)(e->src + k * e->src_stride), e->len};
+            }
+        }
+        int rc = send_all(c->fd, iov, (int)v, 0);
+        free(tab), free(iov);
+        if (rc != RECV_DONE) return conn_fail(c, err, "sending the strided write", rc);
+    }
+    for (int i = 0; i < sent; i++) {
+        epd_wire_rep rep;
+        int rc = read_reply(c, &rep, seq0 + (uint64_t)i, err);
+        if (rc) return rc;
+        if (rep.status != EPD_ST_OK && first_err == EPD_OK)
+            first_err = fail(err, EPD_EREFUSED,
+                             "%s refused the strided write of %d entries: one is not inside memory it registered%s",
+                             c->peer, n, w[0].key ? " under that key" : "");
     }
     return first_err;
 }
@@ -1588,50 +1620,60 @@ int epd_shm_write_strided(epd_shm_peer *p, const epd_strided *w, int n, char *er
     table_t *t = p->t;
     struct iovec liov[IOV_MAX > 1024 ? 1024 : IOV_MAX], riov[IOV_MAX > 1024 ? 1024 : IOV_MAX];
     const int cap = (int)(sizeof(liov) / sizeof(liov[0]));
+    int32_t *pinned[WINDOW];
     uint64_t bytes = 0, total = 0;
-    int rc = EPD_OK, written = 0, streamed = 0;
+    int rc = EPD_OK, written = 0;
     for (int i = 0; i < n; i++) total += w[i].len * w[i].count;
-    for (int i = 0; i < n && rc == EPD_OK; i++) {
-        const epd_strided *e = &w[i];
-        uint64_t extent = epd_strided_extent(e->len, e->count, e->dst_stride);
-        if (!extent) return fail(err, EPD_EINVAL, "strided write %d is malformed (%lu x %lu bytes, stride %lu)", i,
-                                 e->count, e->len, e->dst_stride);
-        slot_t *s = NULL;
-        int32_t *pin = table_acquire(t, p->w, e->dst, extent, e->key, &s);
-        if (!pin) {
-            ADD(&t->writes_refused, 1);
-            return fail(err, EPD_EREFUSED,
-                        "pid %d refused the strided write of %lu x %lu bytes to 0x%lx: not inside memory it "
-                        "registered%s", p->pid, e->count, e->len, e->dst, e->key ? " under that key" : "");
-        }
-        if (s->kind) { /* the peer's managed buffer, mapped here: small pieces by memcpy */
-            pthread_mutex_lock(&p->mu);
-            char *local = arena_local(p, s, err);
-            pthread_mutex_unlock(&p->mu);
-            if (!local) {
-                rc = EPD_ECONN;
-            } else {
+    /* entries pinned a window at a time, with one store fence per window (as epd_shm_write) */
+    for (int base = 0; base < n && rc == EPD_OK; base += WINDOW) {
+        int m = n - base < WINDOW ? n - base : WINDOW, npin = 0, streamed = 0;
+        for (int i = base; i < base + m && rc == EPD_OK; i++) {
+            const epd_strided *e = &w[i];
+            uint64_t extent = epd_strided_extent(e->len, e->count, e->dst_stride);
+            if (!extent) {
+                rc = fail(err, EPD_EINVAL, "strided write %d is malformed (%lu x %lu bytes, stride %lu)", i,
+                          e->count, e->len, e->dst_stride);
+                break;
+            }
+            slot_t *s = NULL;
+            int32_t *pin = table_acquire(t, p->w, e->dst, extent, e->key, &s);
+            if (!pin) {
+                ADD(&t->writes_refused, 1);
+                rc = fail(err, EPD_EREFUSED,
+                          "pid %d refused the strided write of %lu x %lu bytes to 0x%lx: not inside memory it "
+                          "registered%s", p->pid, e->count, e->len, e->dst, e->key ? " under that key" : "");
+                break;
+            }
+            pinned[npin++] = pin;
+            if (s->kind) { /* the peer's managed buffer, mapped here */
+                pthread_mutex_lock(&p->mu);
+                char *local = arena_local(p, s, err);
+                pthread_mutex_unlock(&p->mu);
+                if (!local) {
+                    rc = EPD_ECONN;
+                    break;
+                }
                 /* a large write's pieces of whole cache-line pairs stream past the cache, as whole blocks do */
                 int kind = total >= EPD_STREAM_BATCH_MIN && e->len >= 128 ? EPD_COPY_STREAM : EPD_COPY_MEMCPY;
                 streamed |= kind == EPD_COPY_STREAM;
                 char *at = local + (e->dst - t->arenas[s->arena_idx].base);
                 for (uint64_t k = 0; k < e->count; k++)
                     copy_raw(kind, at + k * e->dst_stride, (const char *)(e->src + k * e->src_stride), e->len);
-            }
-        } else { /* memory registered from elsewhere: the pieces in system calls of up to `cap` each */
-            for (uint64_t k = 0; k < e->count && rc == EPD_OK;) {
-                int m = 0;
-                for (; m < cap && k < e->count; m++, k++) {
-                    liov[m] = (struct iovec){(void *)(e->src + k * e->src_stride), e->len};
-                    riov[m] = (struct iovec){(void *)(e->dst + k * e->dst_stride), e->len};
+            } else { /* memory registered from elsewhere: the pieces in system calls of up to `cap` each */
+                for (uint64_t k = 0; k < e->count && rc == EPD_OK;) {
+                    int j = 0;
+                    for (; j < cap && k < e->count; j++, k++) {
+                        liov[j] = (struct iovec){(void *)(e->src + k * e->src_stride), e->len};
+                        riov[j] = (struct iovec){(void *)(e->dst + k * e->dst_stride), e->len};
+                    }
+                    rc = vm_write(p, liov, riov, j, err);
                 }
-                rc = vm_write(p, liov, riov, m, err);
             }
+            bytes += e->len * e->count;
+            written++;
         }
         if (streamed) store_fence(); /* before unpinning, so no byte lands after a deregister returns */
-        table_release(pin);
-        bytes += e->len * e->count;
-        written++;
+        for (int i = 0; i < npin; i++) table_release(pinned[i]);
     }
     if (rc == EPD_OK) {
         ADD(&t->writes_in, (uint64_t)written);

@@ -56,13 +56,18 @@ typedef struct {
     uint64_t key;    /* WRITE: the registration's key (the rkey's role); 0 checks bounds only */
 } epd_wire_req;
 
-/* WRITE_STRIDED: the request's `length` payload bytes are `count` pieces of `piece_len` bytes, piece k placed at
- * addr + k * stride; this follows the header, then the payload. The owner checks and pins the whole extent
- * [addr, addr + (count - 1) * stride + piece_len) as one write. */
+/* WRITE_STRIDED: the header is followed by a uint64 entry count n (1..EPD_STRIDED_MAX), n entries, then the
+ * request's `length` payload bytes: entry by entry, piece by piece. Entry i places `count` pieces of `piece_len`
+ * bytes at addr + k * stride; the owner checks and pins each entry's extent
+ * [addr, addr + (count - 1) * stride + piece_len) (under `key`), and refuses the request as a whole when one
+ * lies outside its registrations. One request, one reply, however many pieces. */
+#define EPD_STRIDED_MAX 65536
 typedef struct {
+    uint64_t addr;
     uint64_t piece_len;
     uint64_t count;
     uint64_t stride;
+    uint64_t key;
 } epd_wire_strided;
 
 typedef struct {

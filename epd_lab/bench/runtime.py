@@ -26,9 +26,7 @@ prefill logits and 8 decode steps; and fast against hf (max abs difference over 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -38,6 +36,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from epd_lab.bench import read_json, write_json
 from epd_lab.kv.paged_cache import PagedKVCache
+from epd_lab.machine import commit
 from epd_lab.models import build_input_ids, configure_torch, open_model, preprocess
 from epd_lab.models.processor import image_processor
 from epd_lab.models.runtime import RUNTIMES, open_runtime
@@ -367,12 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from epd_lab.machine import machine_info
     machine = machine_info()
-    try:
-        # the device's copy of the tree may carry an older .git: the caller can name the commit it ran
-        machine["commit"] = os.environ.get("EPD_LAB_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        machine["commit"] = None
+    machine["commit"] = commit()  # the device's copy of the tree may carry an older .git: EPD_LAB_COMMIT
     results = [measure(m, device, dtype, args.runtimes.split(","), args.repeats, args.profile_repeats)
                for m in args.models.split(",")]
     out = {"machine": machine, "results": results, "summary": summary(results, machine, e2e)}

@@ -1,22 +1,25 @@
 """`epd-lab bench tp-kv`: one prompt's KV moved prefill → decode between TP sizes, regrouped by head, against the
 same KV moved between equal sizes, side by side in one run.
 
-    epd-lab bench tp-kv --tokens 4096 --shape qwen2-vl-2b --protocols shm,tcp --json data/bench/tp-kv-2b-4k-amd-epyc.json
+    epd-lab bench tp-kv --tokens 4096 --shape qwen2-vl-2b --protocols shm,tcp --json data/bench/tp-kv.json
 
-Decode is one process with one cache of every KV head (TP 1), its memory registered with its engine. The plain
-move is prefill TP 1 → decode TP 1: one engine holding every head writes whole blocks, merged into runs
-contiguous on both sides. The regrouped move is prefill TP `src_tp` → decode TP 1: `src_tp` engines (one a
-prefill rank, each its own thread, as rank processes write at once) each write their heads' slice of every
-token of every block (`tp_plan.head_copies`: one run a token, ``head_dim`` elements of each of its heads). Each
-round runs both, order alternating; the time of a move is from the first plan to the last write's return,
-making the runs included. Afterwards decode's bytes are checked against the expected cache (the source heads
-regrouped in numpy), so a fast wrong move cannot pass.
+Decode is one process (a `PeerProcess`) with one cache of every KV head (TP 1), registered with its engine;
+its blocks are the prefill's in reverse order, so no two blocks merge into one run (the worst case for both
+moves). Three moves, each round in rotating order:
+- plain: prefill TP 1 → decode TP 1, one engine holding every head: whole blocks, `batch_transfer_sync_write`
+  (the connector's path between equal TP sizes);
+- plain_strided: the same whole blocks as one `batch_transfer_sync_write_strided` (entries of one piece): the
+  plain move in the strided op's framing, so that the regrouped move is also compared with its own op;
+- regrouped: prefill TP `src_tp` → decode TP 1, `src_tp` engines (one a prefill rank, each its own thread, as
+  rank processes write at once), each writing its heads' slice of every token of every block
+  (`tp_plan.head_copies` → `batch_transfer_sync_write_strided`: an entry per block, a piece per token).
+A move's time runs from making its runs to the last write's return. After every move decode's bytes are
+checked against the expected cache (the source heads regrouped in numpy), so a fast wrong move cannot pass.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -24,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from epd_lab.bench import write_json
 from epd_lab.kv.tp_plan import CacheGeometry, KVLayout, head_copies, plan_kv_transfer
-from epd_lab.machine import machine_info
+from epd_lab.machine import commit, machine_info
 from epd_lab.models.shapes import SHAPES
 from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.peer import PeerProcess
@@ -67,7 +71,7 @@ def run(tokens: int = 4096, shape: str = "qwen2-vl-2b", src_tp: int = 2, protoco
         "bench": "tp-kv", "shape": shape, "tokens": tokens, "block_size": BLOCK_SIZE, "dtype": "bfloat16",
         "num_kv_heads": num_kv_heads, "src_tp": src_tp, "dst_tp": 1, "rounds": rounds,
         "kv_bytes": geometry["regions"] * blocks * BLOCK_SIZE * num_kv_heads * head_bytes,
-        "plan": plan.rows(), "machine": machine_info(), "commit": _commit(),
+        "plan": plan.rows(), "machine": machine_info(), "commit": commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "protocols": {}}
     for protocol in protocols:
         out["protocols"][protocol] = _one_protocol(protocol, plan, geometry, num_kv_heads, src_ids, dst_ids, rng,
@@ -92,38 +96,48 @@ def _one_protocol(protocol: str, plan, geometry: dict[str, int], num_kv_heads: i
             def plain() -> int:
                 copies = head_copies(plan_kv_transfer(num_kv_heads, 1, 1).between(0, 0), whole, dst, src_ids,
                                      dst_ids)
-                engines[0].batch_transfer_sync_write(peer.session_id, copies.srcs, copies.dsts, copies.lengths)
+                engines[0].batch_transfer_sync_write(peer.session_id, *(f.tolist() for f in copies[:3]))
+                return len(copies.srcs)
+
+            def plain_strided() -> int:
+                copies = head_copies(plan_kv_transfer(num_kv_heads, 1, 1).between(0, 0), whole, dst, src_ids,
+                                     dst_ids)
+                engines[0].batch_transfer_sync_write_strided(peer.session_id, *copies[:6])
                 return len(copies.srcs)
 
             def regrouped(pool: ThreadPoolExecutor) -> int:
                 def rank(r: int) -> int:
                     copies = head_copies(plan_kv_transfer(num_kv_heads, src_tp, 1).between(r, 0), ranks[r][0], dst,
                                          src_ids, dst_ids)
-                    if copies.srcs:
+                    if len(copies.srcs):
                         engines[1 + r].batch_transfer_sync_write_strided(peer.session_id, *copies[:6])
                     return len(copies.srcs)
                 return sum(pool.map(rank, range(src_tp)))
 
-            times: dict[str, list[float]] = {"plain": [], "regrouped": []}
+            moves = {"plain": plain, "plain_strided": plain_strided, "regrouped": None}
+            times: dict[str, list[float]] = {name: [] for name in moves}
             runs: dict[str, int] = {}
+            equal: dict[str, bool] = dict.fromkeys(moves, True)
+            expected = {"regrouped": _expected_regrouped(plan, ranks, dst_ids)}
+            expected["plain"] = expected["plain_strided"] = _expected_whole(whole_view, dst_ids)
             with ThreadPoolExecutor(max_workers=src_tp) as pool:
-                for i in range(rounds + 1):  # round 0 warms both paths (connections, page faults) and is dropped
-                    for name in (("plain", "regrouped") if i % 2 else ("regrouped", "plain")):
+                moves["regrouped"] = lambda: regrouped(pool)
+                names = list(moves)
+                for i in range(rounds + 1):  # round 0 warms every path (connections, page faults) and is dropped
+                    for name in names[i % 3:] + names[:i % 3]:
+                        peer.call("fill", ptr=dst_ptr, nbytes=dst_bytes, value=0)
                         start = time.perf_counter()
-                        runs[name] = plain() if name == "plain" else regrouped(pool)
+                        runs[name] = moves[name]()
                         if i:
                             times[name].append(time.perf_counter() - start)
-                        if name == "regrouped":
-                            regrouped_ok = _check(peer, dst_ptr, dst_bytes, _expected_regrouped(plan, ranks, dst_ids))
-                        else:
-                            plain_ok = _check(peer, dst_ptr, dst_bytes, _expected_whole(whole_view, dst_ids))
-            ratios = [r / p for r, p in zip(times["regrouped"], times["plain"])]
+                        equal[name] &= _check(peer, dst_ptr, dst_bytes, expected[name])
             return {
-                "plain_s": _summary(times["plain"]), "regrouped_s": _summary(times["regrouped"]),
-                "ratio": _summary(ratios), "runs": runs, "plain_bytes_equal": plain_ok,
-                "regrouped_bytes_equal": regrouped_ok,
-                "plain_gb_s": round(dst_bytes / statistics.median(times["plain"]) / 1e9, 2),
-                "regrouped_gb_s": round(dst_bytes / statistics.median(times["regrouped"]) / 1e9, 2)}
+                **{f"{name}_s": _summary(t) for name, t in times.items()},
+                "ratio": _summary([r / p for r, p in zip(times["regrouped"], times["plain"])]),
+                "ratio_to_plain_strided": _summary([r / p for r, p in zip(times["regrouped"],
+                                                                           times["plain_strided"])]),
+                "runs": runs, "bytes_equal": equal,
+                **{f"{name}_gb_s": round(dst_bytes / statistics.median(t) / 1e9, 2) for name, t in times.items()}}
     finally:
         for engine in engines:
             engine.close()
@@ -161,19 +175,25 @@ def _summary(values: list[float]) -> dict[str, float]:
             "max": round(max(values), 5), "n": len(values)}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`epd-lab bench tp-kv`'s flags."""
-    parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens whose KV moves (default 4096)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-vl-2b", help="the model's KV geometry")
-    parser.add_argument("--src-tp", type=int, default=2, help="prefill's TP size for the regrouped move")
-    parser.add_argument("--protocols", default="shm,tcp", help="transfer engine protocols, comma-separated")
-    parser.add_argument("--rounds", type=int, default=7, help="rounds of both moves, order alternating")
-    parser.add_argument("--json", help="write the result here")
+def main(argv: list[str] | None = None) -> int:
+    """`epd-lab bench tp-kv`."""
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench tp-kv", description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens whose KV moves (default 4096)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-vl-2b", help="the model's KV geometry")
+    ap.add_argument("--src-tp", type=int, default=2, help="prefill's TP size for the regrouped move (default 2)")
+    ap.add_argument("--protocols", default="shm,tcp", help="transfer engine protocols, comma-separated")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of the three moves, order rotating (default 9)")
+    ap.add_argument("--json", metavar="PATH", help="write the result here")
+    args = ap.parse_args(argv)
+    if args.tokens < 1 or args.rounds < 1:
+        ap.error("--tokens and --rounds must be at least 1")
+    result = run(args.tokens, args.shape, args.src_tp, tuple(p for p in args.protocols.split(",") if p),
+                 args.rounds)
+    for protocol, r in result["protocols"].items():
+        print(f"{protocol}: plain {r['plain_s']['median'] * 1e3:.1f} ms, plain_strided "
+              f"{r['plain_strided_s']['median'] * 1e3:.1f} ms, regrouped (tp {args.src_tp} -> 1) "
+              f"{r['regrouped_s']['median'] * 1e3:.1f} ms: {r['ratio']['median']:.2f}x plain "
+              f"({r['ratio']['min']:.2f}-{r['ratio']['max']:.2f}), bytes equal {all(r['bytes_equal'].values())}")
+    if args.json:
+        write_json(args.json, result)
+    return 0

@@ -528,17 +528,14 @@ class KVProducer:
         src, dst = self._geometries(meta)
         slices = plan_kv_transfer(self.layout.num_kv_heads, self.layout.tp_size, meta.tp_size).between(
             self.layout.tp_rank, meta.tp_rank)
-        copies = StridedCopies([], [], [], [], [], [], [])
-        for entry, dst_ids in zip(entries, meta.block_ids):
-            for mine, theirs in zip(copies, head_copies(slices, src, dst, entry.block_ids, dst_ids,
-                                                        meta.rkeys or None)):
-                mine.extend(theirs)
+        copies = StridedCopies.concatenate([head_copies(slices, src, dst, entry.block_ids, dst_ids, meta.rkeys or None)
+                                            for entry, dst_ids in zip(entries, meta.block_ids)] if slices else [])
         failpoint("prefill.kv_write")
-        if not copies.srcs:  # this rank holds none of the decode rank's heads
+        if not len(copies.srcs):  # this rank holds none of the decode rank's heads
             return 0
-        if all(c == 1 for c in copies.counts):  # whole blocks: the plain batch write
-            self.engine.batch_transfer_sync_write(meta.session_id, copies.srcs, copies.dsts, copies.lengths,
-                                                  copies.rkeys)
+        if (copies.counts == 1).all():  # whole blocks: the plain batch write
+            self.engine.batch_transfer_sync_write(meta.session_id, *(f.tolist() for f in (
+                copies.srcs, copies.dsts, copies.lengths, copies.rkeys)))
         elif hasattr(self.engine, "batch_transfer_sync_write_strided"):
             self.engine.batch_transfer_sync_write_strided(meta.session_id, *copies)
         else:  # an engine without strided writes (Mooncake's): a batch of pieces

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 
 def group_concurrent_contiguous(src_ids: Sequence[int],
                                 dst_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
@@ -54,13 +56,25 @@ def block_copies(src_base_addrs: Sequence[int], dst_base_addrs: Sequence[int], s
         raise ValueError(f"{len(dst_rkeys)} rkeys for {len(dst_base_addrs)} destination regions")
     if block_len < 1:
         raise ValueError(f"block_len must be >= 1, got {block_len}")
-    src_groups, dst_groups = group_concurrent_contiguous(src_block_ids, dst_block_ids)
-    out = BlockCopies([], [], [], [])
-    for region, (src_base, dst_base) in enumerate(zip(src_base_addrs, dst_base_addrs)):
-        rkey = 0 if dst_rkeys is None else dst_rkeys[region]
-        for src_run, dst_run in zip(src_groups, dst_groups):
-            out.srcs.append(src_base + src_run[0] * block_len)
-            out.dsts.append(dst_base + dst_run[0] * block_len)
-            out.lengths.append(len(src_run) * block_len)
-            out.rkeys.append(rkey)
-    return out
+    src_first, dst_first, num_blocks = contiguous_runs(src_block_ids, dst_block_ids)
+    regions = len(src_base_addrs)
+    rkeys = np.zeros(regions, dtype=np.uint64) if dst_rkeys is None else np.asarray(dst_rkeys, dtype=np.uint64)
+    return BlockCopies(  # region by region, the runs in order within each
+        (np.asarray(src_base_addrs, dtype=np.uint64)[:, None] + src_first * block_len).ravel().tolist(),
+        (np.asarray(dst_base_addrs, dtype=np.uint64)[:, None] + dst_first * block_len).ravel().tolist(),
+        np.tile(num_blocks * block_len, regions).tolist(), np.repeat(rkeys, len(num_blocks)).tolist())
+
+
+def contiguous_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`group_concurrent_contiguous` as arrays: each run's first source block, first destination block and
+    length in blocks (uint64), in order; numpy, for the thousands of blocks of a long prompt."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    src = np.asarray(src_ids, dtype=np.int64)
+    dst = np.asarray(dst_ids, dtype=np.int64)
+    if len(src) == 0:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty, empty
+    starts = np.flatnonzero(np.r_[True, (np.diff(src) != 1) | (np.diff(dst) != 1)])
+    lengths = np.diff(np.r_[starts, len(src)])
+    return src[starts].astype(np.uint64), dst[starts].astype(np.uint64), lengths.astype(np.uint64)

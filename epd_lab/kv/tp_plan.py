@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from epd_lab.kv.runs import BlockCopies, block_copies, group_concurrent_contiguous
+from epd_lab.kv.runs import BlockCopies, block_copies, contiguous_runs
 from epd_lab.models.runtime.tp import kv_head_range
 
 DEFAULT_SIDE_CHANNEL_PORT = 6557  # vLLM's VLLM_MOONCAKE_SIDE_CHANNEL_PORT default
@@ -187,17 +187,25 @@ class CacheGeometry:
 
 
 class StridedCopies(NamedTuple):
-    """The arguments of one `batch_transfer_sync_write_strided`: entry i is `counts[i]` pieces of `lengths[i]`
-    bytes, `src_strides[i]` / `dst_strides[i]` apart; `rkeys` the destination region's key per entry (0: bounds
-    only). Whole blocks are entries of one piece."""
+    """The arguments of one `batch_transfer_sync_write_strided`, as uint64 arrays (the engine takes them without a
+    Python object per value): entry i is `counts[i]` pieces of `lengths[i]` bytes, `src_strides[i]` /
+    `dst_strides[i]` apart; `rkeys` the destination region's key per entry (0: bounds only). Whole blocks are
+    entries of one piece."""
 
-    srcs: list[int]
-    dsts: list[int]
-    lengths: list[int]
-    counts: list[int]
-    src_strides: list[int]
-    dst_strides: list[int]
-    rkeys: list[int]
+    srcs: np.ndarray
+    dsts: np.ndarray
+    lengths: np.ndarray
+    counts: np.ndarray
+    src_strides: np.ndarray
+    dst_strides: np.ndarray
+    rkeys: np.ndarray
+
+    @classmethod
+    def concatenate(cls, parts: Sequence["StridedCopies"]) -> "StridedCopies":
+        """The entries of `parts`, in order (none: an empty batch)."""
+        if not parts:
+            return cls(*(np.zeros(0, dtype=np.uint64) for _ in cls._fields))
+        return cls(*(np.concatenate(field) for field in zip(*parts)))
 
     def pieces(self) -> BlockCopies:
         """One (src, dst, length, key) per piece: for byte-level checks, and paths without strided writes."""
@@ -205,16 +213,15 @@ class StridedCopies(NamedTuple):
         entry = np.repeat(np.arange(len(counts)), counts)
         k = (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.uint64)
 
-        def per_piece(base: list[int], stride: list[int]) -> list[int]:
-            return (np.asarray(base, dtype=np.uint64)[entry] + k * np.asarray(stride, dtype=np.uint64)[entry]).tolist()
+        def per_piece(base: np.ndarray, stride: np.ndarray) -> list[int]:
+            return (base[entry] + k * stride[entry]).tolist()
         return BlockCopies(per_piece(self.srcs, self.src_strides), per_piece(self.dsts, self.dst_strides),
-                           np.asarray(self.lengths, dtype=np.uint64)[entry].tolist(),
-                           np.asarray(self.rkeys, dtype=np.uint64)[entry].tolist())
+                           self.lengths[entry].tolist(), self.rkeys[entry].tolist())
 
     @property
     def nbytes(self) -> int:
         """Bytes the entries move."""
-        return sum(n * c for n, c in zip(self.lengths, self.counts))
+        return int((self.lengths * self.counts).sum())
 
 
 def head_copies(slices: Sequence[HeadSlice], src: CacheGeometry, dst: CacheGeometry, src_block_ids: Sequence[int],
@@ -231,24 +238,31 @@ def head_copies(slices: Sequence[HeadSlice], src: CacheGeometry, dst: CacheGeome
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
     if any(s.num_heads == src.kv_heads == dst.kv_heads for s in slices):  # whole rows: whole blocks
-        runs = block_copies(src.base_addrs, dst.base_addrs, src_block_ids, dst_block_ids, src.block_len, dst_rkeys)
-        return StridedCopies(runs.srcs, runs.dsts, runs.lengths, [1] * len(runs.srcs), runs.lengths, runs.lengths,
-                             runs.rkeys)
-    src_groups, dst_groups = group_concurrent_contiguous(src_block_ids, dst_block_ids)
+        runs = [np.asarray(field, dtype=np.uint64) for field in block_copies(
+            src.base_addrs, dst.base_addrs, src_block_ids, dst_block_ids, src.block_len, dst_rkeys)]
+        return StridedCopies(runs[0], runs[1], runs[2], np.ones_like(runs[2]), runs[2], runs[2], runs[3])
+    src_first, dst_first, num_blocks = contiguous_runs(src_block_ids, dst_block_ids)
     src_row, dst_row = src.kv_heads * src.head_bytes, dst.kv_heads * dst.head_bytes  # a token's bytes
-    out = StridedCopies([], [], [], [], [], [], [])
-    for region, (src_base, dst_base) in enumerate(zip(src.base_addrs, dst.base_addrs)):
-        rkey = 0 if dst_rkeys is None else dst_rkeys[region]
-        for src_run, dst_run in zip(src_groups, dst_groups):
-            for s in slices:
-                out.srcs.append(src_base + src_run[0] * src.block_len + s.src_head * src.head_bytes)
-                out.dsts.append(dst_base + dst_run[0] * dst.block_len + s.dst_head * dst.head_bytes)
-                out.lengths.append(s.num_heads * src.head_bytes)
-                out.counts.append(len(src_run) * src.block_size)
-                out.src_strides.append(src_row)
-                out.dst_strides.append(dst_row)
-                out.rkeys.append(rkey)
-    return out
+    regions = len(src.base_addrs)
+    src_head = np.asarray([s.src_head for s in slices], dtype=np.uint64) * np.uint64(src.head_bytes)
+    dst_head = np.asarray([s.dst_head for s in slices], dtype=np.uint64) * np.uint64(dst.head_bytes)
+    widths = np.asarray([s.num_heads * src.head_bytes for s in slices], dtype=np.uint64)
+
+    def grid(base: Sequence[int], first: np.ndarray, block_len: int, head: np.ndarray) -> np.ndarray:
+        # [region, run, slice], flattened in that order
+        return (np.asarray(base, dtype=np.uint64)[:, None, None] + (first * np.uint64(block_len))[None, :, None]
+                + head[None, None, :]).ravel()
+
+    shape = (regions, len(num_blocks), len(slices))
+
+    def each(values: np.ndarray) -> np.ndarray:  # a [region, run, slice] value broadcast to every entry
+        return np.ascontiguousarray(np.broadcast_to(values, shape).ravel(), dtype=np.uint64)
+
+    rkeys = np.zeros(regions, dtype=np.uint64) if dst_rkeys is None else np.asarray(dst_rkeys, dtype=np.uint64)
+    return StridedCopies(grid(src.base_addrs, src_first, src.block_len, src_head),
+                         grid(dst.base_addrs, dst_first, dst.block_len, dst_head), each(widths[None, None, :]),
+                         each((num_blocks * np.uint64(src.block_size))[None, :, None]), each(np.uint64(src_row)),
+                         each(np.uint64(dst_row)), each(rkeys[:, None, None]))
 
 
 def covered_exactly_once(dsts: Sequence[int], lengths: Sequence[int], dst: CacheGeometry,
