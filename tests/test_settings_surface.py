@@ -20,7 +20,7 @@ PLACEMENT = {"--model": None, "--device": "cpu", "--dtype": "auto", "--runtime":
 SURFACE: dict[str, dict[str, object]] = {
     "encoder": {"--host": "127.0.0.1", "--port": 0, "--backend": "mooncake", **PLACEMENT, "--transport": "auto",
                 "--timeout": 10.0, "--embedding-ttl": 10.0, "--cache-bytes": 256 << 20, "--max-parts": 64,
-                "--max-held-bytes": 512 << 20, "--media-roots": (), "--media-private-hosts": False},
+                "--max-held-bytes": 512 << 20, "--media-roots": (), "--media-private-hosts": False, "--tp": 1},
     "prefill": {"--host": "127.0.0.1", "--port": 0, "--encoders": (), "--backend": "mooncake", "--transport": "auto",
                 **PLACEMENT, "--recv-buffer": "auto", "--gated-prefill": False, "--kv-blocks": 512, "--block-size": 16,
                 "--timeout": 10.0,
@@ -58,6 +58,8 @@ REFUSED = [
     ("encoder", {"embedding_ttl": 0}, "embedding_ttl must be positive, got 0"),
     ("encoder", {"cache_bytes": -1}, "cache_bytes must be >= 0, got -1"),
     ("encoder", {"max_parts": 0}, "max_parts must be >= 1, got 0"),
+    ("encoder", {"tp": 0}, "tp must be >= 1, got 0"),
+    ("encoder", {"tp": 2, "runtime": "hf"}, "--tp 2 needs --runtime fast"),
     ("encoder", {"max_held_bytes": 0}, "max_held_bytes must be >= 1, got 0"),
     ("prefill", {"workers": 0}, "workers must be >= 1, got 0"),
     ("prefill", {"kv_free_timeout": 0}, "kv_free_timeout must be positive, got 0"),

@@ -108,6 +108,7 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Co
                              Metric, NotFound, ServingError, Ticket, Unavailable, client_gone, decode_body,
                              engine_metrics, json_response, option, read_body, read_struct, role_app, serve_main)
 from epd_lab.models.runtime import open_runtime
+from epd_lab.servers.encoder_tp import EncoderTPGroup
 from epd_lab.serving.placement import ModelSettings, check_transport, synchronize, transport_option, use_device
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive
 from epd_lab.trace import Recorder, Span, clock_id
@@ -145,6 +146,8 @@ class EncoderSettings(ModelSettings):
     media_roots: tuple[str, ...] = option((), "folders whose files clients may name as media items (none: no "
                                               "local paths)")
     media_private_hosts: bool = option(False, "fetch http(s) media items from loopback and private addresses too")
+    tp: int = option(1, "tensor-parallel ranks: this server is rank 0 and starts the others, which run their shard "
+                        "of the vision tower; only rank 0 writes and notifies (--runtime fast)")
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
@@ -152,7 +155,10 @@ class EncoderSettings(ModelSettings):
         check_transport(self)
         check_positive(self, "timeout", "embedding_ttl")
         check_at_least(self, 0, "cache_bytes")
-        check_at_least(self, 1, "max_parts", "max_held_bytes")
+        check_at_least(self, 1, "max_parts", "max_held_bytes", "tp")
+        if self.tp > 1 and self.runtime != "fast":
+            raise ValueError(f"--tp {self.tp} needs --runtime fast (the hf runtime runs HF's whole model in one "
+                             f"process)")
 
 
 @dataclasses.dataclass(slots=True)
@@ -205,10 +211,15 @@ class MMEncoder:
         self.device = use_device(settings.device)
         models.configure_torch(threads=1)  # the same kernels, hence the same bits, as every other role
         self.model = models.open_model(settings.model, dtype=self.dtype, device=self.device)
-        self.runtime = open_runtime(settings.runtime, self.model)  # encode only: no KV cache
+        self.recorder = Recorder(node=f"encoder:{settings.port}")
+        # TP > 1: rank 0's shard, the other ranks started and met here (seed 000's encoder TP)
+        self.tp_group = EncoderTPGroup(
+            self.model, settings.tp, settings.timeout,
+            {"model": settings.model, "dtype": settings.dtype, "device": settings.device},
+            self.recorder.node) if settings.tp > 1 else None
+        self.runtime = open_runtime(settings.runtime, self.model) if self.tp_group is None else None  # no KV cache
         self.embedding_dim = self.model.config.vision_config.hidden_size
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.recorder = Recorder(node=f"encoder:{settings.port}")
         self.cache = EmbeddingCache(settings.cache_bytes)
         self.media_policy = MediaPolicy(settings.media_roots, settings.media_private_hosts)
         self.engine = (open_engine(settings.transport, settings.host, settings.timeout)
@@ -442,7 +453,11 @@ class MMEncoder:
                               sum(img.width * img.height * 3 for img in images)))
             t0 = t_decoded
             with torch.inference_mode():
-                emb = self.runtime.encode(*models.preprocess(images, self.device))
+                if self.tp_group is None:
+                    emb = self.runtime.encode(*models.preprocess(images, self.device))
+                else:  # every rank runs its shard; the other ranks' vit spans join this part's
+                    emb, rank_spans = self.tp_group.encode(*models.preprocess(images, self.device), req_id, part_idx)
+                    spans.extend(rank_spans)
             counts = [models.num_image_tokens(img.size) for img in images]
             if sum(counts) != emb.shape[0]:
                 raise RuntimeError(f"the ViT gave {emb.shape[0]} tokens, the image sizes say {sum(counts)}")
@@ -687,7 +702,9 @@ class MMEncoder:
             self.sweep()
 
     def health(self) -> dict:
-        return {"status": "ok", "backend": self.settings.backend, "model": self.settings.model_name,
+        dead = self.tp_group.dead_ranks if self.tp_group is not None else []
+        return {"status": "ok" if not dead else f"TP rank(s) {dead} dead", "tp": self.settings.tp,
+                "backend": self.settings.backend, "model": self.settings.model_name,
                 "device": str(self.device), "dtype": self.settings.dtype, "node": self.recorder.node,
                 "session_id": self.engine.session_id if self.engine is not None else None,
                 "embeddings_held": len(self.held), "held_bytes": self.held_bytes,
@@ -723,6 +740,8 @@ class MMEncoder:
         self.pushers.close()
         if self.engine is not None:
             self.engine.close()
+        if self.tp_group is not None:
+            self.tp_group.close()
 
 
 _ending_vit = threading.local()  # `here`: this thread is completing a ViT's future (`_run_vit_into`)
