@@ -2,8 +2,8 @@
 
 Why not httpx: on the 2-core VM, one kept-alive POST round trip to our uvicorn servers took 0.62-0.68 ms with
 `httpx.Client` and 0.26-0.33 ms with `http.client` (200 B bodies), 0.86-0.99 against 0.48-0.49 ms with a 200 KB
-image body (`epd-lab bench http`, `data/bench/http.json`). Why not `http.client` either (since the tenth
-session): a socket that sends each request in one call and httptools (uvicorn's parser) reading the answer took
+image body (`epd-lab bench http`, `data/bench/http.json`). Why not `http.client` either (since 6c779f6,
+2026-12-03): a socket that sends each request in one call and httptools (uvicorn's parser) reading the answer took
 236 against 387 µs for the same 200 B POST (medians of 10 rounds of 200, side by side, 2-vCPU AMD EPYC), as the
 proxy's asyncio client (`epd_lab.aio_http`) did against aiohttp. The receiver makes two such hops per part
 (`/encode`, `/send`), and the /encode one is on every request's critical path.

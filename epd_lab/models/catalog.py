@@ -3,8 +3,9 @@
 `open_model` is the one call every role (encoder, prefill, decode) makes to get its model: the tiny model
 (`models.tiny`), a Qwen2-VL at a published size with seeded random weights (`models.shapes`), or real weights
 from a local directory, placed on the device asked. Whatever the source, the model comes back in the form the
-bit-identity of the EPD split relies on (DESIGN.md §4): vision tower image-invariant (`models.vision`), the
-attention implementation `tiny.ATTN_IMPLEMENTATION`, EOS off for the random-weight ones.
+bit-identity of the EPD split relies on: vision tower image-invariant (`models.vision`), the attention
+implementation `tiny.ATTN_IMPLEMENTATION`, EOS off for the random-weight ones (so generation never stops early);
+the rest of those preconditions are in docs/architecture.md, "What bit-identity rests on".
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 here rather than downloaded) computes, bit for bit (a test holds it to that), but with torch ops on any device:
 the PIL bicubic resize on the host where an image is not already at its multiple-of-28 size, then rescale,
 normalise and patchify where the tower runs. HF's path spends about 11 ms of host time on one 448² image (measured on
-the H200's host); on the GPU the same bits cost a few small kernels (issue 17). Sizes and token counts come from
+the H200's host); on the GPU the same bits cost a few small kernels. Sizes and token counts come from
 the image size alone (`image_grid`, `num_image_tokens`): the encoder answers them before its ViT runs.
 
 Prompt template (token ids, no tokenizer): every image first, in order, as

@@ -1,10 +1,11 @@
 """The model work of each role: the encoder's ViT, the prefill from embeddings, and the monolithic reference.
 
 `VisionEncoder.encode` followed by `PrefillRunner.prefill` computes exactly what one ordinary forward with
-`pixel_values` computes, operation for operation, so the logits are bit-identical (DESIGN.md §4): the same
+`pixel_values` computes, operation for operation, so the logits are bit-identical: the same
 `get_image_features` call, the same `masked_scatter` into the text embeddings, the same 3-D mrope positions
 from `get_rope_index`, and `logits_to_keep=1`. The vision tower runs image by image in both (`models.vision`),
-so how the images are split over encoders cannot change a bit.
+so how the images are split over encoders cannot change a bit (docs/architecture.md, "What bit-identity rests
+on", lists these preconditions).
 
 Devices: every runner works where the model's parameters are (`catalog.model_device`): tensors it creates are
 made there, inputs given elsewhere (on the CPU, as the processor and the wire deliver them) are moved there
@@ -177,8 +178,9 @@ class PrefillRunner:
 class DecodeRunner:
     """The decode role's model work: steps after prefill, on a KV cache that came from elsewhere.
 
-    Token i after the prompt is fed at mrope position `next_position + i` on all three axes (DESIGN.md §4):
-    without the prefill's rope delta, decode runs and silently produces other tokens.
+    Token i after the prompt is fed at mrope position `next_position + i` on all three axes, where
+    `next_position` is `prompt_len + rope_delta` and the rope delta travels with the KV from prefill: without
+    it, decode runs and silently produces other tokens.
     """
 
     def __init__(self, model: Qwen2VLForConditionalGeneration) -> None:

@@ -2,8 +2,9 @@
 
 Every role (encoder, prefill, decode) calls `configure_torch()` and then `load_model()`, so every process
 holds identical weights and runs identical kernels; that is what makes the EPD split bit-identical to one
-monolithic forward (DESIGN.md §4). Both loaders return the model with its vision tower made image-invariant
-(`models.vision.make_image_invariant`): without it, CPUs whose GEMMs pick kernels by row count break that.
+monolithic forward (the other preconditions: docs/architecture.md, "What bit-identity rests on"). Both loaders
+return the model with its vision tower made image-invariant (`models.vision.make_image_invariant`): without it,
+CPUs whose GEMMs pick kernels by row count break that.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ VOCAB_SIZE = 1028
 
 # sdpa and eager both give bit-identical split vs monolithic here; sdpa is the default and faster.
 ATTN_IMPLEMENTATION = "sdpa"
-# 0.02 (the default) makes a random model repeat one token, which hides errors (DESIGN.md §4).
+# 0.02 (the default) makes a random model repeat one token, which hides errors.
 INITIALIZER_RANGE = 0.1
 
 

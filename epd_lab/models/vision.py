@@ -5,7 +5,7 @@ Qwen2-VL's vision tower is per-image in its mathematics (attention is block-diag
 positions restart at each image, the merger acts on groups of 4 patches), but its matrix products are not per
 image in floating point: a CPU GEMM may pick its blocking and kernel by the number of rows in the call, so a
 row's bits can depend on how many other images share the call. Measured: bit-equal on an AMD EPYC, off by up to
-4.1e-6 (float32) and 0.047 (bfloat16) in the logits on an Intel Xeon with AVX-512 (issue 9).
+4.1e-6 (float32) and 0.047 (bfloat16) in the logits on an Intel Xeon with AVX-512 (66c337e, 2026-11-30).
 
 The fix is batch invariance at image granularity: every call of the tower, from `VisionEncoder.encode` on an
 encoder and from `model(...)`/`model.generate(...)` in the monolithic model, runs the unchanged tower on one

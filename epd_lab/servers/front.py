@@ -1,6 +1,7 @@
 """A front over N monolithic replicas: each completion request passed whole to one of them (``epd-lab front``).
 
-The issue-22 floor at equal GPUs is one monolithic replica per GPU, round-robin: this is the round-robin. Each
+The floor that EPD placements are measured against at equal GPUs is one monolithic replica per GPU, round-robin
+(docs/gpu.md, "Two GPUs: placements at equal GPUs"): this is the round-robin. Each
 ``POST /v1/chat/completions`` or ``/v1/completions`` body goes unchanged to one replica chosen by
 `epd_lab.servers.routing`'s `Pool` (``round_robin`` or ``least_loaded``), and the replica's answer comes back
 unchanged: a JSON body whole, an SSE stream event by event. The replica does all the work (parsing, media,

@@ -8,7 +8,7 @@ Everything is validated on decode (`epd_lab.serving.decode_body`); a malformed b
                                          `StreamDone` or `StreamError`
     AbortRequest    → POST /v1/abort   → AbortResponse     (prefill: decode will never ask for this KV)
 
-`KVTransferParams` is what decode needs besides the KV blocks (issue 4, DESIGN.md §4): where to ask for
+`KVTransferParams` is what decode needs besides the KV blocks: where to ask for
 them (the producer's side channel and request id), the prompt length and the mrope rope delta (decode
 positions are ``prompt_len + rope_delta + i``), the first token (prefill's greedy argmax) and the block count.
 """

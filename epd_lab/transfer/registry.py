@@ -3,8 +3,8 @@
 Every role takes ``--transport NAME`` and opens it with `open_engine`. A name maps to a module path
 and an attribute there, not to an imported class, so listing the choices (`ENGINES`) imports no
 engine, opening ``tcp`` never imports Mooncake, and no engine has to import another to be chosen.
-Before, `engine.open_engine` imported `mooncake`, which imported `Registration` from `engine`: the
-circle of issue 10. The engines do not import this module at module level, so it stays one way.
+Before, `engine.open_engine` imported `mooncake`, which imported `Registration` from `engine`: an
+import cycle. The engines do not import this module at module level, so it stays one way.
 
     register_transport("mine", "my_pkg.engines", "MyEngine")
     engine = open_engine("mine", "127.0.0.1", timeout=5.0)  # imports my_pkg.engines now

@@ -1,5 +1,5 @@
 """Model runtimes: the three calls a role makes of its model, over a paged KV cache that holds the KV from
-prefill to the last decode step (issue 17).
+prefill to the last decode step.
 
     runtime = open_runtime("fast", model, cache)               # or "hf": HF transformers, eager (the baseline)
     embeds = runtime.encode(pixel_values, image_grid_thw)      # encoder: images -> embeddings [tokens, hidden]
@@ -48,7 +48,7 @@ class PrefillOutput:
     """What prefill hands to decode besides the KV in the blocks."""
 
     logits: torch.Tensor  # [vocab], the last prompt position, on the model's device
-    rope_delta: int  # decode position i is prompt_len + rope_delta + i (DESIGN.md §4)
+    rope_delta: int  # decode position i is prompt_len + rope_delta + i (mrope; it travels with the KV)
     prompt_len: int
     ready: Any = None  # a gated prefill's torch.cuda.Event: `wait` before reading the logits
 

@@ -4,8 +4,9 @@ fixed-size calls, each replayed from a graph too (`runtime.vision.VisionTower`).
 their own, and may be queued there behind a gate before their embeddings land (`prefill_gate`, `runtime.gate`).
 
 On the CPU the same code runs with torch ops (`ops.TorchOps`), no graphs, and the vision tower image by image
-(a CPU GEMM may pick its kernel by row position too, so there the budget would not buy bit-identity; measured
-in issue 9). That is what CI tests against HF transformers.
+(a CPU GEMM may pick its kernel by row position too, so there the budget would not buy bit-identity: measured
+on an Intel Xeon with AVX-512 in 66c337e, 2026-11-30, see `models.vision`). That is what CI tests against HF
+transformers.
 """
 from __future__ import annotations
 

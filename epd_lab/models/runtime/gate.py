@@ -1,4 +1,4 @@
-"""A prefill queued on the GPU before its embeddings land: the GPU waits, the host opens (issue 17).
+"""A prefill queued on the GPU before its embeddings land: the GPU waits, the host opens.
 
 A split request's prefill knows everything but the embeddings' values once the encoders answered /encode: the
 prompt, its blocks, where the embeddings will land. A gated prefill is queued then, behind a stream wait on a
