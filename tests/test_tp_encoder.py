@@ -13,28 +13,20 @@ import httpx
 import psutil
 import pytest
 import torch
-from PIL import Image
 
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import build_input_ids, load_model, preprocess
+from epd_lab.models import build_input_ids, load_model
 from epd_lab.models.runners import PrefillRunner
-from epd_lab.models.runtime import open_runtime
-from epd_lab.models.runtime.tp import TPGroup, run_ranks
+from epd_lab.models.runtime.tp import run_ranks
 from epd_lab.noise import noise_images
+from epd_lab.servers.encoder_tp import reference_encode
 
 pytestmark = pytest.mark.timeout(300)
 
 SIZES = [(224, 224), (100, 333), (160, 96)]
-
-
-def _tp_encode(tp: TPGroup, paths: list[str]) -> torch.Tensor:
-    """The in-process reference: the same images encoded by a TP group of this size (one torch thread a rank)."""
-    model = load_model()
-    pixel_values, grid = preprocess([Image.open(p).convert("RGB") for p in paths])
-    return open_runtime("fast", model, None, tp=tp).encode(pixel_values, grid)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +41,7 @@ def images(tmp_path_factory) -> list[str]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_tp2_encoder_gives_the_tp2_embeddings_bit_for_bit(backend, images):
-    want = run_ranks(_tp_encode, 2, images)[0]
+    want = run_ranks(reference_encode, 2, images)[0]
     model = load_model()
     topology = Topology(1, backend, timeout=20.0, settings={"encoder": {"tp": 2}})
     with Cluster(topology) as cluster, \

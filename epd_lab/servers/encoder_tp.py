@@ -189,6 +189,19 @@ def _raw(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B") if tensor.numel() else memoryview(b"")
 
 
+def reference_encode(tp: Any, paths: list[str], model: str | None = None, dtype: str = "float32") -> torch.Tensor:
+    """The in-process reference of an encoder TP group: the images at `paths` encoded by this rank of a group of the
+    same size (run it on every rank: ``run_ranks(reference_encode, N, paths)[0]``), as the server preprocesses
+    them."""
+    from PIL import Image
+
+    from epd_lab import models
+
+    models.configure_torch(threads=1)
+    pixel_values, grid = models.preprocess([Image.open(p).convert("RGB") for p in paths])
+    return open_runtime("fast", models.open_model(model, dtype=DTYPES[dtype]), None, tp=tp).encode(pixel_values, grid)
+
+
 def rank_main(argv: list[str] | None = None) -> int:
     """Rank r ≥ 1 of an encoder's TP group: load the model, join the group, run every step rank 0 sends."""
     from epd_lab import models
