@@ -1557,6 +1557,21 @@ static int vm_write(epd_shm_peer *p, struct iovec *liov, struct iovec *riov, int
     return EPD_OK;
 }
 
+/* A window's end: its streamed stores complete, then its pins go (so no byte lands after a deregister returns). */
+static void unpin_window(int32_t **pinned, int npin, int streamed) {
+    if (streamed) store_fence();
+    for (int i = 0; i < npin; i++) table_release(pinned[i]);
+}
+
+/* A same-host write's end: count it in the owner's table when it succeeded; its status. */
+static int counted(table_t *t, int rc, int written, uint64_t bytes) {
+    if (rc == EPD_OK) {
+        ADD(&t->writes_in, (uint64_t)written);
+        ADD(&t->bytes_in, bytes);
+    }
+    return rc;
+}
+
 int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, const uint64_t *lens,
                   const uint64_t *keys, int n, char *err) {
     if (!peer_alive(p)) return fail(err, EPD_ECONN, "peer pid %d has exited", p->pid);
@@ -1605,14 +1620,9 @@ int epd_shm_write(epd_shm_peer *p, const uint64_t *srcs, const uint64_t *dsts, c
         }
         /* scattered blocks into memory registered from elsewhere go in one system call */
         if (rc == EPD_OK && nvm) rc = vm_write(p, liov, riov, nvm, err);
-        if (streamed) store_fence(); /* before unpinning, so no byte lands after a deregister returns */
-        for (int i = 0; i < npin; i++) table_release(pinned[i]);
+        unpin_window(pinned, npin, streamed);
     }
-    if (rc == EPD_OK) {
-        ADD(&t->writes_in, (uint64_t)written);
-        ADD(&t->bytes_in, bytes);
-    }
-    return rc;
+    return counted(t, rc, written, bytes);
 }
 
 int epd_shm_write_strided(epd_shm_peer *p, const epd_strided *w, int n, char *err) {
@@ -1672,12 +1682,7 @@ int epd_shm_write_strided(epd_shm_peer *p, const epd_strided *w, int n, char *er
             bytes += e->len * e->count;
             written++;
         }
-        if (streamed) store_fence(); /* before unpinning, so no byte lands after a deregister returns */
-        for (int i = 0; i < npin; i++) table_release(pinned[i]);
+        unpin_window(pinned, npin, streamed);
     }
-    if (rc == EPD_OK) {
-        ADD(&t->writes_in, (uint64_t)written);
-        ADD(&t->bytes_in, bytes);
-    }
-    return rc;
+    return counted(t, rc, written, bytes);
 }

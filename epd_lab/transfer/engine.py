@@ -277,22 +277,16 @@ class TransferEngine:
         fails as a whole on the first refused or failed block; which of the other blocks landed is
         then unspecified."""
         peer = self._peer(session_id)
-        try:
-            n = None
+
+        def write() -> int:
             if self._cuda is not None or cuda.gpu_memory_possible():
                 n = self._cuda_transport().write(
                     peer.session_id, peer.hello if peer.path == "shm" else None, peer.control, srcs, dsts, lengths,
                     rkeys, lambda staged: self._host_write(peer, staged, dsts, lengths, rkeys))
-            if n is None:
-                n = self._host_write(peer, srcs, dsts, lengths, rkeys)
-        except PeerUnreachable:
-            self._drop_peer(session_id)
-            self._out.count(failed=True)
-            raise
-        except (TransferError, ValueError):
-            self._out.count(failed=True)
-            raise
-        self._out.count(len(lengths), n, path=peer.path)
+                if n is not None:
+                    return n
+            return self._host_write(peer, srcs, dsts, lengths, rkeys)
+        self._counted(session_id, peer, len(lengths), write)
 
     def batch_transfer_sync_write_strided(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                                           lengths: Sequence[int], counts: Sequence[int], src_strides: Sequence[int],
@@ -308,12 +302,18 @@ class TransferEngine:
             self.batch_transfer_sync_write(session_id, *strided_pieces(srcs, dsts, lengths, counts, src_strides,
                                                                        dst_strides, rkeys))
             return
+        if peer.path == "shm":
+            self._counted(session_id, peer, len(lengths), lambda: peer.shm.write_strided(
+                self._owner, srcs, dsts, lengths, counts, src_strides, dst_strides, rkeys))
+        else:
+            self._counted(session_id, peer, len(lengths), lambda: self._tcp_write(peer, lambda conn: conn.write_strided(
+                self._owner, srcs, dsts, lengths, counts, src_strides, dst_strides, rkeys)))
+
+    def _counted(self, session_id: str, peer: _Peer, entries: int, write: Callable[[], int]) -> None:
+        """Run `write` (it returns the bytes written) and count it, or its failure, in the writer's counters; a peer
+        found unreachable is dropped (its next write reconnects)."""
         try:
-            if peer.path == "shm":
-                n = peer.shm.write_strided(self._owner, srcs, dsts, lengths, counts, src_strides, dst_strides, rkeys)
-            else:
-                n = self._tcp_write(peer, lambda conn: conn.write_strided(
-                    self._owner, srcs, dsts, lengths, counts, src_strides, dst_strides, rkeys))
+            n = write()
         except PeerUnreachable:
             self._drop_peer(session_id)
             self._out.count(failed=True)
@@ -321,7 +321,7 @@ class TransferEngine:
         except (TransferError, ValueError):
             self._out.count(failed=True)
             raise
-        self._out.count(len(lengths), n, path=peer.path)
+        self._out.count(entries, n, path=peer.path)
 
     def _host_write(self, peer: _Peer, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
                     rkeys: Sequence[int] | None) -> int:
