@@ -252,3 +252,20 @@ def _free_port_run(n: int) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no run of {n} free ports found")
+
+
+def test_bench_tp_kv_moves_every_byte_on_both_paths(tmp_path):
+    """`epd-lab bench tp-kv` end to end at a small size: every move of every round left decode's cache as expected."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "tp-kv.json"
+    subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "tp-kv", "--tokens", "64", "--rounds", "1",
+                    "--json", str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["kv_bytes"] == 56 * 64 * 2 * 256 and result["src_tp"] == 2
+    for protocol in ("shm", "tcp"):
+        moves = result["protocols"][protocol]
+        assert moves["bytes_equal"] == {"plain": True, "plain_strided": True, "regrouped": True}
+        assert moves["runs"]["regrouped"] == 2 * 56 * 4  # a strided entry per region and block per rank

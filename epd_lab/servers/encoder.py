@@ -727,6 +727,9 @@ class MMEncoder:
             ("cache_evictions_total", "counter", self.cache.evictions, "cache entries evicted"),
             ("cache_entries", "gauge", len(self.cache), "images in the cache"),
             ("cache_bytes", "gauge", self.cache.num_bytes, "bytes in the cache"),
+            ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this encoder (rank 0 serves)"),
+            ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
+             "ranks of this encoder's TP group known dead (then /health answers 503)"),
         )] + self.admission.metric_families() + engine_metrics(self.engine)
 
     def close(self) -> None:

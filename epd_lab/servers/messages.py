@@ -10,7 +10,8 @@ Everything is validated on decode (`epd_lab.serving.decode_body`); a malformed b
 
 `KVTransferParams` is what decode needs besides the KV blocks: where to ask for
 them (the producer's side channel and request id), the prompt length and the mrope rope delta (decode
-positions are ``prompt_len + rope_delta + i``), the first token (prefill's greedy argmax) and the block count.
+positions are ``prompt_len + rope_delta + i``), the first token (drawn by prefill at the request's temperature and
+seed) and the block count.
 """
 from __future__ import annotations
 
