@@ -77,7 +77,7 @@ def one_error_line(done: subprocess.CompletedProcess) -> str:
 
 def test_make_lab_runs_the_lab_script() -> None:
     """`make lab` runs scripts/lab.sh, the command line the next test starts."""
-    out = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["make", "--no-print-directory", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1].split()[-1] == "scripts/lab.sh", out
 
 

@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[1] / "epd_lab"
 
 # lowest first; a unit may import from its own layer and every layer before it
 LAYERS: list[set[str]] = [
-    {"_native", "_verbs", "security", "failpoints", "procs", "wire_types", "noise"},  # bindings and leaf helpers
+    {"_native", "_verbs", "security", "failpoints", "procs", "wire_types", "noise", "boundary"},  # bindings, leaf helpers
     {"transfer", "trace", "rdma_info"},  # the transfer engine, spans
     {"kv", "machine"},  # P→D blocks and their wire; the host record
     {"models"},  # the model, its runtimes over the paged cache

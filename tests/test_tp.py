@@ -20,13 +20,13 @@ import torch
 
 from epd_lab.kv import BlockManager, PagedKVCache
 from epd_lab.kv.connector import KVConsumer, KVProducer, KVTransferError
-from epd_lab.kv.tp_groups import PDCase, monolithic_rank, run_pd
+from epd_lab.servers.tp_groups import PDCase, monolithic_rank, run_pd
 from epd_lab.kv.tp_plan import (CacheGeometry, HeadSlice, KVLayout, KVTransferPlan, PlanError, covered_exactly_once,
-                                head_copies, plan_kv_transfer, side_channel_port)
+                                head_copies, kv_head_range, plan_kv_transfer, side_channel_port)
 from epd_lab.models import build_input_ids, load_model, preprocess
 from epd_lab.models.runtime import continue_tokens, generate, open_runtime
 from epd_lab.models.sampling import sample
-from epd_lab.models.runtime.tp import TPGroup, check_model, kv_head_range, run_ranks
+from epd_lab.models.runtime.tp import TPGroup, check_model, run_ranks
 from epd_lab.noise import noise_images
 from epd_lab.transfer import TransferEngine
 

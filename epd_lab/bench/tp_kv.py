@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from epd_lab.bench import write_json
-from epd_lab.kv.tp_plan import CacheGeometry, KVLayout, head_copies, plan_kv_transfer
+from epd_lab.kv.tp_plan import CacheGeometry, KVLayout, head_copies, kv_head_range, plan_kv_transfer
 from epd_lab.machine import commit, machine_info
 from epd_lab.models.shapes import SHAPES
 from epd_lab.transfer import TransferEngine
@@ -151,7 +151,6 @@ def _expected_whole(view: np.ndarray, dst_ids: list[int]) -> np.ndarray:
 
 def _expected_regrouped(plan, ranks, dst_ids: list[int]) -> np.ndarray:
     """The decode cache the regrouped move must produce: every head from a rank holding it, by global index."""
-    from epd_lab.models.runtime.tp import kv_head_range
 
     views = [v for _, v in ranks]
     heads = [None] * plan.num_kv_heads

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from epd_lab.kv.block_manager import blocks_needed
+from epd_lab.kv.tp_plan import kv_head_range
 from epd_lab.transfer.buffers import as_array
 
 KVLayers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), each [1, heads, seq, head_dim]
@@ -78,11 +79,9 @@ class PagedKVCache:
                     device: str | torch.device = "cpu", tp_size: int = 1) -> "PagedKVCache":
         """A cache shaped for a model's text config (a Qwen2-VL config or its `text_config`); with `tp_size` > 1,
         for one rank of a tensor-parallel group: its share of the KV heads (`runtime.tp.kv_head_range`)."""
-        from epd_lab.models.runtime.tp import kv_head_range, text_heads  # the runtime imports this module
-
         text = getattr(config, "text_config", config)
-        _, kv_heads, head_dim = text_heads(text)
-        start, stop = kv_head_range(kv_heads, tp_size, 0)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        start, stop = kv_head_range(text.num_key_value_heads, tp_size, 0)
         return cls(text.num_hidden_layers, stop - start, head_dim, num_blocks=num_blocks,
                    block_size=block_size, dtype=dtype, engine=engine, device=device)
 

@@ -6,7 +6,7 @@ decode rank's blocks, checked before any byte moves; and where each rank's side 
     plan.between(src_rank, dst_rank)                              # the HeadSlices one prefill rank writes
     copies = head_copies(slices, src_geometry, dst_geometry, ...)  # their (src, dst, length) runs
 
-Each rank's cache holds its KV heads (`runtime.tp.kv_head_range`): a share of them, or, past the number of KV
+Each rank's cache holds its KV heads (`kv_head_range`): a share of them, or, past the number of KV
 heads, one head replicated on ``tp_size / num_kv_heads`` ranks. A destination rank needs every one of its heads
 written exactly once, by a source rank that holds the same head; where several source ranks hold it (replicas),
 destination rank d takes it from replica ``d % replicas`` so that the replicas share the work. vLLM's first
@@ -33,7 +33,6 @@ from typing import NamedTuple
 import numpy as np
 
 from epd_lab.kv.runs import BlockCopies, block_copies, contiguous_runs
-from epd_lab.models.runtime.tp import kv_head_range
 
 DEFAULT_SIDE_CHANNEL_PORT = 6557  # vLLM's VLLM_MOONCAKE_SIDE_CHANNEL_PORT default
 
@@ -41,6 +40,20 @@ DEFAULT_SIDE_CHANNEL_PORT = 6557  # vLLM's VLLM_MOONCAKE_SIDE_CHANNEL_PORT defau
 class PlanError(ValueError):
     """A transfer plan that would leave destination bytes unwritten, write them twice, or move a head to a rank
     that does not hold it: refused before any write."""
+
+
+def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The KV heads ``[start, stop)`` rank `tp_rank` of `tp_size` holds: a share of them, or, past their number,
+    one head replicated on ``tp_size / num_kv_heads`` consecutive ranks, as vLLM replicates them."""
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} does not divide {num_kv_heads} KV heads")
+        per = num_kv_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tp_size {tp_size} is not a multiple of {num_kv_heads} KV heads")
+    head = tp_rank // (tp_size // num_kv_heads)
+    return head, head + 1
 
 
 def side_channel_port(dp_rank: int, tp_size: int, tp_rank: int, base: int | None = None) -> int:

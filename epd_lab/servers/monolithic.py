@@ -240,6 +240,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from epd_lab.cli import guarded
+    from epd_lab.boundary import guarded
 
-    sys.exit(guarded(main, sys.argv[1:]))  # a user's mistake in one line (epd_lab.cli)
+    sys.exit(guarded(main, sys.argv[1:]))  # a user's mistake in one line (epd_lab.boundary)

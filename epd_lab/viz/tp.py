@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from epd_lab.kv.tp_plan import KVTransferPlan
-from epd_lab.models.runtime.tp import kv_head_range
+from epd_lab.kv.tp_plan import KVTransferPlan, kv_head_range
 
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6")
 

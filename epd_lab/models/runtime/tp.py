@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from epd_lab.kv.tp_plan import kv_head_range
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -87,19 +89,6 @@ def check_heads(num_heads: int, num_kv_heads: int | None, tp_size: int, what: st
         kv = "" if num_kv_heads is None else f" and {num_kv_heads} KV heads"
         raise ValueError(f"tp_size {tp_size} does not split {what}'s {num_heads} attention heads{kv}; "
                          f"choose one of {valid}")
-
-
-def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """The KV heads ``[start, stop)`` rank `tp_rank` of `tp_size` holds (see the module docstring)."""
-    if tp_size <= num_kv_heads:
-        if num_kv_heads % tp_size:
-            raise ValueError(f"tp_size {tp_size} does not divide {num_kv_heads} KV heads")
-        per = num_kv_heads // tp_size
-        return tp_rank * per, (tp_rank + 1) * per
-    if tp_size % num_kv_heads:
-        raise ValueError(f"tp_size {tp_size} is not a multiple of {num_kv_heads} KV heads")
-    head = tp_rank // (tp_size // num_kv_heads)
-    return head, head + 1
 
 
 def text_heads(config: Any) -> tuple[int, int, int]:

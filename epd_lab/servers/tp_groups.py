@@ -30,8 +30,8 @@ from epd_lab.kv.block_manager import BlockManager, blocks_needed
 from epd_lab.kv.connector import KVConsumer, KVProducer
 from epd_lab.kv.messages import KVAux
 from epd_lab.kv.paged_cache import PagedKVCache
-from epd_lab.kv.tp_plan import KVLayout, side_channel_port
-from epd_lab.models.runtime.tp import TPGroup, kv_head_range, run_ranks
+from epd_lab.kv.tp_plan import KVLayout, kv_head_range, side_channel_port
+from epd_lab.models.runtime.tp import TPGroup, run_ranks
 
 
 @dataclass(frozen=True)
