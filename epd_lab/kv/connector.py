@@ -516,16 +516,10 @@ class KVProducer:
                 raise ValueError(f"decode's cache ({len(meta.kv_caches_base_addr)} regions, block_len "
                                  f"{meta.block_len}) does not match prefill's ({len(self.cache.base_addrs)}, "
                                  f"{self.cache.block_len})")
-            out = BlockCopies([], [], [], [])
-            for entry, dst_ids in zip(entries, meta.block_ids):
-                part = block_copies(self.cache.base_addrs, meta.kv_caches_base_addr, entry.block_ids, dst_ids,
-                                    self.cache.block_len, meta.rkeys or None)
-                for mine, theirs in zip(out, part):
-                    mine.extend(theirs)
-            failpoint("prefill.kv_write")
-            self.engine.batch_transfer_sync_write(meta.session_id, *out)
-            return sum(out.lengths)
+            return self._write_whole_blocks(meta, entries)
         src, dst = self._geometries(meta)
+        if src.kv_heads == dst.kv_heads == self.layout.num_kv_heads:  # every head on both sides: whole blocks
+            return self._write_whole_blocks(meta, entries)
         slices = plan_kv_transfer(self.layout.num_kv_heads, self.layout.tp_size, meta.tp_size).between(
             self.layout.tp_rank, meta.tp_rank)
         copies = StridedCopies.concatenate([head_copies(slices, src, dst, entry.block_ids, dst_ids, meta.rkeys or None)
@@ -533,7 +527,7 @@ class KVProducer:
         failpoint("prefill.kv_write")
         if not len(copies.srcs):  # this rank holds none of the decode rank's heads
             return 0
-        if (copies.counts == 1).all():  # whole blocks: the plain batch write
+        if (copies.counts == 1).all():  # whole blocks (equal shares on both sides): the plain batch write
             self.engine.batch_transfer_sync_write(meta.session_id, *(f.tolist() for f in (
                 copies.srcs, copies.dsts, copies.lengths, copies.rkeys)))
         elif hasattr(self.engine, "batch_transfer_sync_write_strided"):
@@ -541,6 +535,19 @@ class KVProducer:
         else:  # an engine without strided writes (Mooncake's): a batch of pieces
             self.engine.batch_transfer_sync_write(meta.session_id, *copies.pieces())
         return copies.nbytes
+
+    def _write_whole_blocks(self, meta: MooncakeAgentMetadata, entries: list[_Held]) -> int:
+        """Every request's blocks into decode's as whole blocks, in the runs contiguous on both sides, in one batch
+        write (the path between whole caches: no plan, no strided entries); the bytes written."""
+        out = BlockCopies([], [], [], [])
+        for entry, dst_ids in zip(entries, meta.block_ids):
+            part = block_copies(self.cache.base_addrs, meta.kv_caches_base_addr, entry.block_ids, dst_ids,
+                                self.cache.block_len, meta.rkeys or None)
+            for mine, theirs in zip(out, part):
+                mine.extend(theirs)
+        failpoint("prefill.kv_write")
+        self.engine.batch_transfer_sync_write(meta.session_id, *out)
+        return sum(out.lengths)
 
     def _geometries(self, meta: MooncakeAgentMetadata) -> tuple[CacheGeometry, CacheGeometry]:
         """This rank's cache and the decode rank's, as the plan's runs address them; ValueError (the handshake's
