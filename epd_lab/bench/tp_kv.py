@@ -32,6 +32,7 @@ from epd_lab.kv.tp_plan import CacheGeometry, KVLayout, head_copies, kv_head_ran
 from epd_lab.machine import commit, machine_info
 from epd_lab.models.shapes import SHAPES
 from epd_lab.transfer import TransferEngine
+from epd_lab.transfer.buffers import as_array
 from epd_lab.transfer.peer import PeerProcess
 
 BLOCK_SIZE = 16
@@ -50,7 +51,7 @@ def _source(engine: TransferEngine, heads: int, geometry: dict[str, int], rng: n
     nbytes = int(np.prod(shape))
     ptr = engine.allocate_managed_buffer(nbytes)
     engine.register(ptr, nbytes)  # a source is registered too (an lkey's role): shm reads need it
-    view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(ptr)).reshape(shape)
+    view = as_array(ptr, nbytes).reshape(shape)
     view[...] = rng.integers(0, 256, shape, dtype=np.uint8)
     return CacheGeometry(_regions(ptr, shape[0], nbytes // shape[0]), BLOCK_SIZE, heads, geometry["head_bytes"]), view
 
