@@ -79,6 +79,13 @@ def _wait_for(paths: list[Path], timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write `text` to `path` at once: a rank polling for the file never reads it half written."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    part.rename(path)
+
+
 def _blocks(cache: PagedKVCache, table: list[int]) -> list[torch.Tensor]:
     """Copies of `table`'s blocks in every region, ``[K0, V0, ...]``, each [blocks, block_size, heads, head_dim]."""
     index = torch.tensor(table)
@@ -116,7 +123,7 @@ def prefill_rank(tp: TPGroup, case: PDCase, meeting: str, request_ids: list[str]
                 torch.save({"blocks": _blocks(cache, table), "first_token": first, "rope_delta": out.rope_delta},
                            folder / f"{name}.pt")
             producer.request_finished(rid, table, KVAux(first, out.rope_delta))
-        (folder / f"{name}.url").write_text(producer.url)
+        _publish(folder / f"{name}.url", producer.url)
         _wait_for([folder / f"done-{rid}" for rid in request_ids], case.timeout_s, "the decode groups' asks")
         deadline = time.monotonic() + case.timeout_s  # the producer frees after its reply has gone
         while pool.num_used_blocks and time.monotonic() < deadline:
