@@ -131,7 +131,7 @@ class Topology:
     proxy: bool = option(False, "start the OpenAI-compatible proxy in front of the prefills and decodes")
     pipelined: bool = option(False, "the proxy asks decode while prefill runs (streamed requests); off: after "
                                     "prefill answered, which gave the lower TTFT on 2 vCPUs "
-                                    "(docs/serving.md, bench e2e)")
+                                    "(docs/serving-bench.md, bench e2e)")
     monolithic: bool = option(False, "one process serving the whole model behind OpenAI's API (per replica), the "
                                      "floor E→P→D is measured against (`cluster.proxy_url`); no encoder, prefill, "
                                      "decode or proxy")

@@ -1,6 +1,6 @@
 """The workload the encode/prefill/decode roles run: a random-weight Qwen2-VL, tiny or at published sizes, or real
 weights from a directory, built so that the EPD split is bit-identical to one monolithic forward (the
-preconditions: docs/architecture.md, "What bit-identity rests on").
+preconditions: docs/protocols.md, "What bit-identity rests on").
 
 - `tiny`: the config, deterministic build, offline load (`load_model`), `configure_torch`.
 - `processor`: image preprocessing, image sizes → token counts, prompt ids without a tokenizer.

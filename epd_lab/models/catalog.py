@@ -5,7 +5,7 @@
 from a local directory, placed on the device asked. Whatever the source, the model comes back in the form the
 bit-identity of the EPD split relies on: vision tower image-invariant (`models.vision`), the attention
 implementation `tiny.ATTN_IMPLEMENTATION`, EOS off for the random-weight ones (so generation never stops early);
-the rest of those preconditions are in docs/architecture.md, "What bit-identity rests on".
+the rest of those preconditions are in docs/protocols.md, "What bit-identity rests on".
 """
 from __future__ import annotations
 

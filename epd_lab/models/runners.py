@@ -4,7 +4,7 @@
 `pixel_values` computes, operation for operation, so the logits are bit-identical: the same
 `get_image_features` call, the same `masked_scatter` into the text embeddings, the same 3-D mrope positions
 from `get_rope_index`, and `logits_to_keep=1`. The vision tower runs image by image in both (`models.vision`),
-so how the images are split over encoders cannot change a bit (docs/architecture.md, "What bit-identity rests
+so how the images are split over encoders cannot change a bit (docs/protocols.md, "What bit-identity rests
 on", lists these preconditions).
 
 Devices: every runner works where the model's parameters are (`catalog.model_device`): tensors it creates are

@@ -2,7 +2,7 @@
 
 Every role (encoder, prefill, decode) calls `configure_torch()` and then `load_model()`, so every process
 holds identical weights and runs identical kernels; that is what makes the EPD split bit-identical to one
-monolithic forward (the other preconditions: docs/architecture.md, "What bit-identity rests on"). Both loaders
+monolithic forward (the other preconditions: docs/protocols.md, "What bit-identity rests on"). Both loaders
 return the model with its vision tower made image-invariant (`models.vision.make_image_invariant`): without it,
 CPUs whose GEMMs pick kernels by row count break that.
 """

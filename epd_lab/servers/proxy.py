@@ -42,7 +42,7 @@ backend's 400/413/422, whose ``detail`` is passed on: an image that does not dec
 backend failure (its ``detail`` passed on). After a stream has begun, a failure is sent as a last
 ``data: {"error": ...}`` event, which the ``openai`` client raises as ``APIError``.
 
-Overload (``docs/architecture.md``, "Overload"): a client's ``X-EPD-Deadline-Ms`` (capped at ``--timeout``, which
+Overload (``docs/overload.md``): a client's ``X-EPD-Deadline-Ms`` (capped at ``--timeout``, which
 is the default) is the request's deadline. A request that the prefills' lowest recent rate (0.7 of one still at
 its prior; or this proxy's own measure of their drain, if slower), the proxy's own pending requests and
 decode's expected time predict past it is refused with 503 before its body is read (`_admit`); the prefill is
