@@ -90,9 +90,9 @@ def check_ray_options(key: str, values: Mapping[str, Any]) -> None:
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
     "encoder": ("epd_lab.servers.encoder", EncoderSettings,
-                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "media_roots")),
+                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "media_roots", "tp")),
     "prefill": ("epd_lab.servers.prefill", PrefillSettings,
-                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "kv_blocks")),
+                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "kv_blocks", "tp")),
     "decode": ("epd_lab.servers.decode", DecodeSettings,
                ("model", "device", "dtype", "runtime", "timeout", "transport", "kv_blocks")),
     "proxy": ("epd_lab.servers.proxy", ProxySettings, ("timeout", "pipelined")),
@@ -139,6 +139,8 @@ class Topology:
                               "(epd_lab.servers.front) whose URL is the cluster's proxy_url; one per GPU: "
                               "--settings 'monolithic1={\"device\": \"cuda:1\"}'")
     kv_blocks: int = option(512, "KV-cache blocks per prefill and decode server")
+    tp: int = option(1, "tensor-parallel ranks of every encoder and prefill, each rank a process its server starts "
+                        "(on its node: on Ray, its actor's); prefill i is DP rank i (its side channels' ports)")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
     media_roots: tuple[str, ...] = option((tempfile.gettempdir(),), "folders whose files the encoders serve as "
                                           "media items: the workbench writes its images to the temp folder; () "
@@ -187,6 +189,8 @@ class Topology:
             raise ValueError("a monolithic topology starts monolithic servers only: no prefills, decodes or proxy")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.replicas > 1 and not self.monolithic:
             raise ValueError("replicas are of the monolithic server: set monolithic=True")
         if self.proxy and not (self.prefills and self.decodes):
@@ -270,10 +274,11 @@ class Cluster:
             for i in range(topology.encoders):
                 self.encoder_urls.append(self._start(f"encoder{i}", "encoder"))
             for i in range(topology.prefills):
-                self.prefill_urls.append(self._start(f"prefill{i}", "prefill", encoders=tuple(self.encoder_urls)))
+                self.prefill_urls.append(self._start(f"prefill{i}", "prefill", encoders=tuple(self.encoder_urls),
+                                                     dp_rank=i))
             # decode asks only the side channels of this cluster's prefills (their /health names them)
-            kv_producers = tuple(httpx.get(url + "/health", timeout=topology.timeout).json()["kv_url"]
-                                 for url in self.prefill_urls)
+            kv_producers = tuple(u for url in self.prefill_urls
+                                 for u in httpx.get(url + "/health", timeout=topology.timeout).json()["kv_urls"])
             for i in range(topology.decodes):
                 self.decode_urls.append(self._start(f"decode{i}", "decode", kv_producers=kv_producers))
             if topology.proxy:

@@ -2,8 +2,9 @@
 
 ``POST /v1/decode`` (`DecodeRequest` → `DecodeResponse`, or NDJSON with ``"stream": true``):
 
-1. Allocate the prompt's blocks, ask the producer named by ``kv_transfer_params.remote_url`` to write its KV into
-   them over the ZMQ side channel (`KVConsumer.receive_kv`). The KV stays in those blocks, and the generated
+1. Allocate the prompt's blocks, ask the producer named by ``kv_transfer_params.remote_url`` (every rank of a
+   prefill TP group: ``remote_urls``) to write its KV into them over the ZMQ side channel
+   (`KVConsumer.receive_kv_group`). The KV stays in those blocks, and the generated
    tokens' KV joins it in blocks taken as needed, until the request ends: the model runtime (``--runtime``)
    attends over it where it lies, so ``--kv-blocks`` bounds decode's live KV. Every block a request takes comes
    out of its reservation (admission, below), so none finds the pool empty. ``TRANS_ERROR`` → by its reason (no such
@@ -184,10 +185,10 @@ class DecodeServer:
         answers once prefill knows them, by `due`, its KV deadline: see `_ask_within`) and the spans so far;
         raises `ServingError`."""
         p = req.kv_transfer_params
-        if self.settings.kv_producers and p.remote_url not in self.settings.kv_producers:
+        if self.settings.kv_producers and not set(_producers(p)) <= set(self.settings.kv_producers):
             # checked before any socket opens: decode never sends its cache's addresses and keys elsewhere
             self._count("kv_producers_refused")
-            raise Forbidden("kv_transfer_params.remote_url is not a producer this decode server was told about")
+            raise Forbidden("kv_transfer_params names a producer this decode server was not told about")
         spans: list[Span] = []
         prompt_len, num_blocks = p.prompt_len, p.num_blocks
         if p.pipelined:  # the prompt's size comes from the producer, as soon as prefill knows it
@@ -220,8 +221,8 @@ class DecodeServer:
         quarantine = kept = False
         try:
             try:
-                done = self._kv_call(p, lambda: self.consumer.receive_kv(p.remote_url, p.remote_request_id, ids,
-                                                                         _ask_within(due)))
+                done = self._kv_call(p, lambda: self.consumer.receive_kv_group(_producers(p), p.remote_request_id,
+                                                                               ids, _ask_within(due)))
             except _TimedOut:
                 quarantine = True  # the producer may still write into them
                 raise
@@ -354,6 +355,11 @@ class DecodeServer:
             timer.cancel()
         self.cache.close()
         self.engine.close()
+
+
+def _producers(p: KVTransferParams) -> list[str]:
+    """The side channels to ask for a request's KV: every rank of a prefill TP group, or its one producer."""
+    return p.remote_urls or [p.remote_url]
 
 
 def _ask_within(due: float | None) -> float | None:

@@ -60,8 +60,13 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
     rope_delta: int | None = None  # mrope max position + 1 - prompt_len (≤ 0 with images)
     first_token: NonNegative | None = None
     num_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # a prefill TP group's side channels in rank order (`remote_url` is rank 0's); None: one rank, `remote_url`
+    remote_urls: list[NonEmpty] | None = None
 
     def __post_init__(self) -> None:
+        if self.remote_urls is not None and (not self.remote_urls or self.remote_urls[0] != self.remote_url):
+            raise ValueError("remote_urls lists a prefill TP group's side channels in rank order, rank 0's "
+                             "(remote_url) first")
         given = [v is not None for v in (self.prompt_len, self.rope_delta, self.first_token, self.num_blocks)]
         if any(given) and not all(given):
             raise ValueError("give prompt_len, rope_delta, first_token and num_blocks together, or none of them "

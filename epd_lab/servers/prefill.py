@@ -57,6 +57,7 @@ from epd_lab.ep.receiver import (RECV_BUFFERS, EmbeddingReceiver, EPDError, Land
 from epd_lab.kv import BlockManager, KVProducer, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.messages import KVAux
+from epd_lab.kv.tp_plan import KVLayout, side_channel_port
 from epd_lab.models.runtime import Gate, PrefillOutput, PrefillPlan, open_runtime
 from epd_lab.models.sampling import request_seed, sample
 from epd_lab.servers.messages import (
@@ -67,6 +68,7 @@ from epd_lab.servers.messages import (
     PrefillResponse,
     encode,
 )
+from epd_lab.servers.prefill_tp import PrefillTPGroup
 from epd_lab.servers.text import prompt_tokens
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, client_gone,
                              deadline_budget, decode_body, engine_metrics, error_for_status, option, read_body,
@@ -105,6 +107,11 @@ class PrefillSettings(PagedKVSettings):
     service_prior: float = option(0.1, "seconds a prefill is assumed to take with every worker busy until one is "
                                        "measured: the admission's (and the proxy's) rate on a fresh server, "
                                        "which served requests only one at a time if at all (serving.admission)")
+    tp: int = option(1, "tensor-parallel ranks: this server is rank 0 and starts the others, each with its own KV "
+                        "cache of its KV heads and its own side channel (servers.prefill_tp); CPU (gloo) only")
+    dp_rank: int = option(0, "this server's data-parallel rank among the prefills: its side channels' ports")
+    side_channel_base: int = option(0, "the KV side channels' port base: rank r listens on base + dp_rank * tp + r "
+                                       "(vLLM's VLLM_MOONCAKE_SIDE_CHANNEL_PORT, 6557 there); 0: ports from the OS")
 
     def __post_init__(self) -> None:
         PagedKVSettings.__post_init__(self)
@@ -115,6 +122,12 @@ class PrefillSettings(PagedKVSettings):
         check_at_least(self, 0, "max_queued")
         check_at_least(self, 1, "workers")
         check_positive(self, "timeout", "kv_free_timeout", "service_prior")
+        check_at_least(self, 1, "tp")
+        check_at_least(self, 0, "dp_rank", "side_channel_base")
+        if self.tp > 1 and (self.runtime != "fast" or self.device != "cpu" or self.gated_prefill):
+            raise ValueError(f"--tp {self.tp} needs --runtime fast on --device cpu without --gated-prefill (its ranks "
+                             f"meet over gloo; NCCL needs one GPU a rank)")
+        side_channel_port(self.dp_rank, self.tp, self.tp - 1, self.side_channel_base)  # every rank's port in range
 
 
 class _KeptKV:
@@ -167,7 +180,7 @@ class _KeptKV:
                 raise self._aborted() from None
         self.readied = True  # the producer frees the blocks from here on
         return KVTransferParams(server.producer.url, self.rid, result.prompt_len, result.rope_delta, first_token,
-                                len(ids))
+                                len(ids), server.kv_urls if server.tp_group is not None else None)
 
     def _aborted(self) -> Conflict:
         """The 409 for a request the proxy aborted (`/v1/abort`) while it was being prefilled, counted."""
@@ -183,7 +196,7 @@ class _KeptKV:
             self.server.blocks.free(self.ids)
             self.ids = None
         if self.remote and not self.conflict:
-            self.server.producer.abort(self.rid)
+            self.server.abort_kv(self.rid)
 
 
 class PrefillServer:
@@ -201,15 +214,21 @@ class PrefillServer:
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
         self.engine = open_engine(settings.transport, settings.host, settings.timeout)
-        self.cache = self.receiver = self.producer = None
+        self.cache = self.receiver = self.producer = self.tp_group = None
         try:
+            # TP > 1: the other ranks start loading now, beside this rank's own cache and side channel
+            self.tp_group = PrefillTPGroup(self.model, settings, self.recorder.node) if settings.tp > 1 else None
             self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
                                                   block_size=settings.block_size, dtype=dtype, engine=self.engine,
-                                                  device=self.device)
-            self.runtime = open_runtime(settings.runtime, self.model, self.cache)
+                                                  device=self.device, tp_size=settings.tp)
             self.blocks = BlockManager(settings.kv_blocks)
+            layout = KVLayout(self.model.config.text_config.num_key_value_heads, settings.tp, 0)
             self.producer = KVProducer(self.engine, self.cache, free_blocks=self.blocks.free, host=settings.host,
-                                       port=0, timeout=settings.timeout, free_timeout=settings.kv_free_timeout)
+                                       port=side_channel_port(settings.dp_rank, settings.tp, 0,
+                                                              settings.side_channel_base),
+                                       timeout=settings.timeout, free_timeout=settings.kv_free_timeout, layout=layout)
+            tp = self.tp_group.join() if self.tp_group is not None else None
+            self.runtime = open_runtime(settings.runtime, self.model, self.cache, tp=tp)
             if settings.encoders:
                 self.receiver = EmbeddingReceiver(
                     ReceiverConfig(settings.encoders, settings.backend, settings.timeout,
@@ -265,7 +284,7 @@ class PrefillServer:
             else:
                 with self.recorder.span("prefill", rid):
                     try:
-                        result = self.runtime.prefill(input_ids, embeds, grid, kv.ids, plan=plan)
+                        result = self._forward(rid, input_ids, embeds, grid, kv, plan, deadline)
                     except ValueError as exc:  # the prompt and the embeddings disagree
                         raise BadRequest(f"prefill failed: {exc}") from None
                     first_token = self._first_token(req, result)  # read back: the span ends when the GPU's did
@@ -276,6 +295,16 @@ class PrefillServer:
         self.counters["prompt_tokens"] += result.prompt_len
         spans = [s for s in self.recorder.spans(rid) if s.t_start_ns >= t0]
         return PrefillResponse(rid, first_token, result.prompt_len, params, spans)
+
+    def _forward(self, rid: str, input_ids: torch.Tensor, embeds: torch.Tensor | None, grid: torch.Tensor | None,
+                 kv: _KeptKV, plan: PrefillPlan | None, deadline: float) -> PrefillOutput:
+        """The forward into the request's blocks: this process's alone, or with TP every rank's at once."""
+        if self.tp_group is None:
+            return self.runtime.prefill(input_ids, embeds, grid, kv.ids, plan=plan)
+        result, spans = self.tp_group.prefill(self.runtime, rid, input_ids, embeds, grid, kv.ids, plan, kv.remote,
+                                              deadline)
+        self.recorder.extend(spans)
+        return result
 
     @staticmethod
     def _first_token(req: PrefillRequest, result: PrefillOutput) -> int:
@@ -345,12 +374,25 @@ class PrefillServer:
 
     def abort(self, req: AbortRequest) -> AbortResponse:
         """Drop a request's KV: decode will never ask for it."""
-        return AbortResponse(req.request_id, self.producer.abort(req.request_id))
+        return AbortResponse(req.request_id, self.abort_kv(req.request_id))
+
+    def abort_kv(self, request_id: str) -> int:
+        """Free `request_id`'s KV on every rank's producer; the blocks freed here (rank 0's)."""
+        if self.tp_group is not None:
+            self.tp_group.abort(request_id)
+        return self.producer.abort(request_id)
+
+    @property
+    def kv_urls(self) -> list[str]:
+        """Every rank's KV side channel, in rank order (decode asks them all)."""
+        return [self.producer.url, *(self.tp_group.kv_urls if self.tp_group is not None else [])]
 
     # ---- health, metrics, lifetime ----
     def health(self) -> dict:
         producer = self.producer.stats()
-        return {"status": "ok", "role": "prefill", "model": self.settings.model_name,
+        dead = self.tp_group.dead_ranks if self.tp_group is not None else []
+        return {"status": "ok" if not dead else f"TP rank(s) {dead} dead", "role": "prefill", "tp": self.settings.tp,
+                "dp_rank": self.settings.dp_rank, "kv_urls": self.kv_urls, "model": self.settings.model_name,
                 "device": str(self.device), "dtype": self.settings.dtype, "recv_buffer": self.settings.recv_buffer,
                 "kv_url": self.producer.url, "session_id": self.engine.session_id,
                 "encoders": list(self.settings.encoders), "num_blocks": self.blocks.num_blocks,
@@ -380,6 +422,9 @@ class PrefillServer:
             ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
             ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
             ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
+            ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this prefill (rank 0 serves)"),
+            ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
+             "ranks of this prefill's TP group found dead"),
         )] + self.admission.metric_families() + engine_metrics(
             self.engine, self.receiver.engine if self.receiver is not None else None)
 
@@ -389,6 +434,8 @@ class PrefillServer:
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.receiver is not None:
             self.receiver.close()
+        if self.tp_group is not None:
+            self.tp_group.close()
         if self.producer is not None:
             self.producer.close()
         if self.cache is not None:

@@ -476,6 +476,8 @@ class Proxy:
         if backend is None or backend.kv_url is None:
             return None
         kv = {"remote_url": backend.kv_url, "remote_request_id": job.rid}
+        if backend.kv_urls:
+            kv["remote_urls"] = backend.kv_urls
         decode = asyncio.create_task(self._post(self.decodes, "/v1/decode", self._decode_body(job, kv),
                                                 headers=self._kv_deadline(job)))
         try:

@@ -51,6 +51,7 @@ class Backend:
     inflight: int = 0  # requests sent to it and not yet answered (for decode: until its stream closes)
     served: int = 0  # requests it accepted
     kv_url: str | None = None  # a prefill's KV side channel, from its /health: decode can be asked up front
+    kv_urls: list[str] | None = None  # a prefill TP group's side channels, rank 0's first (its /health)
     max_prompt_tokens: int | None = None  # a prefill's longest prompt, from its /health: the proxy checks it first
     workers: int | None = None  # a prefill's admission, from its /health: requests it runs at once ...
     service_s: float | None = None  # ... its measured service time (median; `best_case_s`: idle) ...
@@ -72,6 +73,9 @@ class Backend:
             return
         if isinstance(health.get("kv_url"), str):
             self.kv_url = health["kv_url"]
+        urls = health.get("kv_urls")
+        if isinstance(urls, list) and len(urls) > 1 and all(isinstance(u, str) for u in urls):
+            self.kv_urls = urls
         if isinstance(health.get("max_prompt_tokens"), int):
             self.max_prompt_tokens = health["max_prompt_tokens"]
         admission = health.get("admission")
