@@ -72,6 +72,8 @@ from epd_lab.ep.messages import DTYPES
 from epd_lab.failpoints import failpoint
 from epd_lab.kv import BlockManager, KVConsumer, KVTransferError, PagedKVCache, blocks_needed
 from epd_lab.kv.connector import KVTransferTimeout
+from epd_lab.kv.messages import TransDone
+from epd_lab.kv.tp_plan import KVLayout
 from epd_lab.models.runtime import open_runtime
 from epd_lab.models.sampling import request_seed
 from epd_lab.servers.messages import (
@@ -83,6 +85,7 @@ from epd_lab.servers.messages import (
     StreamToken,
     encode,
 )
+from epd_lab.servers.decode_tp import DecodeTPGroup
 from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (KV_DEADLINE_HEADER, Admission, BadGateway, BadRequest, Conflict, Forbidden,
                              GatewayTimeout, Metric, NotFound, ServingError, Unavailable, deadline_budget,
@@ -127,6 +130,8 @@ class DecodeSettings(PagedKVSettings):
     max_queued: int = option(1024, "requests waiting for a place among max_active at most (a memory backstop)")
     kv_producers: tuple[str, ...] = option((), "the prefills' KV side channels (tcp://host:port) this decode may "
                                                "ask; a request naming another is refused (none: any, unguarded)")
+    tp: int = option(1, "tensor-parallel ranks: this server is rank 0 and starts the others, each with its own KV "
+                        "cache of its KV heads and its own KV consumer (servers.decode_tp); CPU (gloo) only")
 
     def __post_init__(self) -> None:
         PagedKVSettings.__post_init__(self)
@@ -136,6 +141,10 @@ class DecodeSettings(PagedKVSettings):
         check_positive(self, "timeout")
         if self.kv_quarantine is not None:
             check_at_least(self, 0, "kv_quarantine")
+        check_at_least(self, 1, "tp")
+        if self.tp > 1 and (self.runtime != "fast" or self.device != "cpu"):
+            raise ValueError(f"--tp {self.tp} needs --runtime fast on --device cpu (its ranks meet over gloo; NCCL "
+                             f"needs one GPU a rank)")
 
 
 class DecodeServer:
@@ -150,22 +159,30 @@ class DecodeServer:
         self.recorder = Recorder(node=f"decode:{settings.port}")
         self.node = self.recorder.node
         self.engine = open_engine(settings.transport, settings.host, settings.timeout)
+        self.tp_group = None
         try:
+            # TP > 1: the other ranks start loading now, beside this rank's own cache
+            self.tp_group = DecodeTPGroup(self.model, settings, self.node) if settings.tp > 1 else None
             self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
                                                   block_size=settings.block_size, dtype=dtype, engine=self.engine,
-                                                  device=self.device)
+                                                  device=self.device, tp_size=settings.tp)
         except BaseException:
+            self._close_group()
             self.engine.close()
             raise
         try:  # the fast runtime captures decode for batches up to max_batch; hf has no buckets
             options = {"max_batch": settings.max_batch} if settings.runtime == "fast" else {}
+            if self.tp_group is not None:
+                options["tp"] = self.tp_group.join()
             self.runtime = open_runtime(settings.runtime, self.model, self.cache, **options)
         except BaseException:
+            self._close_group()
             self.cache.close()
             self.engine.close()
             raise
         self.blocks = BlockManager(settings.kv_blocks)
-        self.consumer = KVConsumer(self.engine, self.cache, timeout=settings.timeout)
+        layout = KVLayout(self.model.config.text_config.num_key_value_heads, settings.tp, 0)
+        self.consumer = KVConsumer(self.engine, self.cache, timeout=settings.timeout, layout=layout)
         self.quarantine_s = settings.timeout if settings.kv_quarantine is None else settings.kv_quarantine
         self.counters: collections.Counter[str] = collections.Counter()
         self._quarantined = 0
@@ -176,7 +193,8 @@ class DecodeServer:
         # decode's second admission, after the body: a request's reservation (`reservation`) out of the pool
         self.kv_admission = Admission("decode KV", settings.kv_blocks, settings.max_queued, settings.timeout,
                                       prefix="kv_admission_", unit="blocks")
-        self.scheduler = DecodeScheduler(self.runtime, settings.max_batch, self.blocks.allocate, self.recorder,
+        self.scheduler = DecodeScheduler(self.tp_group.mirrored(self.runtime) if self.tp_group else self.runtime,
+                                         settings.max_batch, self.blocks.allocate, self.recorder,
                                          self._count, lambda gen: self.release(gen.block_table, gen.released))
 
     # ---- KV ----
@@ -221,8 +239,7 @@ class DecodeServer:
         quarantine = kept = False
         try:
             try:
-                done = self._kv_call(p, lambda: self.consumer.receive_kv_group(_producers(p), p.remote_request_id,
-                                                                               ids, _ask_within(due)))
+                done = self._kv_call(p, lambda: self._receive_kv(p, ids, _ask_within(due)))
             except _TimedOut:
                 quarantine = True  # the producer may still write into them
                 raise
@@ -242,6 +259,17 @@ class DecodeServer:
                 self._quarantine(ids, give_back)
             elif not kept:
                 self.release(ids, give_back)
+
+    def _receive_kv(self, p: KVTransferParams, ids: list[int], timeout: float | None) -> TransDone:
+        """The request's KV from every rank of its prefill into `ids`: on this rank alone, or on every rank of
+        this decode's TP group at once."""
+        if self.tp_group is None:
+            return self.consumer.receive_kv_group(_producers(p), p.remote_request_id, ids, timeout)
+        return self.tp_group.receive_kv(self.consumer, _producers(p), p.remote_request_id, ids, timeout)
+
+    def _close_group(self) -> None:
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     def _kv_call(self, p: KVTransferParams, call: Callable[[], T]) -> T:
         """One side-channel exchange; its failures as `ServingError`s: TRANS_ERROR by its reason (the producer
@@ -314,7 +342,9 @@ class DecodeServer:
         active = self.scheduler.num_active
         with self._lock:
             quarantined, counters = self._quarantined, dict(self.counters)
-        return {"status": "ok", "role": "decode", "model": self.settings.model_name,
+        dead = self.tp_group.dead_ranks if self.tp_group is not None else []
+        return {"status": "ok" if not dead else f"TP rank(s) {dead} dead", "role": "decode", "tp": self.settings.tp,
+                "model": self.settings.model_name,
                 "device": str(self.device), "dtype": self.settings.dtype, "session_id": self.engine.session_id,
                 "num_blocks": self.blocks.num_blocks, "free_blocks": self.blocks.num_free_blocks,
                 "used_blocks": self.blocks.num_used_blocks, "quarantined_blocks": quarantined,
@@ -353,6 +383,7 @@ class DecodeServer:
         self.consumer.close()
         for timer in timers:
             timer.cancel()
+        self._close_group()
         self.cache.close()
         self.engine.close()
 

@@ -120,14 +120,14 @@ class PrefillTPGroup:
         the other ranks' ``prefill`` spans. Raises the `ServingError` of the first rank that failed (503: its KV
         pool exhausted until `deadline`; 409: aborted or held; 502: a rank broke, now dead)."""
         host = None if embeds is None else embeds.detach().to("cpu").contiguous()
+        wait_s = max(0.0, deadline - time.monotonic())
         with self._lock:
-            seq = self.ranks.next_seq
-            step = PrefillStep(seq, request_id, input_ids.reshape(-1).tolist(),
-                               [] if grid is None else grid.tolist(), [] if host is None else list(host.shape),
-                               "" if host is None else str(host.dtype).removeprefix("torch."),
-                               b"" if host is None else _raw(host), remote, max(0.0, deadline - time.monotonic()))
             try:
-                self.ranks.send(encoder.encode(step))
+                seq = self.ranks.send(lambda seq: PrefillStep(
+                    seq, request_id, input_ids.reshape(-1).tolist(), [] if grid is None else grid.tolist(),
+                    [] if host is None else list(host.shape),
+                    "" if host is None else str(host.dtype).removeprefix("torch."),
+                    b"" if host is None else _raw(host), remote, wait_s))
             except RuntimeError as exc:
                 raise error_for_status(502, f"prefill {exc}") from None
             result = runtime.prefill(input_ids, embeds, grid, block_table, plan=plan) \

@@ -3,7 +3,7 @@ sockets its steps go out on and the ranks' answers come back on, and which ranks
 
     ranks = RankProcesses("epd_lab.servers.prefill_tp", tp=2, timeout=10.0, args=["--model=..."])
     tp = ranks.join()                  # rank 0 in the gloo (or NCCL) group; each rank said it is ready
-    seq = ranks.send(encoded_step)     # to every other rank, in one order
+    seq = ranks.send(make_step)        # make_step(seq): the step, sent to every other rank, in one order
     answers = ranks.answers(seq)       # each rank's `RankDone` of that step, or RuntimeError naming the rank
 
 A rank process (``python -m <module> --rank r --size n --init ... --steps ... --done ...``, its own flags after)
@@ -19,8 +19,9 @@ import argparse
 import contextlib
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -84,6 +85,13 @@ class RankProcesses:
         self.seq = 0
         self.dead: set[int] = set()
         self.info: dict[int, str] = {}
+        # answers filed by seq as they come, whichever thread waits for which step (steps may overlap: a KV
+        # fetch runs beside decode steps); `_waited` are the seqs someone still waits for, the rest are dropped
+        self._got: dict[int, dict[int, RankDone]] = {}
+        self._waited: set[int] = {0}
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._reading = False
         self._procs: list[subprocess.Popen] = []
         self._stack = contextlib.ExitStack()
         try:
@@ -116,56 +124,85 @@ class RankProcesses:
         self.dead.update(r for r, p in enumerate(self._procs, start=1) if p.poll() is not None)
         return sorted(self.dead)
 
-    def send(self, step: bytes) -> int:
-        """Send an encoded step to every other rank; its seq (the step's own `seq` field must be ``self.seq + 1``,
-        see `next_seq`). Raises RuntimeError when a rank is dead or takes no step within `timeout`."""
+    def send(self, step_of: Callable[[int], msgspec.Struct]) -> int:
+        """Send the step ``step_of(seq)`` builds for the next seq to every other rank (steps from several threads
+        are numbered and sent one at a time); its seq, for `answers`. Raises RuntimeError when a rank is dead or
+        takes no step within `timeout`."""
         if self.dead_ranks:
             raise RuntimeError(f"TP rank(s) {self.dead_ranks} of {self.tp} are dead")
-        self.seq += 1
-        for rank, sock in enumerate(self._steps, start=1):
-            try:
-                sock.send(step, copy=False)
-            except zmq.Again:
-                self.dead.add(rank)
-                raise RuntimeError(f"TP rank {rank} of {self.tp} took no step within {self.timeout} s") from None
-        return self.seq
+        with self._send_lock:
+            self.seq += 1
+            step = encoder.encode(step_of(self.seq))
+            with self._cond:
+                self._waited.add(self.seq)
+            for rank, sock in enumerate(self._steps, start=1):
+                try:
+                    sock.send(step, copy=False)
+                except zmq.Again:
+                    self.dead.add(rank)
+                    self._forget(self.seq)
+                    raise RuntimeError(f"TP rank {rank} of {self.tp} took no step within {self.timeout} s") from None
+            return self.seq
 
     def post(self, message: bytes) -> None:
         """Send a message that has no answer (an abort) to every other live rank, never blocking."""
-        for sock in self._steps:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send(message, zmq.NOBLOCK)
+        with self._send_lock:
+            for sock in self._steps:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(message, zmq.NOBLOCK)
 
-    @property
-    def next_seq(self) -> int:
-        """The seq the next `send` takes."""
-        return self.seq + 1
-
-    def answers(self, seq: int) -> list[RankDone]:
+    def answers(self, seq: int, timeout: float | None = None) -> list[RankDone]:
         """Every other rank's `RankDone` of step `seq`, failed ones included (a failure of status >= 500 marks
-        its rank dead). Raises RuntimeError naming the ranks silent past `timeout`."""
-        return self._collect(seq, self.timeout, f"step {seq}")
+        its rank dead), within `timeout` (default: the group's). Raises RuntimeError naming the ranks silent past
+        it, or gone."""
+        return self._collect(seq, self.timeout if timeout is None else timeout, f"step {seq}")
 
     def _collect(self, seq: int, timeout: float, what: str) -> list[RankDone]:
-        got: dict[int, RankDone] = {}
         deadline = time.monotonic() + timeout
-        while len(got) < self.tp - 1:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._done.poll(int(min(left, 0.5) * 1000)):
-                missing = sorted(set(range(1, self.tp)) - set(got))
+        try:
+            while True:
+                with self._cond:
+                    got = self._got.get(seq, {})
+                    if len(got) == self.tp - 1:
+                        return [got[r] for r in sorted(got)]
+                    missing = sorted(set(range(1, self.tp)) - set(got))
+                    reader = not self._reading
+                    self._reading = self._reading or reader
+                left = deadline - time.monotonic()
                 gone = [r for r in missing if self._procs[r - 1].poll() is not None]
                 if left <= 0 or gone:
                     self.dead.update(gone or missing)
                     why = "exited" if gone else f"did not answer within {timeout:.0f} s"
                     raise RuntimeError(f"TP rank(s) {gone or missing} of {self.tp} {why} ({what})")
-                continue
+                if reader:  # this thread reads the socket for everyone, a short while
+                    try:
+                        self._read(min(left, 0.05))
+                    finally:
+                        with self._cond:
+                            self._reading = False
+                            self._cond.notify_all()
+                else:
+                    with self._cond:
+                        self._cond.wait(min(left, 0.05))
+        finally:
+            self._forget(seq)
+
+    def _read(self, wait_s: float) -> None:
+        """File the answers that arrive within `wait_s` by seq (those of a seq nobody waits for are dropped)."""
+        while self._done.poll(int(wait_s * 1000)):
             done = _done_decoder.decode(self._done.recv())
-            if done.seq != seq:
-                continue  # a late answer to a step that failed
             if done.error and done.status >= 500:
                 self.dead.add(done.rank)
-            got[done.rank] = done
-        return [got[r] for r in sorted(got)]
+            with self._cond:
+                if done.seq in self._waited:
+                    self._got.setdefault(done.seq, {})[done.rank] = done
+                    self._cond.notify_all()
+            wait_s = 0
+
+    def _forget(self, seq: int) -> None:
+        with self._cond:
+            self._waited.discard(seq)
+            self._got.pop(seq, None)
 
     def close(self) -> None:
         """Stop every rank (a Stop, then SIGKILL after `timeout`), leave the group. Idempotent."""
