@@ -44,7 +44,7 @@ from epd_lab.transfer.engine import ENV_HOST_ID
 if TYPE_CHECKING:
     from epd_lab.launch import Topology
 
-__all__ = ["LOST", "RayProcess", "RayRoles", "RoleActor"]
+__all__ = ["LOST", "RayProcess", "RayRoles", "RoleActor", "actor_options"]
 
 LOST = -signal.SIGKILL  # the returncode of a role whose actor is gone: PR_SET_PDEATHSIG killed it
 CALL_TIMEOUT = 5.0  # seconds a status call to an actor may take before the role counts as lost
@@ -143,6 +143,16 @@ class RayProcess:
         return self.returncode
 
 
+def actor_options(topology: Topology, name: str) -> dict[str, Any]:
+    """The Ray actor options of process `name`: defaults, then ``ray_options`` of its role, then of its name. The
+    default ``num_cpus`` is the process's TP ranks: they are its children, so a TP group always lies on its
+    actor's node (never across nodes, as a STRICT_PACK bundle would keep it) and Ray counts a CPU for each."""
+    role = name.rstrip("0123456789")
+    ranks = getattr(topology.role_settings(role, name), "tp", 1) if role in ("encoder", "prefill", "decode") else 1
+    return {"num_cpus": ranks, "num_gpus": 0, **topology.ray_options.get(role, {}),
+            **topology.ray_options.get(name, {})}
+
+
 class RayRoles:
     """The Ray side of one `Cluster`: the connection, the placement group, an actor per process."""
 
@@ -174,10 +184,8 @@ class RayRoles:
                                f"placed within {timeout} s: not enough resources (ray status)") from None
 
     def options(self, name: str) -> dict[str, Any]:
-        """The actor options of process `name`: defaults, then ``ray_options`` of its role, then of its name."""
-        role = name.rstrip("0123456789")
-        return {"num_cpus": 1, "num_gpus": 0, **self.topology.ray_options.get(role, {}),
-                **self.topology.ray_options.get(name, {})}
+        """The actor options of process `name` (`actor_options`)."""
+        return actor_options(self.topology, name)
 
     def _bundle(self, name: str) -> dict[str, float]:
         o = self.options(name)

@@ -174,3 +174,13 @@ def test_close_leaves_no_actor_process_or_placement_group(cluster, ray_cluster):
     assert {name for name, folder in folders.items() if folder.exists()} == lost
     for name in lost:
         shutil.rmtree(folders[name])
+
+
+def test_a_tp_group_reserves_a_cpu_per_rank_on_its_actor_node():
+    """A role's TP ranks are children of its actor (one node, never across nodes): by default the actor reserves
+    one CPU per rank; a role's or process's own ray_options still win."""
+    from epd_lab.launch_ray import actor_options
+
+    topology = Topology(encoders=1, prefills=2, decodes=1, tp=2, settings={"decode": {"tp": 4}},
+                        ray_options={"prefill1": {"num_cpus": 3}})
+    assert [actor_options(topology, n)["num_cpus"] for n in topology.process_names()] == [2, 2, 3, 4]

@@ -19,7 +19,7 @@ import pytest
 from epd_lab.launch import Cluster, Topology
 from epd_lab.noise import noise_images
 from epd_lab.servers.tp_groups import PDCase, run_pd
-from tests.helpers import free_port, wait_for
+from helpers import free_port, wait_for
 
 PROMPT, SIZES, N_TOKENS = "compare these", ((224, 224),), 6
 
