@@ -37,6 +37,7 @@ from epd_lab import procs, security
 from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
+from epd_lab.ep.store import MooncakeMaster
 from epd_lab.servers.decode import DecodeSettings
 from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
@@ -90,7 +91,8 @@ def check_ray_options(key: str, values: Mapping[str, Any]) -> None:
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
     "encoder": ("epd_lab.servers.encoder", EncoderSettings,
-                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "media_roots", "tp")),
+                ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "media_roots", "tp",
+                 "mm_global_cache")),
     "prefill": ("epd_lab.servers.prefill", PrefillSettings,
                 ("model", "device", "dtype", "runtime", "timeout", "transport", "backend", "kv_blocks", "tp")),
     "decode": ("epd_lab.servers.decode", DecodeSettings,
@@ -139,6 +141,11 @@ class Topology:
                               "(epd_lab.servers.front) whose URL is the cluster's proxy_url; one per GPU: "
                               "--settings 'monolithic1={\"device\": \"cuda:1\"}'")
     kv_blocks: int = option(512, "KV-cache blocks per prefill and decode server")
+    mm_global_cache: bool = option(False, "the encoders' global embedding cache (L2 host pool, L3 Mooncake Store "
+                                          "shared by all encoders): the cluster starts a mooncake_master for it "
+                                          "unless --store-master names one")
+    store_master: str | None = option(None, "HOST:PORT of a mooncake_master already running, for "
+                                            "--mm-global-cache (none: the cluster starts its own)")
     tp: int = option(1, "tensor-parallel ranks of every encoder and prefill, each rank a process its server starts "
                         "(on its node: on Ray, its actor's); prefill i is DP rank i (its side channels' ports)")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
@@ -256,6 +263,7 @@ class Cluster:
         self.monolithic_urls: list[str] = []
         self.proxy_url: str | None = None  # the one URL clients call: proxy, front, or the one monolithic server
         self._ray: Any = None  # launch_ray.RayRoles
+        self.store_master: MooncakeMaster | None = None  # the global cache's master, when this cluster started it
         _LIVE.add(self)
         try:
             if topology.placement == "ray":
@@ -271,8 +279,9 @@ class Cluster:
                 for url in self.urls():
                     self._wait_healthy(url)
                 return
+            store = self._store_wiring()
             for i in range(topology.encoders):
-                self.encoder_urls.append(self._start(f"encoder{i}", "encoder"))
+                self.encoder_urls.append(self._start(f"encoder{i}", "encoder", **store))
             for i in range(topology.prefills):
                 self.prefill_urls.append(self._start(f"prefill{i}", "prefill", encoders=tuple(self.encoder_urls),
                                                      dp_rank=i))
@@ -289,6 +298,21 @@ class Cluster:
         except BaseException:
             self.close()
             raise
+
+    def _store_wiring(self) -> dict[str, str]:
+        """The encoders' ``store_master``: the topology's, else a master this cluster starts (on this host: on
+        Ray with ``ray_bind="node"``, on this node's address, which the other nodes reach)."""
+        t = self.topology
+        if not t.mm_global_cache:
+            return {}
+        if t.store_master is None:
+            host = "127.0.0.1"
+            if self._ray is not None and t.ray_bind == "node":
+                import ray  # placement ray: imported already
+
+                host = ray.util.get_node_ip_address()
+            self.store_master = MooncakeMaster(host, log=self.log_dir / "mooncake_master.log")
+        return {"store_master": t.store_master or self.store_master.address}
 
     def process_names(self) -> list[str]:
         """The processes this topology starts, in `procs` order (`Topology.process_names`)."""
@@ -372,10 +396,12 @@ class Cluster:
             ray_roles, self._ray = self._ray, None
             ray_roles.close(self.procs, self.logs)
             self.procs = []
-        if not self.procs:  # closed already (at exit, `__del__` comes after the modules it would need are gone)
-            return
-        procs.stop_all(self.procs)
-        self.procs = []
+        if self.procs:  # else closed already (at exit, `__del__` comes after the modules it would need are gone)
+            procs.stop_all(self.procs)
+            self.procs = []
+        master, self.store_master = getattr(self, "store_master", None), None
+        if master is not None:  # after the encoders: none is left talking to it
+            master.stop()
 
     def __enter__(self) -> "Cluster":
         return self
@@ -398,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     topo = from_argv(Topology, argv, "epd-lab launch", main.__doc__)
     with Cluster(topo) as cluster:
         print(json.dumps({"encoders": cluster.encoder_urls, "prefills": cluster.prefill_urls,
+                          "store_master": cluster.store_master.address if cluster.store_master else topo.store_master,
                           "decodes": cluster.decode_urls, "monolithic": cluster.monolithic_urls,
                           "proxy": cluster.proxy_url, "backend": topo.backend,
                           "logs": [str(p) for p in cluster.logs]}), flush=True)

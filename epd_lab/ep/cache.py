@@ -20,6 +20,10 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: str) -> bool:
+        """Whether `key` is cached, without counting a hit or a miss or touching its recency."""
+        return key in self._entries
+
     def get(self, key: str) -> torch.Tensor | None:
         """The cached embedding of `key` (a hit, now the most recently used), or None (a miss)."""
         with self._lock:

@@ -84,6 +84,7 @@ from PIL import Image
 
 from epd_lab import models
 from epd_lab.ep.cache import EmbeddingCache
+from epd_lab.ep.global_cache import Found, GlobalEmbeddingCache, Lookup, embedding_key
 from epd_lab.ep.media import (MAX_MEDIA_BYTES, MediaError, MediaPolicy, content_hash, fetch_media, load_rgb,
                               open_image)
 from epd_lab.ep.messages import (
@@ -103,10 +104,12 @@ from epd_lab.ep.messages import (
     zmq_url,
 )
 from epd_lab.ep.push import PushSockets
+from epd_lab.ep.store import MIN_SEGMENT_BYTES, SEGMENT_BYTES, StoreClient, StoreUnavailable, local_hostname_for
 from epd_lab.failpoints import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                              Metric, NotFound, ServingError, Ticket, Unavailable, client_gone, decode_body,
                              engine_metrics, json_response, option, read_body, read_struct, role_app, serve_main)
+from epd_lab.models import processor
 from epd_lab.models.runtime import open_runtime
 from epd_lab.servers.encoder_tp import EncoderTPGroup
 from epd_lab.serving.placement import ModelSettings, check_transport, synchronize, transport_option, use_device
@@ -148,13 +151,29 @@ class EncoderSettings(ModelSettings):
     media_private_hosts: bool = option(False, "fetch http(s) media items from loopback and private addresses too")
     tp: int = option(1, "tensor-parallel ranks: this server is rank 0 and starts the others, which run their shard "
                         "of the vision tower; only rank 0 writes and notifies (--runtime fast)")
+    mm_global_cache: bool = option(False, "the global embedding cache: after its own cache (L1) the encoder looks an "
+                                          "image up in a host pool (L2, --host-pool-bytes) and in Mooncake Store (L3, "
+                                          "--store-master), shared by every encoder of the model")
+    store_master: str | None = option(None, "HOST:PORT of the mooncake_master the global cache's L3 uses (none: "
+                                            "no L3); unreachable at start: a warning, and serving on without L3")
+    host_pool_bytes: int = option(1 << 30, "the global cache's host pool (L2) in bytes (0: no L2)")
+    store_segment_bytes: int = option(SEGMENT_BYTES, "host memory in bytes this encoder gives to Mooncake Store's "
+                                                     "pool (L3; at least 16 MiB)")
+    store_timeout: float = option(1.0, "seconds an L3 lookup and its prefetches may take before the ViT encodes "
+                                       "the item instead")
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
         check_choice(self, "backend", BACKENDS)
         check_transport(self)
         check_positive(self, "timeout", "embedding_ttl")
-        check_at_least(self, 0, "cache_bytes")
+        check_at_least(self, 0, "cache_bytes", "host_pool_bytes")
+        check_positive(self, "store_timeout")
+        check_at_least(self, MIN_SEGMENT_BYTES, "store_segment_bytes")
+        if self.store_master is not None:
+            host, _, port = self.store_master.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--store-master must be HOST:PORT, got {self.store_master!r}")
         check_at_least(self, 1, "max_parts", "max_held_bytes", "tp")
         if self.tp > 1 and self.runtime != "fast":
             raise ValueError(f"--tp {self.tp} needs --runtime fast (the hf runtime runs HF's whole model in one "
@@ -221,6 +240,10 @@ class MMEncoder:
         self.embedding_dim = self.model.config.vision_config.hidden_size
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.cache = EmbeddingCache(settings.cache_bytes)
+        host_pool = settings.host_pool_bytes if settings.mm_global_cache else 0
+        self.global_cache = GlobalEmbeddingCache(self.cache, host_pool, self._open_store(), self.device,
+                                                 settings.store_timeout)
+        self._vision_config = self.model.config.vision_config.to_dict()  # part of every cache key
         self.media_policy = MediaPolicy(settings.media_roots, settings.media_private_hosts)
         self.engine = (open_engine(settings.transport, settings.host, settings.timeout)
                        if settings.backend == "mooncake" else None)
@@ -242,6 +265,20 @@ class MMEncoder:
         self.released_ids: dict[str, float] = {}  # /release for a part not held: when (kept for the TTL)
         self.refused = {"held_bytes": 0}  # the part count's refusals are the admission's own
         self.admission = Admission("encoder", settings.max_parts, 0, settings.timeout)
+
+    def _open_store(self) -> StoreClient | None:
+        """The global cache's L3 client, when asked for; a master that cannot be reached is a warning: the encoder
+        serves on, its L3 off."""
+        s = self.settings
+        if not (s.mm_global_cache and s.store_master):
+            return None
+        try:
+            return StoreClient(s.store_master, s.store_timeout, local_hostname_for(s.store_master),
+                               s.store_segment_bytes)
+        except (StoreUnavailable, OSError) as exc:
+            print(f"warning: the global embedding cache's L3 is off: {exc}; serving on without it", file=sys.stderr,
+                  flush=True)
+            return None
 
     # ---- /encode ----
     async def encode(self, body: Awaitable[bytes | bytearray], ticket: Ticket,
@@ -350,8 +387,8 @@ class MMEncoder:
             if idle:
                 for item in items:
                     item.decoded = self.decoder.submit(_timed_decode, item)
-            self._hash(items, spans)
-            args = (vit, req.req_id, req.part_idx, items, spans)
+            lookup = self._hash(items, spans)
+            args = (vit, req.req_id, req.part_idx, items, spans, lookup)
             self._run_vit_into(*args) if idle else self.worker.submit(self._run_vit_into, *args)
 
         loop.run_in_executor(None, run)
@@ -403,13 +440,16 @@ class MMEncoder:
         spans.append(Span(req.req_id, req.part_idx, "load", node, t0, t0, nbytes))
         return req, modality, items, spans
 
-    def _hash(self, items: list[_Item], spans: list[Span]) -> None:
-        """Each item's cache key (none with the cache off: no key could hit); the ``load`` span (the last of `spans`)
-        ends here."""
-        if self.cache.capacity_bytes:
-            for item in items:
-                item.key = self._cache_key(content_hash(item.raw))
+    def _hash(self, items: list[_Item], spans: list[Span]) -> Lookup | None:
+        """Each item's cache key and their L3 lookup, whose prefetches start now (none with every cache level
+        off: no key could hit); the ``load`` span (the last of `spans`) ends once the items are hashed."""
+        if not self.global_cache.enabled:
+            spans[-1] = msgspec.structs.replace(spans[-1], t_end_ns=time.monotonic_ns())
+            return None
+        for item in items:
+            item.key = item_key(item.raw, self.settings.model_name, self.settings.dtype, self._vision_config)
         spans[-1] = msgspec.structs.replace(spans[-1], t_end_ns=time.monotonic_ns())
+        return self.global_cache.lookup([item.key for item in items])
 
     def _check_encode(self, req: EncodeRequest) -> Modality:
         """The request's modality, once the request is known to be servable (a 400 otherwise)."""
@@ -429,18 +469,18 @@ class MMEncoder:
             raise BadRequest("the zmq_to_tokenizer backend needs embedding_port")
         return modality
 
-    def _cache_key(self, digest: str) -> str:
-        return f"{self.settings.model_name}|{self.settings.dtype}|{digest}"
-
-    def _run_vit(self, req_id: str, part_idx: int, items: list[_Item],
-                 spans: list[Span]) -> tuple[torch.Tensor, list[Span]]:
-        """In one ViT thread at a time (`_run_vit_into`): the embedding of all items, from the cache where
-        possible, else decoded (only what is not cached goes to the ViT; a decode started beside the hash of an
-        item found cached is dropped) and encoded; with
-        the spans so far (`intake`, `load`), then `decode` when anything was decoded and `vit`. An image that does
-        not decode raises `MediaError`."""
+    def _run_vit(self, req_id: str, part_idx: int, items: list[_Item], spans: list[Span],
+                 lookup: Lookup | None) -> tuple[torch.Tensor, list[Span]]:
+        """In one ViT thread at a time (`_run_vit_into`): the embedding of all items, from the cache levels where
+        possible (`GlobalEmbeddingCache.collect`: L1, L2, then L3's prefetches), else decoded (only what no level
+        gave goes to the ViT; a decode started beside the hash of an item found cached is dropped) and encoded;
+        with the spans so far (`intake`, `load`), then ``store_get`` when any item came from L3 (from the lookup to
+        the embedding assembled), ``decode`` when anything was decoded, and ``vit`` when the ViT ran (or, with no
+        item from L3, the assembly of cached items). An image that does not decode raises `MediaError`."""
         spans = list(spans)
-        pieces: list[torch.Tensor | None] = [self.cache.get(item.key) for item in items]
+        found = (self.global_cache.collect(lookup) if lookup is not None
+                 else Found([None] * len(items), [None] * len(items)))
+        pieces = found.pieces
         missing = [i for i, piece in enumerate(pieces) if piece is None]
         for item, piece in zip(items, pieces):
             if piece is not None and item.decoded is not None:
@@ -463,11 +503,17 @@ class MMEncoder:
                 raise RuntimeError(f"the ViT gave {emb.shape[0]} tokens, the image sizes say {sum(counts)}")
             for i, piece in zip(missing, emb.to(self.dtype).split(counts)):
                 pieces[i] = piece.clone()  # its own storage, so the cache accounts exactly its bytes
-                self.cache.put(items[i].key, pieces[i])
+                if lookup is not None:
+                    self.global_cache.insert(items[i].key, pieces[i], partial(self._put_span, req_id, part_idx))
         # a fresh tensor, owned by this request: it is registered and sent, the cache's pieces never are
         embedding = torch.cat(pieces)
         synchronize(self.device)  # the span ends when the ViT did, and the engine's copy reads finished bytes
-        spans.append(Span(req_id, part_idx, "vit", self.recorder.node, t0, time.monotonic_ns(), embedding.nbytes))
+        t_end = time.monotonic_ns()
+        if "l3" in found.levels:  # a hit shows as store_get: from the lookup to the embedding assembled
+            spans.append(Span(req_id, part_idx, "store_get", self.recorder.node, lookup.t_start_ns, t_end,
+                              found.l3_bytes))
+        if missing or "l3" not in found.levels:
+            spans.append(Span(req_id, part_idx, "vit", self.recorder.node, t0, t_end, embedding.nbytes))
         self.recorder.extend(spans)
         return embedding, spans if self.recorder.enabled else []
 
@@ -642,6 +688,11 @@ class MMEncoder:
             spans.append(span)
         return path
 
+    def _put_span(self, req_id: str, part_idx: int, t_start_ns: int, t_end_ns: int, nbytes: int) -> None:
+        """An L3 put done (in the background, after the part was sent): its ``store_put`` span, in this encoder's
+        recorder only."""
+        self.recorder.add(Span(req_id, part_idx, "store_put", self.recorder.node, t_start_ns, t_end_ns, nbytes))
+
     # ---- ZMQ (blocking: called in a thread) ----
     def _push_all(self, urls: list[str], msg: EmbeddingNotify, stage: str) -> None:
         for url in urls:
@@ -709,6 +760,8 @@ class MMEncoder:
                 "session_id": self.engine.session_id if self.engine is not None else None,
                 "embeddings_held": len(self.held), "held_bytes": self.held_bytes,
                 "admitted": self.admission.admitted, "admission": self.admission.stats(),
+                "mm_global_cache": {"host_pool_bytes": self.global_cache.l2.capacity_bytes,
+                                    "l3": self.settings.store_master if self.global_cache.store else None},
                 "encoder_idx": self.encoder_idx}
 
     def metric_families(self) -> list[Metric]:
@@ -730,7 +783,7 @@ class MMEncoder:
             ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this encoder (rank 0 serves)"),
             ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
              "ranks of this encoder's TP group known dead (then /health answers 503)"),
-        )] + self.admission.metric_families() + engine_metrics(self.engine)
+        )] + self.global_cache.metric_families() + self.admission.metric_families() + engine_metrics(self.engine)
 
     def close(self) -> None:
         """Stop the worker, close the sockets and the engine."""
@@ -739,12 +792,22 @@ class MMEncoder:
         with self._vit_running:  # a ViT running where its media were read ends first
             pass
         self.sender.shutdown(wait=True, cancel_futures=True)
+        self.global_cache.close()
         self.held.clear()
         self.pushers.close()
         if self.engine is not None:
             self.engine.close()
         if self.tp_group is not None:
             self.tp_group.close()
+
+
+def item_key(raw: bytes, model_name: str, dtype: str, vision_config: dict[str, Any]) -> str:
+    """The cache key of a media item's embedding (`embedding_key`): its bytes, the model (name, vision tower's
+    config), the dtype, and this encoder's preprocessing settings."""
+    preprocessing = {"patch": processor.PATCH_SIZE, "merge": processor.MERGE_SIZE,
+                     "temporal": processor.TEMPORAL_PATCH_SIZE, "min_pixels": processor.MIN_PIXELS,
+                     "max_pixels": processor.MAX_PIXELS}
+    return embedding_key(content_hash(raw), model_name, dtype, preprocessing, vision_config)
 
 
 _ending_vit = threading.local()  # `here`: this thread is completing a ViT's future (`_run_vit_into`)
