@@ -3,10 +3,13 @@
     epd-lab bench serve --base-url http://127.0.0.1:8000 --dataset-name random-mm --num-prompts 200 \\
         --request-rate 4 --burstiness 1 --goodput ttft:500 tpot:50 --save-result --result-dir out/
     epd-lab bench serve --launch 1e1p1d --media url ...     # an epd_lab cluster of its own, images by URL
+    epd-lab bench serve --launch 2e1p1d --dataset-name image-repeat --image-repeat-fraction 0.5 \
+        --mm-global-cache both ...                           # the same requests, the global cache off then on
 
 Flags shared with `vllm bench serve` have its names and meanings, and so do the result JSON's shared keys
 (`metrics`); as vLLM, ``OPENAI_API_KEY`` in the environment is sent as the bearer token. The modules: `arrivals`
-(the open-loop schedule), `datasets` (random-mm, image, jsonl), `client` (one
+(the open-loop schedule), `datasets` (random-mm, image, image-repeat, jsonl), `cache` (the encoders' cache counters
+over a run), `client` (one
 streamed request, timed), `media_server` (images by URL), `metrics`, `run` (the loop and the report), `instant` (a
 server that answers at once, for the bench's own cost), `topologies` (the clusters ``--launch`` starts).
 """
@@ -18,17 +21,21 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from epd_lab.bench.serve.cache import cache_counts, encoder_stage_ms, hit_rates
 from epd_lab.bench.serve.client import MEDIA_MODES
 from epd_lab.bench.serve.datasets import (DATASETS, SampleRequest, image_dataset, jsonl_dataset, parse_buckets,
-                                          random_mm)
+                                          random_mm, repeated_images)
 from epd_lab.bench.serve.metrics import METRICS, parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark
 from epd_lab.bench.serve.topologies import launch, parse_devices
+from epd_lab.machine import commit, machine_info
 from epd_lab.servers.openai_api import MODEL_ID
 
 __all__ = ["ServeConfig", "benchmark", "load_requests", "main", "summary_lines"]
+CACHE_MODES = ("off", "on", "both")
 
 
 def load_requests(args: argparse.Namespace) -> list[SampleRequest]:
@@ -41,6 +48,9 @@ def load_requests(args: argparse.Namespace) -> list[SampleRequest]:
     if args.dataset_name == "image":
         return image_dataset(args.num_prompts, args.seed, args.image_count, args.image_resolution,
                              args.random_input_len, args.random_output_len)
+    if args.dataset_name == "image-repeat":
+        return repeated_images(args.num_prompts, args.seed, args.image_repeat_fraction, args.image_pool_size,
+                               args.image_zipf, args.image_resolution, args.random_input_len, args.random_output_len)
     if not args.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
     return jsonl_dataset(args.dataset_path, args.num_prompts, args.random_output_len)
@@ -94,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument("--launch-model", help="the model the launched cluster loads: tiny (default), a shape "
                        "(qwen2-vl-2b) or a local directory")
     where.add_argument("--endpoint", default="/v1/chat/completions")
+    where.add_argument("--mm-global-cache", choices=CACHE_MODES, default="off", help="the launched cluster's global "
+                       "embedding cache (a mooncake_master of its own): off, on, or both (the same requests against "
+                       "a cluster with it off, then a fresh one with it on; the saved JSON holds both results)")
     load = ap.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (inf: all at once)")
@@ -114,6 +127,12 @@ def parser() -> argparse.ArgumentParser:
     data.add_argument("--random-mm-bucket-config", default="{(448, 448, 1): 1.0}")
     data.add_argument("--image-count", type=int, default=1)
     data.add_argument("--image-resolution", default="448x448")
+    data.add_argument("--image-repeat-fraction", type=float, default=0.5, help="image-repeat: the share of "
+                      "requests whose image was sent before")
+    data.add_argument("--image-pool-size", type=int, default=64, help="image-repeat: repeats come from the last N "
+                      "distinct images (with --image-zipf: the pool all images come from)")
+    data.add_argument("--image-zipf", type=float, default=None, metavar="S", help="image-repeat: draw every image "
+                      "from the pool by Zipf's law with exponent S instead of a repeat fraction")
     out = ap.add_argument_group("report")
     out.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     out.add_argument("--percentile-metrics", default="ttft,tpot,itl")
@@ -140,23 +159,66 @@ def main(argv: list[str] | None = None) -> int:
                              not args.disable_tqdm, os.environ.get("OPENAI_API_KEY"))
     except ValueError as exc:
         ap.error(str(exc))
-    with contextlib.ExitStack() as stack:
-        if args.launch:
-            cluster = stack.enter_context(launch(args.launch, backend=args.backend, device=args.device,
-                                                 devices=args.devices, model=args.launch_model,
-                                                 media_url=args.media == "url"))
-            config.base_url = cluster.proxy_url
-        elif args.instant:
-            from epd_lab.bench.serve.instant import InstantServer
-
-            config.base_url = stack.enter_context(InstantServer(args.random_output_len)).url
-        result = benchmark(requests, config)
-    result["epd_lab"] |= {"dataset": args.dataset_name, "launch": args.launch, "instant": args.instant}
-    print("\n".join(summary_lines(result)))
+    if args.mm_global_cache != "off" and not args.launch:
+        ap.error("--mm-global-cache is the launched cluster's: give --launch")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.mm_global_cache]
+    results = [_run_once(args, requests, config, cache) for cache in modes]
+    for cache, one in zip(modes, results):
+        if len(modes) > 1:
+            print(f"---- global embedding cache {'on' if cache else 'off'} ----")
+        print("\n".join(summary_lines(one)))
+    result = results[-1]
+    if len(modes) > 1:
+        result = {"cache_off": results[0], "cache_on": results[1], "comparison": cache_comparison(*results)}
+        print(json.dumps(result["comparison"], indent=1))
     if args.save_result:
         name = args.result_filename or f"openai-chat-{args.request_rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path = Path(args.result_dir) / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1, default=float) + "\n")
         print(f"wrote {path}")
-    return 0 if result["completed"] else 1
+    return 0 if all(r["completed"] for r in results) else 1
+
+
+def _run_once(args: argparse.Namespace, requests: list[SampleRequest], config: ServeConfig, cache: bool) -> dict:
+    """One benchmark of `requests`: against a cluster of its own (started with the global cache on or off; the
+    encoders' cache counters over the run then go under ``epd_lab.cache``), the instant server or the URL."""
+    with contextlib.ExitStack() as stack:
+        encoders: list[str] = []
+        if args.launch:
+            cluster = stack.enter_context(launch(args.launch, backend=args.backend, device=args.device,
+                                                 devices=args.devices, model=args.launch_model,
+                                                 media_url=args.media == "url", mm_global_cache=cache))
+            config = replace(config, base_url=cluster.proxy_url)
+            encoders = cluster.encoder_urls
+        elif args.instant:
+            from epd_lab.bench.serve.instant import InstantServer
+
+            config = replace(config, base_url=stack.enter_context(InstantServer(args.random_output_len)).url)
+        before = cache_counts(encoders) if encoders else None
+        result = benchmark(requests, config)
+        if before is not None:
+            result["epd_lab"]["cache"] = {"mm_global_cache": cache, **hit_rates(before, cache_counts(encoders)),
+                                          "encoder_stage_ms": encoder_stage_ms(cluster.spans())}
+    result["epd_lab"] |= {"dataset": args.dataset_name, "launch": args.launch, "instant": args.instant,
+                          "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          "machine": machine_info()}
+    return result
+
+
+def cache_comparison(off: dict, on: dict) -> dict:
+    """The global cache off against on, from two results of the same requests: hit rates, TTFT p50/p99, and how
+    many answers were the same (greedy decoding: every one must be)."""
+    row = {}
+    for name, result in (("off", off), ("on", on)):
+        cache = result["epd_lab"].get("cache", {})
+        row[name] = {"completed": result["completed"], "failed": result["failed"],
+                     "hit_rate": cache.get("hit_rate"), "l3_hit_rate": cache.get("l3_hit_rate"),
+                     "median_ttft_ms": result["median_ttft_ms"], "p99_ttft_ms": result.get("p99_ttft_ms"),
+                     "encoder_stage_ms": cache.get("encoder_stage_ms"),
+                     "mean_ttft_ms": result["mean_ttft_ms"], "median_e2el_ms": result.get("median_e2el_ms")}
+    row["ttft_p50_on_over_off"] = row["on"]["median_ttft_ms"] / row["off"]["median_ttft_ms"]
+    pairs = [(a, b) for a, b, ea, eb in zip(off["generated_texts"], on["generated_texts"], off["errors"], on["errors"])
+             if not ea and not eb]
+    row["answers"] = {"compared": len(pairs), "equal": sum(a == b for a, b in pairs)}  # greedy: all equal
+    return row

@@ -4,10 +4,15 @@
   request drawn uniformly from ``base_items`` ± ``items_range_ratio`` (at most ``limit_items``), each image's
   (height, width) drawn from a bucket config ``{(h, w, 1): probability}``.
 - ``image`` (SGLang's): ``image_count`` images of one resolution (``448x448``, or 360p, 720p, 1080p, 4k) per request.
+- ``image-repeat``: one image of one resolution per request, some of them sent before (an embedding cache's
+  workload): a share ``repeat_fraction`` of the requests, at random places after the first, repeat an earlier
+  image (drawn from the last ``pool_size`` distinct ones), or, with ``zipf`` = s, every image is drawn from a pool of ``pool_size`` by Zipf's
+  law (the k-th most popular with probability ∝ k^-s).
 - ``jsonl``: one request a line, ``{"prompt": str, "images": [path or http(s) URL, ...], "output_len": int}``
   (``images`` and ``output_len`` optional): a sample of a real dataset (VisionArena, MMMU) that the user fetched.
 
-Generated images are random RGB noise (every one distinct, so that no server's embedding cache is hit), held as
+Generated images are random RGB noise (every one distinct but the repeats of ``image-repeat``, so that no server's
+embedding cache is hit otherwise), held as
 PNG bytes: the bench sends them as data: URIs or through its media server (`MediaServer`), as asked. A local path
 in a JSONL file is read into bytes the same way; an http(s) URL is sent as it is.
 """
@@ -24,7 +29,7 @@ import numpy as np
 
 from epd_lab.noise import random_png
 
-DATASETS = ("random-mm", "image", "jsonl")
+DATASETS = ("random-mm", "image", "image-repeat", "jsonl")
 RESOLUTIONS = {"360p": (360, 640), "720p": (720, 1280), "1080p": (1080, 1920), "4k": (2160, 3840)}
 MIN_SIDE = 56  # the Qwen2-VL processor's smallest side
 _LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
@@ -107,6 +112,38 @@ def image_dataset(num_prompts: int, seed: int = 0, image_count: int = 1, resolut
     return [SampleRequest(random_text(rng, input_len),
                           [random_png((seed, r, i), size, compress_level=0) for i in range(image_count)], output_len)
             for r in range(num_prompts)]
+
+
+def repeated_images(num_prompts: int, seed: int = 0, repeat_fraction: float = 0.5, pool_size: int = 64,
+                    zipf: float | None = None, resolution: str = "448x448", input_len: int = 64,
+                    output_len: int = 16) -> list[SampleRequest]:
+    """``image-repeat``: see the module docstring. A repeat is the very bytes object sent before (one URL with
+    ``--media url``). `ValueError` for a fraction outside [0, 1], a pool under 1 or a Zipf exponent not above 0."""
+    if not 0 <= repeat_fraction <= 1:
+        raise ValueError(f"the repeat fraction must lie in [0, 1], got {repeat_fraction}")
+    if pool_size < 1:
+        raise ValueError(f"the image pool needs at least 1 image, got {pool_size}")
+    if zipf is not None and not zipf > 0:
+        raise ValueError(f"the Zipf exponent must be above 0, got {zipf}")
+    size = parse_resolution(resolution)
+    rng = np.random.default_rng(seed)
+    requests: list[SampleRequest] = []
+    if zipf is not None:
+        pool = [random_png((seed, 1, k, 0), size, compress_level=0) for k in range(pool_size)]
+        weights = 1.0 / np.arange(1, pool_size + 1) ** zipf
+        picks = rng.choice(pool_size, size=num_prompts, p=weights / weights.sum())
+        return [SampleRequest(random_text(rng, input_len), [pool[k]], output_len) for k in picks]
+    # exactly round(fraction × prompts) repeats (none can be the first request), at places drawn at random
+    repeats = set(rng.permutation(np.arange(1, num_prompts))[:round(repeat_fraction * num_prompts)].tolist())
+    sent: list[bytes] = []  # distinct images so far, newest last
+    for r in range(num_prompts):
+        if r in repeats:
+            image = sent[-pool_size:][int(rng.integers(min(pool_size, len(sent))))]
+        else:
+            image = random_png((seed, 0, r, 0), size, compress_level=0)
+            sent.append(image)
+        requests.append(SampleRequest(random_text(rng, input_len), [image], output_len))
+    return requests
 
 
 def jsonl_dataset(path: str | Path, num_prompts: int, output_len: int = 16) -> list[SampleRequest]:

@@ -55,9 +55,10 @@ def placement(name: str, gpus: Sequence[str]) -> tuple[str, str, dict[str, str]]
 
 
 def topology(name: str, backend: str = "mooncake", device: str = "cpu", model: str | None = None,
-             media_url: bool = False, kv_blocks: int = 1024, devices: Mapping[str, str] | None = None) -> Topology:
-    """The `Topology` a name stands for; `ValueError` for an unknown name, or a `devices` name it does not
-    start."""
+             media_url: bool = False, kv_blocks: int = 1024, devices: Mapping[str, str] | None = None,
+             mm_global_cache: bool = False) -> Topology:
+    """The `Topology` a name stands for (`mm_global_cache`: its encoders share the global embedding cache, behind
+    a master the cluster starts); `ValueError` for an unknown name, or a `devices` name it does not start."""
     shared = {"device": device, "model": model, "kv_blocks": kv_blocks, "timeout": 60.0}
     replicas = _REPLICAS.fullmatch(name)
     if name == "monolithic" or replicas:
@@ -70,7 +71,7 @@ def topology(name: str, backend: str = "mooncake", device: str = "cpu", model: s
                          f"as 1e1p1d")
     encoders, prefills, decodes = map(int, match.groups())
     return Topology(encoders=encoders, prefills=prefills, decodes=decodes, proxy=True, backend=backend,
-                    settings=_placed({"encoder": {"media_private_hosts": media_url}}, devices), **shared)
+                    mm_global_cache=mm_global_cache, settings=_placed({"encoder": {"media_private_hosts": media_url}}, devices), **shared)
 
 
 def _placed(settings: dict[str, dict], devices: Mapping[str, str] | None) -> dict[str, dict]:
