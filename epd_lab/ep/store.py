@@ -27,6 +27,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hashlib
+import importlib.util
+import os
 import shutil
 import socket
 import struct
@@ -126,11 +128,18 @@ def unavailable_reason() -> str | None:
         _load()
     except StoreUnavailable as exc:
         return str(exc)
-    return None if master_binary() else "the mooncake_master binary is not on PATH nor beside this Python"
+    return None if master_binary() else "no mooncake_master binary: neither in the mooncake package nor on PATH"
 
 
 def master_binary() -> str | None:
-    """The ``mooncake_master`` executable: beside this Python (a venv's bin), else on PATH."""
+    """The ``mooncake_master`` executable: the one inside the installed ``mooncake`` package (found without
+    importing it; a ``pip install --target`` leaves no script on PATH), else a script beside this Python or on
+    PATH."""
+    spec = importlib.util.find_spec("mooncake")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        binary = Path(folder) / "mooncake_master"
+        if os.access(binary, os.X_OK):
+            return str(binary)
     here = Path(sys.executable).parent / "mooncake_master"
     return str(here) if here.exists() else shutil.which("mooncake_master")
 
@@ -166,7 +175,7 @@ class MooncakeMaster:
                  lease_ttl_ms: int = 1000) -> None:
         binary = master_binary()
         if binary is None:
-            raise StoreUnavailable("the mooncake_master binary is not on PATH nor beside this Python")
+            raise StoreUnavailable("no mooncake_master binary: neither in the mooncake package nor on PATH")
         self.binary, self.host, self.log, self.timeout, self.lease_ttl_ms = binary, host, log, timeout, lease_ttl_ms
         self.proc: subprocess.Popen | None = None
         self.port = port

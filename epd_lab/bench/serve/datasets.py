@@ -6,8 +6,8 @@
 - ``image`` (SGLang's): ``image_count`` images of one resolution (``448x448``, or 360p, 720p, 1080p, 4k) per request.
 - ``image-repeat``: one image of one resolution per request, some of them sent before (an embedding cache's
   workload): a share ``repeat_fraction`` of the requests, at random places after the first, repeat an earlier
-  image (drawn from the last ``pool_size`` distinct ones), or, with ``zipf`` = s, every image is drawn from a pool of ``pool_size`` by Zipf's
-  law (the k-th most popular with probability ∝ k^-s).
+  image (drawn from the last ``pool_size`` distinct ones), or, with ``zipf`` = s, every image is drawn from a pool
+  of ``pool_size`` by Zipf's law (the k-th most popular with probability ∝ k^-s).
 - ``jsonl``: one request a line, ``{"prompt": str, "images": [path or http(s) URL, ...], "output_len": int}``
   (``images`` and ``output_len`` optional): a sample of a real dataset (VisionArena, MMMU) that the user fetched.
 

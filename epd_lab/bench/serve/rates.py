@@ -5,7 +5,9 @@
 
 Each topology's cluster starts once (`topologies.launch`), answers warm-up requests sent all at once, then takes
 every rate in turn, lowest first. Each rate's requests come from a seed of their own, and every image is distinct, so
-no request hits an encoder's embedding cache; every topology gets the same requests at a rate. Every point's result
+no request hits an encoder's embedding cache (unless ``--image-repeat-fraction`` asks for repeats; with
+``--mm-global-cache`` the encoders share the global cache: one call with it, one without, compare the two);
+every topology gets the same requests at a rate. Every point's result
 (`run.benchmark`, vLLM's keys) goes to ``OUT/<topology>/rate-<r>.json`` (no ``=`` in the name: some result
 transfers do not carry such names back); ``OUT/rates.csv`` has a row per point (`point_row`) and ``OUT/sweep.json`` the
 settings. A later call into the same folder replaces the rows of the
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from epd_lab.bench.serve.datasets import image_dataset
+from epd_lab.bench.serve.datasets import image_dataset, repeated_images
 from epd_lab.bench.serve.metrics import parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark
 from epd_lab.bench.serve.topologies import PLACEMENTS, launch, parse_devices, placement, topology
@@ -161,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch-model", default=None)
     ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of each prefill, decode or floor")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mm-global-cache", action="store_true", help="the encoders share the global embedding cache "
+                    "(a mooncake_master per cluster); run once with and once without, into two --out folders")
+    ap.add_argument("--image-repeat-fraction", type=float, default=None, help="requests repeat an earlier image "
+                    "of their rate's requests at this share (the image-repeat dataset, one image each); unset: every "
+                    "image distinct")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     try:
@@ -172,11 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
 
     def make_requests(seed: int) -> list:
+        if args.image_repeat_fraction is not None:
+            return repeated_images(args.num_prompts, args.seed * 1000 + seed, args.image_repeat_fraction,
+                                   resolution=args.image_resolution, input_len=args.random_input_len,
+                                   output_len=args.random_output_len)
         return image_dataset(args.num_prompts, args.seed * 1000 + seed, args.image_count, args.image_resolution,
                              args.random_input_len, args.random_output_len)
 
     options = {"backend": args.backend, "device": args.device, "devices": args.devices, "model": args.launch_model,
-               "media_url": args.media == "url", "kv_blocks": args.kv_blocks}
+               "media_url": args.media == "url", "kv_blocks": args.kv_blocks,
+               **({"mm_global_cache": True} if args.mm_global_cache else {})}
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "topologies", "goodput")}
     if args.placements is None:
         rate_sweep(args.topologies.split(","), rates, make_requests, config, args.out, options, settings)

@@ -71,7 +71,8 @@ def topology(name: str, backend: str = "mooncake", device: str = "cpu", model: s
                          f"as 1e1p1d")
     encoders, prefills, decodes = map(int, match.groups())
     return Topology(encoders=encoders, prefills=prefills, decodes=decodes, proxy=True, backend=backend,
-                    mm_global_cache=mm_global_cache, settings=_placed({"encoder": {"media_private_hosts": media_url}}, devices), **shared)
+                    mm_global_cache=mm_global_cache,
+                    settings=_placed({"encoder": {"media_private_hosts": media_url}}, devices), **shared)
 
 
 def _placed(settings: dict[str, dict], devices: Mapping[str, str] | None) -> dict[str, dict]:
