@@ -7,7 +7,8 @@
    the digest check and counted (the caller runs the ViT).
 3. Two encoders behind one master (`Cluster` starts it): an image encoded by encoder A is served by encoder B
    from L3 with no ``vit`` span, bit-equal to A's ViT and to the ViT in this process; an object changed in the
-   store is refused and the ViT answers right; the master killed under load: every request answered right within
+   store is refused and the ViT answers right; answers through the proxy equal the monolithic model's when both
+   parts of a request come from L3; the master killed under load: every request answered right within
    its deadline (the ViT as fallback), and the encoders find the store again once the master is back.
 4. An encoder whose master cannot be reached at start warns and serves. No master outlives its cluster.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import openai
 import pytest
 import torch
 from PIL import Image
@@ -36,6 +38,8 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.models.runtime import open_runtime
 from epd_lab.noise import random_png
 from epd_lab.servers.encoder import item_key
+from epd_lab.servers.openai_api import MODEL_ID
+from epd_lab.servers.reference import monolithic_chat
 from helpers import free_port, wait_for
 
 REASON = store.unavailable_reason()
@@ -164,9 +168,9 @@ def vit() -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """Two encoders and the master the cluster starts; L1 and L2 off, so that every repeat goes to L3. The
-    master is gone once the cluster is."""
-    with Cluster(Topology(encoders=2, mm_global_cache=True, timeout=TIMEOUT,
+    """Two encoders, a prefill, a decode and the proxy, and the master the cluster starts; L1 and L2 off, so that
+    every repeat goes to L3. The master is gone once the cluster is."""
+    with Cluster(Topology(encoders=2, prefills=1, decodes=1, proxy=True, mm_global_cache=True, timeout=TIMEOUT,
                           settings={"encoder": {"cache_bytes": 0, "host_pool_bytes": 0}})) as c:
         master = c.store_master.proc
         yield c
@@ -200,6 +204,27 @@ def test_an_image_encoded_by_one_encoder_is_served_by_another_from_l3(cluster, i
     assert got["nbytes"].iloc[0] >= from_b.nbytes
     a_spans = cluster.spans()
     assert "store_put" in set(a_spans[a_spans["node"].str.startswith("encoder")]["stage"])
+
+
+def test_answers_through_the_proxy_equal_the_model_s_with_the_cache_hit(cluster, images) -> None:
+    """Two images a request (a part on each encoder), the same request three times: the second and third take
+    both embeddings from L3 (the other encoder's, or its own), and every answer is the monolithic model's."""
+    model = models.load_model()
+    paths = [_png(images, 40 + i)[0] for i in range(2)]
+    messages = [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": p}} for p in paths),
+                                             {"type": "text", "text": "what differs?"}]}]
+    want = monolithic_chat(model, messages, 8)
+    def total(name: str) -> float:
+        return sum(_metric(url, f"epd_encoder_mm_cache_l3_{name}_total") for url in cluster.encoder_urls)
+
+    hits, puts = total("hits"), total("puts")
+    client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+    for i in range(3):
+        got = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, temperature=0)
+        assert got.choices[0].message.content == want
+        if i == 0:  # the puts run behind the answer
+            wait_for(lambda: total("puts") == puts + 2, 5, "both embeddings put into L3")
+    assert sum(_metric(url, "epd_encoder_mm_cache_l3_hits_total") for url in cluster.encoder_urls) == hits + 4
 
 
 def test_a_changed_object_is_refused_and_the_vit_answers(cluster, images, vit) -> None:
