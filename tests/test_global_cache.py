@@ -9,7 +9,8 @@
    from L3 with no ``vit`` span, bit-equal to A's ViT and to the ViT in this process; an object changed in the
    store is refused and the ViT answers right; answers through the proxy equal the monolithic model's when both
    parts of a request come from L3; the master killed under load: every request answered right within
-   its deadline (the ViT as fallback), and the encoders find the store again once the master is back.
+   its deadline (the ViT as fallback), and the encoders find the store again once the master is back. An encoder
+   of 2 TP ranks sends its other rank only the misses.
 4. An encoder whose master cannot be reached at start warns and serves. No master outlives its cluster.
 
 Skipped, saying why, where the Mooncake wheel (its store module or ``mooncake_master``) is absent.
@@ -293,6 +294,23 @@ def test_the_master_killed_under_load_every_request_is_answered_right(cluster, i
     hits = _metric(b, "epd_encoder_mm_cache_l3_hits_total")
     assert torch.equal(_receive(b, [path]), vit(path))
     assert _metric(b, "epd_encoder_mm_cache_l3_hits_total") == hits + 1
+
+
+def test_a_tp_encoder_s_other_ranks_run_only_the_misses() -> None:
+    """An encoder of 2 ranks (L1 and L2 off): its first request of an image runs on both ranks (rank 1's ``vit``
+    span); the same image again comes from L3 with no step sent to rank 1, bit-equal to the first answer."""
+    with tempfile.TemporaryDirectory(prefix="epd-gc-") as tmp, \
+            Cluster(Topology(encoders=1, mm_global_cache=True, timeout=TIMEOUT,
+                             settings={"encoder": {"tp": 2, "cache_bytes": 0, "host_pool_bytes": 0}})) as c:
+        (url,) = c.encoder_urls
+        path, _ = _png(Path(tmp), 70)
+        rids = [uuid.uuid4().hex, uuid.uuid4().hex]
+        first = _receive(url, [path], rids[0])
+        wait_for(lambda: _metric(url, "epd_encoder_mm_cache_l3_puts_total") == 1, 5, "the L3 put")
+        again = _receive(url, [path], rids[1])
+        assert torch.equal(first, again)
+        on_rank1 = [set(c.spans(rid).query("node.str.endswith('/rank1')", engine="python")["stage"]) for rid in rids]
+    assert on_rank1 == [{"vit"}, set()], on_rank1
 
 
 # ---- 4. no master at start ----
