@@ -3,7 +3,7 @@ alternating per request at concurrency 1, and where each one's client-side time 
 proxy's ``proxy_parse`` span, and from the proxy's ``ttft`` span's end to its first content chunk parsed (one
 host, one clock). Writes JSON.
 
-    python scripts/stream_client_ab.py --requests 100 --json data/bench/stream-client-ab-s11-cpu-amd-epyc.json
+    python scripts/stream_client_ab.py --requests 100 --json data/bench/stream-client-ab-cpu-amd-epyc.json
 """
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from epd_lab.bench.ab import crossover, run_row, summarize
 BENCH = Path(__file__).resolve().parents[1] / "data" / "bench"
 
 
-@pytest.mark.parametrize("folder", ["split-ab-s12", "fast-lane-ab-s13"])
+@pytest.mark.parametrize("folder", ["split-ab-h200", "fast-lane-ab-h200"])
 def test_the_summary_of_committed_runs_equals_the_one_made_by_hand(folder):
-    """Two sessions' A/Bs (two calls each, the order within a round reversed in the second) were summarised by hand;
+    """Two A/Bs (two calls each, the order within a round reversed in the second) were summarised by hand;
     the command gives the same effects, positions and medians."""
     committed = json.loads((BENCH / folder / "summary.json").read_text())
     summary = summarize(sorted((BENCH / folder).glob("e2e-*.json")), {"base": "b", "head": "h"})
@@ -32,7 +32,7 @@ def test_the_summary_of_committed_runs_equals_the_one_made_by_hand(folder):
 
 def test_one_order_only_cannot_tell_the_order_from_the_head(tmp_path):
     """Runs whose rounds all put base first: the difference is reported, the order's effect is None."""
-    rows = [run_row(p, {}) for p in sorted((BENCH / "fast-lane-ab-s13").glob("*call1-base-first.json"))]
+    rows = [run_row(p, {}) for p in sorted((BENCH / "fast-lane-ab-h200").glob("*call1-base-first.json"))]
     cross = crossover(rows)
     assert cross["second_in_round_effect_ms"] is None and cross["head_first_rounds"] == 0
     diffs = [h["split_minus_floor_less_spans_ms"] - b["split_minus_floor_less_spans_ms"]
@@ -45,7 +45,7 @@ def test_one_order_only_cannot_tell_the_order_from_the_head(tmp_path):
 
 def test_the_command_writes_the_summary_and_refuses_a_folder_without_runs(tmp_path):
     out = tmp_path / "summary.json"
-    done = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "ab", str(BENCH / "fast-lane-ab-s13"),
+    done = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "ab", str(BENCH / "fast-lane-ab-h200"),
                            "--base", "d38ad3e", "--head", "c2c6432", "--json", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -61,7 +61,7 @@ def test_a_flags_ab_on_one_tree_gives_the_load_levels_too():
     """The `--gated-prefill` A/B at 5ebe8ea (AB_BASE=. AB_HEAD_ARGS=--gated-prefill): the head runs are
     the gated ones; levels above concurrency 1 come out per side with head over base of their medians, and
     load-only runs (no pairs) give no crossover."""
-    folder = BENCH / "gated-prefill-policy-s15"
+    folder = BENCH / "gated-prefill-policy-ab-h200"
     with_pairs = summarize(sorted((folder / "call1").glob("e2e-*.json")), {})
     assert {(r["side"], r["gated_prefill"]) for r in with_pairs["runs"]} == {("base", False), ("head", True)}
     assert with_pairs["crossover"]["rounds"] == 2 and with_pairs["crossover"]["head_first_rounds"] == 1
@@ -84,7 +84,7 @@ def test_the_spinners_ab_records_the_condition_per_run_and_the_committed_summari
     """The `--keep-cpus-awake` A/Bs at 6f80aab and dc566ce (AB_HEAD_ARGS=--keep-cpus-awake): every head
     run recorded the CPUs it kept awake and no base run did; each call's committed summary is what the command gives
     from its runs, and its crossover has one round of each order."""
-    calls = sorted(BENCH.glob("cpus-awake-s1*/call*"))
+    calls = sorted(BENCH.glob("cpus-awake-ab-h200-*/call*"))
     assert len(calls) == 5
     for call in calls:
         summary = summarize(sorted(call.glob("e2e-*.json")), {})

@@ -1,6 +1,6 @@
 """`epd-lab bench ab`: the summary of a before/after of `bench e2e --pairs` runs (`scripts/gpu_e2e.sh ab`).
 
-    epd-lab bench ab data/bench/fast-lane-ab-s13 --base d38ad3e --head c2c6432 --json data/bench/fast-lane-ab-s13/summary.json
+    epd-lab bench ab data/bench/fast-lane-ab-h200 --base d38ad3e --head c2c6432 --json data/bench/fast-lane-ab-h200/summary.json
 
 Each run is one `bench e2e` JSON named ``...-ab-<side>-r<round>[-<call>].json`` (side ``base`` or ``head``). The two
 runs of one round (the same name but for the side) are paired, and which ran second is read from their ``created``

@@ -2,7 +2,7 @@
 
 aiohttp needs ~0.6 s of this 2-vCPU host to start 1,000 requests (a connection each, the request built and
 written one task at a time), so a server that refuses each request at once was measured refusing in 0.35-1.3 s
-(`data/bench/overload-s6.json`, ``floor``). Here every connection is opened (and kept alive) before the burst,
+(`data/bench/overload-lowest-told-rate.json`, ``floor``). Here every connection is opened (and kept alive) before the burst,
 every request's bytes are built before it, and all are written back to back, in one pass of the event loop: a
 request's latency is counted from the moment its own bytes were handed to the kernel (``Outcome.latency_s``),
 and ``Outcome.t_start`` is that moment in seconds after the burst began, so ``t_start + latency_s`` is the same

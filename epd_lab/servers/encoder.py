@@ -54,7 +54,7 @@ them to the worker, behind the others (one ViT at a time, in order); /send's wri
 backends' message and push, run as soon as the ViT ends
 (`_after_vit`: no hop through the event loop between), in the thread that ran it when no other ViT waits, else
 in a sender thread. At one request in flight a part thus crosses no thread between its media and its notify:
-each hop spared is a thread wake-up (56-83 µs after an idle spell on the H200's host, `data/bench/hops-s8/`).
+each hop spared is a thread wake-up (56-83 µs after an idle spell on the H200's host, `data/bench/hops-wakeup-h200/`).
 
 Media items are ``data:`` URIs, http(s) URLs and local file paths (as in SGLang), under a `MediaPolicy`:
 local paths only inside ``--media-roots`` (none by default), http(s) only to public addresses unless

@@ -17,7 +17,7 @@ from epd_lab.viz.bandwidth import bandwidth_curves, load_bench
 from epd_lab.viz.goodput import (goodput_figure, goodput_gain, load_placements, load_rates, pareto_figure,
                                  pareto_front)
 from epd_lab.viz.layout import block_runs, block_runs_frame, block_tables, buffer_layout, part_ranges
-from epd_lab.viz.report import chromium_path, html_report, save_png, save_pngs
+from epd_lab.viz.report import chromium_path, html_report, quantize_png, save_png, save_pngs, static_pngs
 from epd_lab.viz.runtime import load_runtime, runtime_figure, runtime_frame
 from epd_lab.viz.split import e2e_frame, load_e2e, split_figure, split_pays
 from epd_lab.viz.sweep import sweep_heatmap, sweep_lines
@@ -27,5 +27,5 @@ from epd_lab.viz.timeline import (STAGE_ORDER, critical_path_waterfall, request_
 
 __all__ = ["STAGE_ORDER", "bandwidth_curves", "block_runs", "block_runs_frame", "block_tables", "buffer_layout",
            "chromium_path", "critical_path_waterfall", "e2e_frame", "goodput_figure", "goodput_gain", "html_report", "load_bench", "load_e2e",
-           "load_placements", "load_rates", "load_runtime", "pareto_figure", "pareto_front", "part_ranges", "plan_figure", "request_spans", "runtime_figure", "runtime_frame", "save_png", "save_pngs", "split_figure", "split_pays", "stage_color",
+           "load_placements", "load_rates", "load_runtime", "pareto_figure", "pareto_front", "part_ranges", "plan_figure", "request_spans", "runtime_figure", "runtime_frame", "quantize_png", "save_png", "save_pngs", "split_figure", "split_pays", "stage_color", "static_pngs",
            "stage_distributions", "sweep_heatmap", "sweep_lines", "waterfall", "waterfalls"]

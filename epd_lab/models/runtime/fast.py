@@ -31,7 +31,7 @@ from epd_lab.transfer.errors import TransferError
 
 # Patch rows per vision call on a GPU: one 448² image (1,024 patches). The budget trades one image's latency (every
 # call costs a full budget) against the work of many (fewer, larger calls); measured side by side on an H200 (2B
-# tower, `data/bench/runtime-h200-s7-2b-full.json`): one 448² image 4.46 ms of GPU time (2048: 6.96, 4096: 12.5),
+# tower, `data/bench/runtime-h200-2b-vision-budget-full.json`): one 448² image 4.46 ms of GPU time (2048: 6.96, 4096: 12.5),
 # four 18.5 ms (2048: 16.2, 4096: 16.0; HF's batched tower 23.7).
 DEFAULT_VISION_BUDGET = 1024
 

@@ -5,7 +5,7 @@ prompt, its blocks, where the embeddings will land. A gated prefill is queued th
 word of page-locked host memory (``cuStreamWaitValue32``); when the last part's notify arrives, the thread that
 took it opens the gate with one store to that word, and the GPU starts at once. The forward's launch and the
 worker thread's wake-up leave the critical path (on the H200 the prefill span lost 0.23 ms, a split request's
-TTFT 0.40 ms: `data/bench/gated-prefill-ab-s14/`); the GPU runs what it would have run, so the bits are the same.
+TTFT 0.40 ms: `data/bench/gated-prefill-ab-h200/`); the GPU runs what it would have run, so the bits are the same.
 
 One word per runtime, holding the last ticket opened; gate n waits until the word reaches n. So at most one
 gate is pending at a time (opening a later ticket would release an earlier one): `GateWord.gate` gives None

@@ -43,7 +43,7 @@ def token_buckets(max_tokens: int, smallest: int = 64, step: int = 512) -> list[
     holds `max_tokens`. A prompt pays for its bucket's rows: in powers of two a 4 x 448² prompt (~1,100 tokens)
     ran in 2,048 rows and an 8 x 448² one (~2,090) in 4,096; in steps of 512 they run in 1,536 and 2,560, for four
     more graphs up to 4,096: 2B prefill 9.0 against 11.4 ms and 14.3 against 22.1 ms on an H200, one image's
-    unchanged (`data/bench/prefill-buckets-h200-s7.json`)."""
+    unchanged (`data/bench/prefill-buckets-h200.json`)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     sizes = [smallest]
@@ -74,13 +74,13 @@ def capture(fn: Callable[[], T], device: torch.device, pool: tuple | None = None
     PyTorch's recipe: `fn` runs once eagerly on the capture stream first (Triton compiles, cuBLAS makes that
     stream's handle and workspace, allocations settle), then is captured on the same stream. Warmed up on the
     default stream instead, a 2B prefill's capture failed once on the H200 with CUBLAS_STATUS_EXECUTION_FAILED
-    (`data/bench/logs/issue17-s2-h200-run2.txt`); the recipe removes the likeliest cause, a GEMM creating its
+    (`data/bench/logs/cuda-graph-capture-cublas-failure-h200.txt`); the recipe removes the likeliest cause, a GEMM creating its
     stream's workspace while capturing. Not reproduced on purpose.
 
     No garbage is collected during a capture. PyTorch no longer collects before one (``force_cudagraph_gc`` is
     off), so a collection could start mid-capture and free what an earlier runtime left (its graphs, their
     pools); a process that opened its ninth runtime (a test, a re-run notebook cell) once failed its decode
-    capture on the H200 with ``cudaErrorStreamCaptureInvalidated`` (`data/bench/logs/issue17-s9-h200-run4-tests.txt`).
+    capture on the H200 with ``cudaErrorStreamCaptureInvalidated`` (`data/bench/logs/cuda-graph-capture-invalidated-h200.txt`).
     That garbage is collected before the capture instead, where it is harmless.
     """
     stream = _CAPTURE_STREAMS.get(device)
@@ -217,7 +217,7 @@ class PrefillGraphs:
     def __init__(self, lm: Qwen2LM, max_tokens: int, image_token_id: int, capture: bool = True) -> None:
         self.lm, self.image_token_id = lm, image_token_id
         # one graph: in parts, a 2B prefill's wall was 1.04x one graph's on the H200 (7B 1.01x; side by side,
-        # `data/bench/runtime-h200-s3-run1-full.json`): its GPU time hides the launches, the parts' fixed costs add
+        # `data/bench/runtime-h200-prefill-graph-parts-full.json`): its GPU time hides the launches, the parts' fixed costs add
         self.bounds = [len(lm.layers)]
         buckets = token_buckets(max_tokens)
         self.max_tokens = width = buckets[-1]

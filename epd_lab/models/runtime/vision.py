@@ -13,7 +13,7 @@ size.
 Kernels (`kernels.open_ops`): on a GPU the rotary is one Triton kernel that also lays q, k and v out for attention,
 and QuickGELU another, where torch ran ~25 small ops a block (float32 casts, rotate_half, copies); the patch
 embedding (a Conv3d whose kernel is its stride) is one GEMM. On an H200 one 448² image went from 1,106 kernels and
-12.2 ms of GPU time to 530 and 7.0 at the same budget (`data/bench/runtime-h200-s7-2b-full.json`). On the CPU the
+12.2 ms of GPU time to 530 and 7.0 at the same budget (`data/bench/runtime-h200-2b-vision-budget-full.json`). On the CPU the
 same forward runs HF's torch ops.
 
 Why graphs: HF's eager tower launches ~1,100 kernels for one image, and on an H200 their host overhead is three
