@@ -7,8 +7,8 @@
     table = requests_table(outcomes, {0: bit_exact(model, workload.text, outcomes[0])})
 
 Concurrency: `concurrency` threads share one `EPDPrefill`, as the prefill server's worker pool does;
-`EmbeddingReceiver.receive` keeps its per-request state under a lock and `PrefillRunner` leaves no
-state on the model. Each worker takes the next request when its last one ends (closed loop).
+`EmbeddingReceiver.receive` keeps its per-request state under a lock and each prefill holds KV blocks
+of its own. Each worker takes the next request when its last one ends (closed loop).
 """
 from __future__ import annotations
 

@@ -43,10 +43,10 @@ import torch
 from PIL import Image
 
 from epd_lab.ep.messages import EncodeRequest, part_req_id
-from epd_lab.ep.prefill import EPDPrefill
+from epd_lab.ep.prefill import EPDPrefill, reference_prefill
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_prefill, preprocess
+from epd_lab.models import configure_torch, load_model, preprocess
 from epd_lab.noise import noise_images
 from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE
 from helpers import freeze, wait_for
@@ -228,13 +228,13 @@ class Workload:
         return paths
 
     def reference(self, dtype: str, text: str, paths: list[str]) -> tuple[torch.Tensor, list[list[int]]]:
-        """Logits of one monolithic forward (the ViT included) on the same images and text, and the grids."""
+        """Logits of the monolithic use (the same runtime encodes and prefills in one process) on the same images
+        and text, and the grids."""
         key = (dtype, text, tuple(paths))
         if key not in self._refs:
             images = [Image.open(p).convert("RGB") for p in paths]
-            pixel_values, grid = preprocess(images)
-            logits = monolithic_prefill(self.model(dtype), build_input_ids(text, grid.tolist()), pixel_values, grid)
-            self._refs[key] = (logits, grid.tolist())
+            logits = reference_prefill(self.model(dtype), text, images)
+            self._refs[key] = (logits, preprocess(images)[1].tolist())
         return self._refs[key]
 
     def check(self, rx: EmbeddingReceiver, dtype: str, text: str, paths: list[str]):
@@ -812,7 +812,6 @@ def test_mooncake_backend_over_the_real_mooncake_engine(tmp_path):
         result = EPDPrefill(rx, model).prefill("over mooncake", paths)
         assert rx.engine.stats()["regions"] == 0
         health = httpx.get(cluster.encoder_urls[0] + "/health", timeout=10).json()
-    pixel_values, grid = preprocess([Image.open(p).convert("RGB") for p in paths])
-    ref = monolithic_prefill(model, build_input_ids("over mooncake", grid.tolist()), pixel_values, grid)
+    ref = reference_prefill(model, "over mooncake", [Image.open(p).convert("RGB") for p in paths])
     assert torch.equal(ref, result.prefill.logits)
     assert health["session_id"]  # the encoder's Mooncake engine

@@ -19,7 +19,8 @@ from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
 from epd_lab.models import build_input_ids, load_model
-from epd_lab.models.runners import PrefillRunner
+from epd_lab.kv import PagedKVCache, blocks_needed
+from epd_lab.models.runtime import open_runtime
 from epd_lab.models.runtime.tp import run_ranks
 from epd_lab.noise import noise_images
 from epd_lab.servers.encoder_tp import reference_encode
@@ -52,7 +53,9 @@ def test_a_tp2_encoder_gives_the_tp2_embeddings_bit_for_bit(backend, images):
         got = result.received.embeddings["image"]
         assert torch.equal(got, want)
         ids = build_input_ids("Describe these three pictures.", result.received.grid_thw["image"])
-        ref = PrefillRunner(model).prefill(ids, want, torch.tensor(result.received.grid_thw["image"]))
+        grid = torch.tensor(result.received.grid_thw["image"])
+        with PagedKVCache.from_config(model.config, num_blocks=blocks_needed(ids.shape[1], 16)) as cache:
+            ref = open_runtime("fast", model, cache).prefill(ids, want, grid, list(range(cache.num_blocks)))
         assert torch.equal(result.prefill.logits, ref.logits)
         assert rx.engine.stats()["regions"] == 0
         spans = httpx.get(cluster.encoder_urls[0] + "/v1/spans", timeout=10).json()["spans"]

@@ -1,6 +1,8 @@
-"""Prefill on embeddings that came from the encoders: the receiver plus the model's prefill runner."""
+"""Prefill on embeddings that came from the encoders: the receiver plus the model runtime the servers run
+(`epd_lab.models.runtime`), its KV in a paged cache of this object's own."""
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -9,7 +11,9 @@ import torch
 from PIL import Image
 
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, Landing, ReceivedEmbeddings
-from epd_lab.models import PrefillResult, PrefillRunner, build_input_ids, monolithic_prefill, preprocess
+from epd_lab.kv import BlockManager, OutOfBlocks, PagedKVCache, blocks_needed
+from epd_lab.models import build_input_ids, model_device, preprocess
+from epd_lab.models.runtime import PrefillOutput, open_runtime
 from epd_lab.serving.placement import synchronize
 from epd_lab.trace import Span
 
@@ -26,20 +30,37 @@ class ReceivedPrompt:
 
 @dataclass
 class EPDResult:
-    """What one request's E→P prefill produced, with every span of it (encoders' included)."""
+    """What one request's E→P prefill produced (the runtime's output: logits [vocab], rope delta, prompt length),
+    with every span of it (encoders' included)."""
 
     rid: str
-    prefill: PrefillResult
+    prefill: PrefillOutput
     received: ReceivedEmbeddings
     spans: list[Span]
 
 
-class EPDPrefill:
-    """The prefill role of E→P: collect a request's image embeddings, then run prefill on them."""
+def _prompt_cache(model: torch.nn.Module, prompt_len: int, block_size: int, num_blocks: int | None = None,
+                  ) -> PagedKVCache:
+    """A paged KV cache for one prompt of `prompt_len` tokens (or `num_blocks` blocks), on the model's device."""
+    return PagedKVCache.from_config(model.config, num_blocks=num_blocks or blocks_needed(prompt_len, block_size),
+                                    block_size=block_size, dtype=model.dtype, device=model_device(model))
 
-    def __init__(self, receiver: EmbeddingReceiver, model: torch.nn.Module) -> None:
-        self.receiver = receiver
-        self.runner = PrefillRunner(model)
+
+class EPDPrefill:
+    """The prefill role of E→P in this process: collect a request's image embeddings, then prefill them with the
+    model runtime the prefill server runs (`runtime`, fast by default), into blocks of a paged KV cache of
+    `kv_blocks` blocks (made on the first prefill), given back when the forward is done. Threads may share one, as
+    the prefill server's workers share its runtime: each prefill holds blocks of its own (a prompt that needs more
+    than are free is a ValueError). A context manager (`close` frees the cache)."""
+
+    def __init__(self, receiver: EmbeddingReceiver, model: torch.nn.Module, runtime: str = "fast",
+                 kv_blocks: int = 512, block_size: int = 16) -> None:
+        self.receiver, self.model = receiver, model
+        self.runtime_name, self.block_size = runtime, block_size
+        self.blocks = BlockManager(kv_blocks)
+        self.cache: PagedKVCache | None = None
+        self.runtime: Any = None
+        self._lock = threading.Lock()
 
     def prefill(self, text: str, mm_items: list[str], rid: str | None = None,
                 before_forward: Callable[[torch.Tensor], None] | None = None) -> EPDResult:
@@ -48,12 +69,38 @@ class EPDPrefill:
         the KV's size there)."""
         rid = rid or uuid.uuid4().hex
         prompt = self.receive(text, mm_items, rid)
+        n = blocks_needed(prompt.input_ids.shape[1], self.block_size)
         if before_forward is not None:
             before_forward(prompt.input_ids)
-        with self.receiver.recorder.span("prefill", rid):
-            result = self.runner.prefill(prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw)
-            synchronize(result.logits.device)  # GPU kernels run asynchronously: the span ends when they did
+        with self._lock:
+            if self.runtime is None:
+                self.cache = _prompt_cache(self.model, 0, self.block_size, self.blocks.num_blocks)
+                self.runtime = open_runtime(self.runtime_name, self.model, self.cache)
+            try:
+                table = self.blocks.allocate(n)
+            except OutOfBlocks as exc:  # the prompt, or the prompts in flight beside it, are too long
+                raise ValueError(f"the prompt's KV needs {n} blocks of {self.block_size} tokens; "
+                                 f"{self.blocks.num_free_blocks} of this prefill's {self.blocks.num_blocks} are "
+                                 f"free (kv_blocks)") from exc
+        try:
+            with self.receiver.recorder.span("prefill", rid):
+                result = self.runtime.prefill(prompt.input_ids, prompt.image_embeds, prompt.image_grid_thw, table)
+                synchronize(result.logits.device)  # GPU kernels run asynchronously: the span ends when they did
+        finally:
+            self.blocks.free(table)
         return EPDResult(rid, result, prompt.received, self.receiver.recorder.spans(rid))
+
+    def close(self) -> None:
+        """Free the KV cache. Idempotent."""
+        if self.cache is not None:
+            self.cache.close()
+        self.cache = self.runtime = None
+
+    def __enter__(self) -> "EPDPrefill":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def receive(self, text: str, mm_items: list[str], rid: str,
                 on_prompt: Callable[[torch.Tensor, torch.Tensor, Landing | None], None] | None = None
@@ -80,8 +127,15 @@ class EPDPrefill:
         return ReceivedPrompt(announced["ids"], got.embeddings["image"], announced["grid_thw"], got)
 
 
-def reference_prefill(model: torch.nn.Module, text: str, images: Sequence[Image.Image]) -> torch.Tensor:
-    """The monolithic model's prefill logits for the prompt `EPDPrefill.prefill` builds (the images, then
-    `text`), with the ViT in this process: what a split prefill's logits must equal bit for bit."""
-    pixel_values, grid = preprocess(list(images))
-    return monolithic_prefill(model, build_input_ids(text, grid.tolist()), pixel_values, grid)
+def reference_prefill(model: torch.nn.Module, text: str, images: Sequence[Image.Image],
+                      runtime: str = "fast", block_size: int = 16) -> torch.Tensor:
+    """The monolithic use's prefill logits [vocab] for the prompt `EPDPrefill.prefill` builds (the images, then
+    `text`): the same runtime encodes the images and prefills in this process. What a split prefill's logits must
+    equal bit for bit."""
+    pixel_values, grid = preprocess(list(images)) if images else (None, None)
+    ids = build_input_ids(text, grid.tolist() if images else [])
+    with _prompt_cache(model, ids.shape[1], block_size) as cache:
+        rt = open_runtime(runtime, model, cache)
+        device = model_device(model)
+        embeds = rt.encode(pixel_values.to(device), grid) if images else None
+        return rt.prefill(ids, embeds, grid, list(range(cache.num_blocks))).logits

@@ -220,6 +220,14 @@ class StridedCopies(NamedTuple):
             return cls(*(np.zeros(0, dtype=np.uint64) for _ in cls._fields))
         return cls(*(np.concatenate(field) for field in zip(*parts)))
 
+    @classmethod
+    def whole(cls, copies: BlockCopies) -> "StridedCopies":
+        """`copies` (whole blocks or runs of them) as entries of one piece each."""
+        n = len(copies.srcs)
+        ones, zeros = np.ones(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
+        return cls(*(np.asarray(f, dtype=np.uint64) for f in copies[:3]), ones, zeros, zeros,
+                   np.asarray(copies.rkeys, dtype=np.uint64))
+
     def pieces(self) -> BlockCopies:
         """One (src, dst, length, key) per piece: for byte-level checks, and paths without strided writes."""
         counts = np.asarray(self.counts, dtype=np.int64)

@@ -206,7 +206,8 @@ class DecodeServer:
         if self.settings.kv_producers and not set(_producers(p)) <= set(self.settings.kv_producers):
             # checked before any socket opens: decode never sends its cache's addresses and keys elsewhere
             self._count("kv_producers_refused")
-            raise Forbidden("kv_transfer_params names a producer this decode server was not told about")
+            raise Forbidden("kv_transfer_params names a side channel that is not a producer this decode server was "
+                            "told about")
         spans: list[Span] = []
         prompt_len, num_blocks = p.prompt_len, p.num_blocks
         if p.pipelined:  # the prompt's size comes from the producer, as soon as prefill knows it

@@ -46,7 +46,7 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
     seed: Seed | None = None
 
 
-class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
+class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Prefill → (proxy) → decode: everything decode needs to fetch the KV and continue from it.
 
     Pipelined (the proxy sends decode its request while prefill runs): only `remote_url` and
