@@ -69,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
     add("monolithic", "the whole model in one process behind OpenAI's chat API (the floor)", add_help=False)
     add("front", "round-robin over monolithic replicas: each request passed whole to one", add_help=False)
     add("sweep", "run a papermill notebook over a parameter grid, collect sweep.csv", add_help=False)
+    add("whatif", "the calibrated model of serving: calibrate, predict a rate sweep, compare", add_help=False)
     add("demo", "transfer engine, E→P, E→P→D on loopback; ends with an HTML report", add_help=False)
     add("campaign", "reliability campaign: load, soak, faults or fuzz, with a JSON + HTML report", add_help=False)
     add("rdma-info", "RDMA devices, ports and GIDs (pyverbs and the own binding)")
@@ -108,6 +109,10 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace, rest: list[
         from epd_lab import sweep
 
         return sweep.main(rest)
+    if args.cmd == "whatif":
+        from epd_lab.whatif.cli import main as whatif
+
+        return whatif(rest)
     if args.cmd in ("encoder", "prefill-server", "decode-server", "proxy", "monolithic", "front"):
         module = importlib.import_module(f"epd_lab.servers.{args.cmd.removesuffix('-server')}")
         return module.main(rest) or 0

@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"servers"},  # encoder, prefill, decode, proxy, monolithic
     {"launch", "launch_ray"},  # clusters of server processes, local or on Ray
     {"bench", "workload"},  # measurements
+    {"whatif"},  # the calibrated model of serving: predicts bench serve's results
     {"viz", "sweep"},  # figures of bench results; notebook sweeps
     {"campaign"},  # reliability legs (and bench overload), their reports through viz
     {"demo", "panel", "cli"},  # front ends

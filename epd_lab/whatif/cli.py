@@ -1,0 +1,135 @@
+"""`epd-lab whatif`: calibrate the model from recorded runs, predict a rate sweep, compare it with a measured one.
+
+    epd-lab whatif calibrate data/bench/goodput-cpu-tiny-1x224 data/bench/goodput-cpu-tiny-4x448 \\
+        --machine cpu-intel-xeon --device-slots 2 --host-on-device --out data/calibration/cpu-intel-xeon.json
+    epd-lab whatif run --calibration data/calibration/cpu-intel-xeon.json --topologies monolithic,1e1p1d \\
+        --rates 4,8,16 --num-prompts 48 --image-count 1 --image-resolution 224x224 --goodput ttft:100 tpot:10 \\
+        --out out/predicted
+    epd-lab whatif compare out/predicted data/bench/goodput-cpu-tiny-1x224
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from epd_lab.bench.serve.metrics import parse_goodput
+from epd_lab.bench.serve.topologies import parse_devices
+from epd_lab.whatif.calibration import Calibration, Link, fit, read_point, runtime_slope
+from epd_lab.whatif.run import compare, predict_sweep, tune_slots
+
+
+def _points(paths: list[str]) -> tuple[list, int]:
+    """Every ``rate-*.json`` under the given folders (or the files given), and the runs' ``--random-input-len``."""
+    points, input_len = [], 64
+    for name in paths:
+        path = Path(name)
+        files = sorted(path.glob("*/rate-*.json")) if path.is_dir() else [path]
+        if path.is_dir() and (path / "sweep.json").exists():
+            input_len = json.loads((path / "sweep.json").read_text()).get("random_input_len", input_len)
+        points += [read_point(f) for f in files]
+    return points, input_len
+
+
+def _link(text: str | None) -> Link | None:
+    """``LATENCY_MS[:GBPS]`` → `Link`."""
+    if text is None:
+        return None
+    latency, _, gbps = text.partition(":")
+    return Link(float(latency), float(gbps) if gbps else math.inf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``epd-lab whatif calibrate|run|compare ...``: see the module docstring."""
+    ap = argparse.ArgumentParser(prog="epd-lab whatif", description=__doc__.splitlines()[0], allow_abbrev=False)
+    sub = ap.add_subparsers(dest="what", required=True)
+    cal = sub.add_parser("calibrate", help="fit a calibration JSON from bench serve / sweep rates results")
+    cal.add_argument("sources", nargs="+", help="sweep folders (their */rate-*.json) or result JSONs")
+    cal.add_argument("--machine", required=True, help="the calibration's name, e.g. h200-qwen2-vl-2b")
+    cal.add_argument("--device-slots", type=float, default=1, help="stages one device runs at once (GPU 1, CPU cores)")
+    cal.add_argument("--tune-slots", action="store_true", help="fit the device's effective slots (1 to 2) to the "
+                     "source sweeps' TTFT p50 and goodput instead (a CPU shared with the client and other work)")
+    cal.add_argument("--host-on-device", action="store_true", help="host work takes a device slot (a CPU machine)")
+    cal.add_argument("--decode-max-batch", type=int, default=16)
+    cal.add_argument("--runtime", default=None, metavar="JSON:MODEL:RUNTIME", help="a bench runtime result whose "
+                     "decode steps at 1 and 16 in a batch give the step's cost per request (e.g. "
+                     "data/bench/runtime-cpu-intel-xeon.json:tiny:hf)")
+    cal.add_argument("--embed-bytes-per-token", type=int, default=None)
+    cal.add_argument("--kv-bytes-per-token", type=int, default=None)
+    cal.add_argument("--out", required=True)
+    run = sub.add_parser("run", help="predict sweep rates (same workload arguments, same result keys)")
+    run.add_argument("--calibration", required=True)
+    run.add_argument("--topologies", default="monolithic,1e1p1d,2e1p1d")
+    run.add_argument("--rates", required=True, help="requests/s, comma-separated")
+    run.add_argument("--num-prompts", type=int, default=32)
+    run.add_argument("--dataset-name", choices=("image", "random-mm"), default="image")
+    run.add_argument("--image-count", type=int, default=1)
+    run.add_argument("--image-resolution", default="448x448")
+    run.add_argument("--random-input-len", type=int, default=64)
+    run.add_argument("--random-output-len", type=int, default=16)
+    run.add_argument("--random-range-ratio", type=float, default=0.0)
+    run.add_argument("--random-mm-base-items-per-request", type=int, default=1)
+    run.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
+    run.add_argument("--random-mm-limit-mm-per-prompt", type=int, default=8)
+    run.add_argument("--random-mm-bucket-config", default=None)
+    run.add_argument("--burstiness", type=float, default=1.0)
+    run.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--placement", type=parse_devices, default={}, metavar="ROLE=DEVICE[,...]",
+                     help="roles' devices (encoder=gpu1, or encoder1=gpu2); the rest share one device")
+    run.add_argument("--ep-link", default=None, metavar="MS[:GBPS]", help="E→P link (default: the calibration's)")
+    run.add_argument("--pd-link", default=None, metavar="MS[:GBPS]", help="P→D link (default: the calibration's)")
+    run.add_argument("--encoder-tp", type=int, default=1)
+    run.add_argument("--out", required=True)
+    cmp = sub.add_parser("compare", help="relative error of a predicted sweep against a measured one")
+    cmp.add_argument("predicted")
+    cmp.add_argument("measured")
+    cmp.add_argument("--json", default=None, help="also write the table here")
+    args = ap.parse_args(argv)
+    if args.what == "calibrate":
+        points, input_len = _points(args.sources)
+        shape = {k: getattr(args, k) for k in ("embed_bytes_per_token", "kv_bytes_per_token")
+                 if getattr(args, k) is not None}
+        try:
+            slope = None
+            if args.runtime:
+                path, model, runtime = args.runtime.split(":")
+                slope = runtime_slope(path, model, runtime)
+            c = fit(points, args.machine, args.device_slots, args.host_on_device, args.decode_max_batch, input_len,
+                    slope, **shape)
+            if args.runtime:
+                c.sources.append(path)
+        except ValueError as exc:
+            ap.error(str(exc))
+        if args.tune_slots:
+            c = tune_slots(c, [s for s in args.sources if (Path(s) / "rates.csv").exists()])
+        c.save(args.out)
+        print(c.to_json(), end="")
+        return 0
+    if args.what == "run":
+        c = Calibration.load(args.calibration)
+        try:
+            slos = parse_goodput(args.goodput)
+            rates = [float(r) for r in args.rates.split(",")]
+        except ValueError as exc:
+            ap.error(str(exc))
+        mm = None
+        if args.dataset_name == "random-mm":
+            mm = {"base_items": args.random_mm_base_items_per_request,
+                  "items_range_ratio": args.random_mm_num_mm_items_range_ratio,
+                  "limit_items": args.random_mm_limit_mm_per_prompt, "buckets": args.random_mm_bucket_config,
+                  "range_ratio": args.random_range_ratio}
+        options = {"placement": args.placement, "ep_link": _link(args.ep_link), "pd_link": _link(args.pd_link),
+                   "encoder_tp": args.encoder_tp}
+        table = predict_sweep(c, args.topologies.split(","), rates, args.out, slos, options,
+                              num_prompts=args.num_prompts, burstiness=args.burstiness, seed=args.seed,
+                              image_count=args.image_count, image_resolution=args.image_resolution,
+                              input_len=args.random_input_len, output_len=args.random_output_len, random_mm=mm)
+        print(table.to_string(index=False))
+        return 0
+    table = compare(args.predicted, args.measured)
+    if args.json:
+        Path(args.json).write_text(table.to_json(orient="records", indent=1) + "\n")
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    return 0
