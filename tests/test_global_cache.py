@@ -116,8 +116,9 @@ def test_an_unreachable_master_is_refused_within_the_timeout() -> None:
 
 
 def test_an_object_changed_in_the_store_is_refused_by_the_digest(master) -> None:
-    """Encoder A's cache puts an embedding; the object is then rewritten with one byte changed, and truncated:
-    B's lookup finds it, its check refuses it, and B counts an integrity failure and a fallback (the ViT's)."""
+    """Encoder A's cache puts an embedding; the object is then rewritten with one byte changed, truncated, and
+    whole but of another shape: B's lookup finds it, its check refuses it, and B counts an integrity failure and a
+    fallback (the ViT's)."""
     emb = torch.randn(16, 8)
     key = f"epd-emb/test/{uuid.uuid4().hex}"
     with store.StoreClient(master.address, segment_bytes=store.MIN_SEGMENT_BYTES) as a, \
@@ -126,13 +127,14 @@ def test_an_object_changed_in_the_store_is_refused_by_the_digest(master) -> None
         cache_a.insert(key, emb)
         wait_for(lambda: cache_a.counters.puts == 1, 5, "A's put")
         cache_b = GlobalEmbeddingCache(EmbeddingCache(0), 0, b, torch.device("cpu"), 2.0)
-        found = cache_b.collect(cache_b.lookup([key]))
+        found = cache_b.collect(cache_b.lookup([key], [(16, 8)], torch.float32))
         assert found.levels == ["l3"] and torch.equal(found.pieces[0], emb), "the object as put is taken"
         obj = bytearray(a.get_raw(key))
         obj[-1] ^= 0x40
-        for i, changed in enumerate((bytes(obj), bytes(obj[:-4]))):
+        other_shape = store.pack(key, emb.reshape(8, 16))  # whole and signed, but not the image's shape
+        for i, changed in enumerate((bytes(obj), bytes(obj[:-4]), other_shape)):
             assert a.put_raw(key, changed, replace=True) == 0
-            found = cache_b.collect(cache_b.lookup([key]))
+            found = cache_b.collect(cache_b.lookup([key], [(16, 8)], torch.float32))
             assert found.pieces == [None] and found.levels == [None]
             assert cache_b.counters.integrity_failures == i + 1 and cache_b.counters.fallbacks == i + 1
         cache_a.close()

@@ -118,8 +118,9 @@ class GlobalEmbeddingCache:
         """Whether any level can hold anything (else the encoder needs no keys)."""
         return bool(self.l1.capacity_bytes or self.l2.capacity_bytes or self.store is not None)
 
-    def lookup(self, keys: Sequence[str]) -> Lookup:
-        """Ask L3 for the items in neither L1 nor L2, and start the prefetch of each found there."""
+    def lookup(self, keys: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Lookup:
+        """Ask L3 for the items in neither L1 nor L2, and start the prefetch of each found there; an object whose
+        tensor is not of its item's shape in `shapes` and of `dtype` is refused as a changed one is."""
         t0 = time.monotonic_ns()
         prefetches: list[concurrent.futures.Future | None] = [None] * len(keys)
         deadline = time.monotonic() + self.timeout
@@ -133,15 +134,20 @@ class GlobalEmbeddingCache:
                     self.counters.lookup_errors += 1
             for i, there in zip(asked, found):
                 if there:
-                    prefetches[i] = self.store.submit(self._prefetch, keys[i])
+                    prefetches[i] = self.store.submit(self._prefetch, keys[i], tuple(shapes[i]), dtype)
         return Lookup(list(keys), prefetches, deadline, t0)
 
-    def _prefetch(self, key: str) -> tuple[torch.Tensor | None, int, float]:
+    def _prefetch(self, key: str, shape: tuple[int, ...],
+                  dtype: torch.dtype) -> tuple[torch.Tensor | None, int, float]:
         """In a store thread: the checked tensor on the device (None: gone meanwhile, or the fetch failed), its
-        bytes and the seconds taken. An object the check refuses is counted and is None."""
+        bytes and the seconds taken. An object the check refuses, or not of `shape` and `dtype`, is counted and is
+        None."""
         t0 = time.monotonic()
         try:
             tensor = self.store.get(key)
+            if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != dtype):
+                raise IntegrityError(f"{key}: {list(tensor.shape)} {tensor.dtype}, the image needs {list(shape)} "
+                                     f"{dtype}")
         except IntegrityError:
             with self._lock:
                 self.counters.integrity_failures += 1

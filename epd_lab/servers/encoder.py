@@ -37,9 +37,16 @@ A media item that cannot be read, or whose header PIL cannot parse, is a 400 fro
 ``mm_items[i]``. Pixel data found corrupt or truncated when the worker decodes it is the same 400, answered
 by /send with an error notify (mooncake), or by /encode with the error pushed to the receivers (zmq backends).
 
+Global embedding cache (``--mm-global-cache``, `epd_lab.ep.global_cache`): after its own cache (L1) an image is
+looked up in a host pool (L2) and in Mooncake Store (L3, ``--store-master``) before the ViT runs; L3's lookup runs
+once the part's items are hashed, its prefetches while the ViT waits or runs; what the ViT makes is put into L3
+in the background. With TP ranks only the misses reach the other ranks.
+
 Spans (`epd_lab.trace`): ``load`` (read, header and hash of the part's media; nbytes: their bytes), ``decode``
 (the pixels, from the first decode's start, which may lie inside ``load``, to the last image in hand; absent
-when every image came from the cache; nbytes: the RGB bytes), ``vit``,
+when every image came from the cache; nbytes: the RGB bytes), ``store_get`` (when any item came from L3: from
+its lookup to the embedding assembled; nbytes: the bytes fetched), ``vit`` (absent when L3 answered every item
+the other levels did not), ``store_put`` (an L3 put, after the part was sent: in the encoder's recorder only),
 ``transfer`` (the one-sided write, or the ZMQ send of the bytes) and ``notify`` travel in the message's
 ``spans``. The message cannot carry the duration of its own sending, so its last span (``notify`` for
 mooncake, ``transfer`` for the zmq backends) has ``t_end_ns == t_start_ns``, the moment the send began; the
@@ -449,7 +456,9 @@ class MMEncoder:
         for item in items:
             item.key = item_key(item.raw, self.settings.model_name, self.settings.dtype, self._vision_config)
         spans[-1] = msgspec.structs.replace(spans[-1], t_end_ns=time.monotonic_ns())
-        return self.global_cache.lookup([item.key for item in items])
+        # each object L3 gives must also be of its image's shape and this encoder's dtype
+        shapes = [(models.num_image_tokens(item.image.size), self.embedding_dim) for item in items]
+        return self.global_cache.lookup([item.key for item in items], shapes, self.dtype)
 
     def _check_encode(self, req: EncodeRequest) -> Modality:
         """The request's modality, once the request is known to be servable (a 400 otherwise)."""

@@ -10,7 +10,9 @@ raw bytes in a msgpack struct, never pickle; the images are read and decoded onc
 its shard of the tower (`runtime.tp`), the all-reduces joining them. Only rank 0 keeps the embedding: it alone
 answers /encode, writes into prefill's buffer and notifies (/send and the zmq backends alike). Each other rank
 answers every step with a `StepDone` (its own start and end), which rank 0 records as that rank's ``vit`` span.
-The ViT thread runs one call at a time, so every rank sees the steps in one order.
+The ViT thread runs one call at a time, so every rank sees the steps in one order. With the global embedding
+cache (``--mm-global-cache``) rank 0 alone looks the images up; a step carries only the images no cache level
+answered (its hit/miss decision, as pixels), and a part the cache answers whole sends no step at all.
 
 Faults: a rank that dies fails rank 0's next collective at once (the socket closes) or within `timeout` (the
 gloo group's bound; a frozen rank), and its `StepDone` not arriving within `timeout` fails the step too; from then
