@@ -20,12 +20,12 @@ imported only then.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import re
 import sys
 import tempfile
 import time
+import urllib.parse
 import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,7 +43,7 @@ from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings
-from epd_lab.serving import from_argv, option, to_argv
+from epd_lab.serving import option, to_argv
 from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
                                       transport_option)
 from epd_lab.trace import Recorder, Span, collect
@@ -146,6 +146,8 @@ class Topology:
                                           "unless --store-master names one")
     store_master: str | None = option(None, "HOST:PORT of a mooncake_master already running, for "
                                             "--mm-global-cache (none: the cluster starts its own)")
+    restarts: int = option(3, "epd-lab launch: times a dead role is started again within a minute, with backoff, "
+                              "on its old port and KV side channels; then it stays down (0: never)")
     tp: int = option(1, "tensor-parallel ranks of every encoder and prefill, each rank a process its server starts "
                         "(on its node: on Ray, its actor's); prefill i is DP rank i (its side channels' ports)")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
@@ -194,8 +196,12 @@ class Topology:
             raise ValueError("prefills and decodes must be >= 0")
         if self.monolithic and (self.prefills or self.decodes or self.proxy):
             raise ValueError("a monolithic topology starts monolithic servers only: no prefills, decodes or proxy")
+        if self.store_master is not None and not self.mm_global_cache:
+            raise ValueError("store_master is the global embedding cache's: set mm_global_cache too")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be >= 0, got {self.restarts}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.replicas > 1 and not self.monolithic:
@@ -247,6 +253,10 @@ class Topology:
         return cls(**{**values, **wiring, **self.settings.get(role, {}), **own})
 
 
+class RestartRefused(RuntimeError):
+    """A role that cannot be started again as it was (`Cluster.restart`)."""
+
+
 class Cluster:
     """The running processes of a `Topology`; a context manager. `close()` kills them all (and, on Ray, their
     actors and placement group)."""
@@ -262,6 +272,10 @@ class Cluster:
         self.decode_urls: list[str] = []
         self.monolithic_urls: list[str] = []
         self.proxy_url: str | None = None  # the one URL clients call: proxy, front, or the one monolithic server
+        # per process, in `procs` order: its name, role, wiring and URL, so that `restart` starts it again as it was
+        self.specs: list[tuple[str, str, dict[str, Any]]] = []
+        self.proc_urls: list[str] = []
+        self.side_channels: dict[str, list[str]] = {}  # a prefill's KV side channels, by process name
         self._ray: Any = None  # launch_ray.RayRoles
         self.store_master: MooncakeMaster | None = None  # the global cache's master, when this cluster started it
         _LIVE.add(self)
@@ -286,8 +300,10 @@ class Cluster:
                 self.prefill_urls.append(self._start(f"prefill{i}", "prefill", encoders=tuple(self.encoder_urls),
                                                      dp_rank=i))
             # decode asks only the side channels of this cluster's prefills (their /health names them)
-            kv_producers = tuple(u for url in self.prefill_urls
-                                 for u in httpx.get(url + "/health", timeout=topology.timeout).json()["kv_urls"])
+            for i, url in enumerate(self.prefill_urls):
+                self.side_channels[f"prefill{i}"] = httpx.get(url + "/health", timeout=topology.timeout).json()[
+                    "kv_urls"]
+            kv_producers = tuple(u for urls in self.side_channels.values() for u in urls)
             for i in range(topology.decodes):
                 self.decode_urls.append(self._start(f"decode{i}", "decode", kv_producers=kv_producers))
             if topology.proxy:
@@ -332,22 +348,54 @@ class Cluster:
         return [*self.encoder_urls, *self.prefill_urls, *self.decode_urls, *self.monolithic_urls, *front]
 
     def _start(self, name: str, role: str, **wiring: Any) -> str:
-        log = self.log_dir / f"{name}.log"
+        self.specs.append((name, role, wiring))
+        self.proc_urls.append("")
+        url = self._spawn(len(self.specs) - 1, self.log_dir / f"{name}.log", wiring)
+        self.proc_urls[-1] = url
+        return url
+
+    def _spawn(self, index: int, log: Path, wiring: dict[str, Any]) -> str:
+        """Start process `index` of `specs` with `wiring`, as `procs[index]` (appended the first time); its URL."""
+        name, role, _ = self.specs[index]
         self.logs.append(log)
         timeout = 6 * self.topology.timeout
         trace = {"EPD_TRACE": "1" if self.topology.trace else "0"}
         if self._ray is not None:
             device = getattr(self.topology.role_settings(role, name, **wiring), "device", "cpu")
             proc = self._ray.spawn(name, role, self.command(role, name, **wiring), trace, device)
-            self.procs.append(proc)
+            self._place(index, proc)
             return proc.await_url(timeout)
         netns, host = self.topology.hosts.get(name, ("", None))
         cmd = self.command(role, name, **wiring, **({"host": host} if host else {}))
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         proc = procs.spawn(cmd, log, {**self._environment(), **trace})
-        self.procs.append(proc)
+        self._place(index, proc)
         return procs.await_url(proc, name, log, timeout)
+
+    def _place(self, index: int, proc: Any) -> None:
+        if index < len(self.procs):
+            self.procs[index] = proc
+        else:
+            self.procs.append(proc)
+
+    def restart(self, index: int, attempt: int) -> str:
+        """Start process `index` again as it was: the same wiring, its old port, and for a prefill its old KV
+        side channels (the decodes accept KV only from those); waits for its /health. Local processes only (on Ray
+        a lost actor's node may be gone). Returns its URL; `RestartRefused` when it cannot come back as it was,
+        another error when this start failed."""
+        if self._ray is not None:
+            raise RestartRefused("restarting a role is built for local processes; on Ray it stays down")
+        name, role, wiring = self.specs[index]
+        old = urllib.parse.urlsplit(self.proc_urls[index])
+        again = {**wiring, "port": old.port}
+        if role == "prefill":
+            again["side_channel_base"] = _side_channel_base(self.side_channels[name], wiring.get("dp_rank", 0))
+        if self.procs[index].poll() is None:
+            procs.stop_all([self.procs[index]])
+        url = self._spawn(index, self.log_dir / f"{name}.restart{attempt}.log", again)
+        self._wait_healthy(url)
+        return url
 
     def _environment(self) -> dict[str, str]:
         """A local role process's environment: this one's, with the topology's secret."""
@@ -419,19 +467,13 @@ def _close_all() -> None:
         cluster.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``epd-lab launch``: start a topology, print its URLs and logs as JSON, serve until Ctrl-C."""
-    topo = from_argv(Topology, argv, "epd-lab launch", main.__doc__)
-    with Cluster(topo) as cluster:
-        print(json.dumps({"encoders": cluster.encoder_urls, "prefills": cluster.prefill_urls,
-                          "store_master": cluster.store_master.address if cluster.store_master else topo.store_master,
-                          "decodes": cluster.decode_urls, "monolithic": cluster.monolithic_urls,
-                          "proxy": cluster.proxy_url, "backend": topo.backend,
-                          "logs": [str(p) for p in cluster.logs]}), flush=True)
-        try:
-            while all(cluster.alive()):
-                time.sleep(0.5)
-            print("a process exited; stopping the cluster", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 0
+def _side_channel_base(urls: list[str], dp_rank: int) -> int:
+    """The `--side-channel-base` that gives a prefill of DP rank `dp_rank` its side channels `urls` again (seed
+    003's formula, base + dp_rank * tp + rank); `RestartRefused` when they do not follow it (random ports of a TP
+    group: no start can take them all again)."""
+    ports = [int(urllib.parse.urlsplit(u).port or 0) for u in urls]
+    base = ports[0] - dp_rank * len(ports)
+    if base < 1 or ports != [base + dp_rank * len(ports) + r for r in range(len(ports))]:
+        raise RestartRefused(f"its KV side channels {urls} do not follow base + dp_rank * tp + rank: give the prefills "
+                           f"--side-channel-base (settings) so that a restart can take them again")
+    return base

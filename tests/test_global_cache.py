@@ -18,6 +18,10 @@ Skipped, saying why, where the Mooncake wheel (its store module or ``mooncake_ma
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -41,7 +45,7 @@ from epd_lab.noise import random_png
 from epd_lab.servers.encoder import item_key
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
-from helpers import free_port, wait_for
+from helpers import free_port, read_line, wait_for
 
 REASON = store.unavailable_reason()
 if REASON:
@@ -92,6 +96,29 @@ def test_masters_take_os_ports_and_leave_no_process() -> None:
         assert a.port != b.port and a.alive() and b.alive()
         procs = [a.proc, b.proc]
     assert all(p.poll() is not None for p in procs)
+
+
+def test_a_master_run_from_the_command_line_serves_and_stops_with_it() -> None:
+    """``python -m epd_lab.ep.store`` (a master for encoders on other hosts) prints its address, serves a client,
+    and takes its master down on SIGTERM."""
+    proc = subprocess.Popen([sys.executable, "-m", "epd_lab.ep.store"], stdout=subprocess.PIPE, text=True)
+    try:
+        hello = json.loads(read_line(proc, 20, "the master's address"))
+        with store.StoreClient(hello["address"], segment_bytes=store.MIN_SEGMENT_BYTES) as client:
+            assert client.put("cli", torch.ones(3)) == 0 and client.exists(["cli"]) == [True]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        wait_for(lambda: not Path(f"/proc/{hello['pid']}").exists() or
+                 Path(f"/proc/{hello['pid']}/stat").read_text().split(") ")[1][0] == "Z", 5, "the master gone")
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_store_master_without_the_cache_is_refused() -> None:
+    with pytest.raises(ValueError, match="set mm_global_cache too"):
+        Topology(store_master="127.0.0.1:1")
 
 
 def test_a_full_store_evicts_the_oldest_and_takes_puts_again(master) -> None:

@@ -342,3 +342,30 @@ def local_hostname_for(master: str) -> str:
 
 __all__ = ["IntegrityError", "MAGIC", "MooncakeMaster", "ObjectHeader", "StoreClient", "StoreUnavailable",
            "MIN_SEGMENT_BYTES", "local_hostname_for", "master_binary", "pack", "unavailable_reason", "unpack"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m epd_lab.ep.store``: run a master (for encoders on other hosts: ``--host`` an address they
+    reach), print ``{"address": "HOST:PORT", "pid": ...}``, serve until Ctrl-C or SIGTERM."""
+    import argparse
+    import json
+    import signal
+
+    ap = argparse.ArgumentParser(prog="python -m epd_lab.ep.store", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=0, help="its RPC port (0: one the OS gives)")
+    ap.add_argument("--log", type=Path, default=None, help="a file for its log lines (default: discarded)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the with block stops the master
+    with MooncakeMaster(args.host, args.port, args.log) as master:
+        print(json.dumps({"address": master.address, "pid": master.proc.pid}), flush=True)
+        try:
+            while master.alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
