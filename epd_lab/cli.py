@@ -102,9 +102,9 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace, rest: list[
     if args.cmd == "bench":
         return importlib.import_module(BENCHES[args.what]).main(rest)
     if args.cmd == "launch":
-        from epd_lab import launch
+        from epd_lab import supervisor
 
-        return launch.main(rest)
+        return supervisor.main(rest)
     if args.cmd == "sweep":
         from epd_lab import sweep
 

@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"ep"},  # E→P below the servers: messages, media, cache, receiver
     {"servers"},  # encoder, prefill, decode, proxy, monolithic
     {"launch", "launch_ray"},  # clusters of server processes, local or on Ray
+    {"supervisor"},  # epd-lab launch: a cluster kept serving, its dead roles started again
     {"bench", "workload"},  # measurements
     {"whatif"},  # the calibrated model of serving: predicts bench serve's results
     {"viz", "sweep"},  # figures of bench results; notebook sweeps
