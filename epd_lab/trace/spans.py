@@ -23,9 +23,10 @@ from typing import Iterable, Iterator
 import msgspec
 
 # ``intake``: a role's route took the request until its work began (admission, the body read, the hop to a
-# worker thread, its decoding): the prefill's, then each encoder part's.
-STAGES = ("intake", "http_encode", "load", "decode", "vit", "buffer_alloc", "register", "http_send", "transfer",
-          "notify", "reassemble", "prefill")
+# worker thread, its decoding): the prefill's, then each encoder part's. ``store_get`` / ``store_put``: the
+# encoder's global embedding cache (an item taken from Mooncake Store instead of the ViT; a put behind the send).
+STAGES = ("intake", "http_encode", "load", "decode", "store_get", "vit", "store_put", "buffer_alloc", "register",
+          "http_send", "transfer", "notify", "reassemble", "prefill")
 # The P→D stages and the proxy's per-request spans, in the order a request meets them.
 PD_STAGES = ("proxy_parse", "kv_write", "kv_query", "kv_transfer", "ttft", "decode_step", "tpot", "e2e")
 # The spans that move bytes between the roles on a split request's TTFT path (the split's target leaves them
