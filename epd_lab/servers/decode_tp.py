@@ -38,7 +38,8 @@ from epd_lab.kv.messages import TransDone
 from epd_lab.kv.tp_plan import KVLayout
 from epd_lab.models.runtime import open_runtime
 from epd_lab.models.runtime.tp import TPGroup, check_model
-from epd_lab.servers.rank_group import RankDone, RankProcesses, Stop, encoder, rank_arguments, rank_group, rank_sockets
+from epd_lab.servers.rank_group import (RankDone, RankProcesses, Stop, encoder, kv_rank_arguments, open_rank,
+                                        rank_flags, rank_group, rank_sockets, ready)
 
 TIMED_OUT = "timed out"  # a rank's fetch that ran past its time: rank 0 raises KVTransferTimeout
 
@@ -65,7 +66,7 @@ class DecodeStep(msgspec.Struct, tag="decode", array_like=True):
 
 
 _step_decoder = msgspec.msgpack.Decoder(FetchKV | DecodeStep | Stop)
-_MODEL_FLAGS = ("model", "dtype", "device", "transport", "host", "kv_blocks", "block_size", "max_batch")
+_RANK_FLAGS = ("model", "dtype", "device", "transport", "host", "kv_blocks", "block_size", "max_batch")
 
 
 class DecodeTPGroup:
@@ -80,9 +81,8 @@ class DecodeTPGroup:
     def __init__(self, model: Any, settings: Any, node: str) -> None:
         check_model(model.config, settings.tp)  # before any process starts
         self.node = node
-        args = [f"--{k.replace('_', '-')}={getattr(settings, k)}" for k in _MODEL_FLAGS
-                if getattr(settings, k) is not None]
-        self.ranks = RankProcesses("epd_lab.servers.decode_tp", settings.tp, settings.timeout, args)
+        self.ranks = RankProcesses("epd_lab.servers.decode_tp", settings.tp, settings.timeout,
+                                   rank_flags(settings, _RANK_FLAGS))
 
     def join(self) -> TPGroup:
         """Rank 0's place in the group, once every rank loaded its model and registered its cache."""
@@ -171,22 +171,9 @@ def _fetch(msg: FetchKV, rank: int, consumer: KVConsumer, answer: Any) -> None:
 def rank_main(argv: list[str] | None = None) -> int:
     """Rank r ≥ 1 of a decode's TP group: load the model, register the cache, say so, join the group, run every
     fetch and forward rank 0 sends."""
-    from epd_lab import models
-    from epd_lab.ep.messages import DTYPES
-    from epd_lab.serving.placement import use_device
-    from epd_lab.transfer import open_engine
-
-    ap = rank_arguments("a rank of a decode's TP group (started by it)")
-    ap.add_argument("--model")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--transport", default="auto")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--kv-blocks", type=int, required=True)
-    ap.add_argument("--block-size", type=int, required=True)
+    ap = kv_rank_arguments("a rank of a decode's TP group (started by it)")
     ap.add_argument("--max-batch", type=int, required=True)
     args = ap.parse_args(argv)
-    models.configure_torch(threads=1)  # the same kernels, hence the same bits, as rank 0
     with rank_sockets(args) as (steps, done):
         lock = threading.Lock()  # fetch threads and this one answer on one socket
 
@@ -194,21 +181,17 @@ def rank_main(argv: list[str] | None = None) -> int:
             with lock:
                 done.send(encoder.encode(msg))
 
-        try:
-            device = use_device(args.device)
-            model = models.open_model(args.model, dtype=DTYPES[args.dtype], device=device)
-            engine = open_engine(args.transport, args.host, args.timeout)
-        except Exception as exc:  # rank 0's start fails with it
-            answer(RankDone(0, args.rank, 0, 0, f"{type(exc).__name__}: {exc}", 500))
+        opened = open_rank(args, done, engine=True)
+        if opened is None:
             return 1
+        device, model, engine = opened
         layout = KVLayout(model.config.text_config.num_key_value_heads, args.size, args.rank)
         with engine, PagedKVCache.from_config(model.config, num_blocks=args.kv_blocks, block_size=args.block_size,
                                               dtype=model.dtype, engine=engine, device=device,
                                               tp_size=args.size) as cache, \
                 KVConsumer(engine, cache, layout=layout, timeout=args.timeout) as consumer, \
                 concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="decode-kv") as fetches:
-            now = time.monotonic_ns()
-            answer(RankDone(0, args.rank, now, now))
+            ready(args, done)  # before any fetch thread runs: no lock needed yet
             with rank_group(args) as tp:
                 runtime = open_runtime("fast", model, cache, tp=tp, max_batch=args.max_batch)
                 while True:

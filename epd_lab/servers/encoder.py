@@ -239,10 +239,7 @@ class MMEncoder:
         self.model = models.open_model(settings.model, dtype=self.dtype, device=self.device)
         self.recorder = Recorder(node=f"encoder:{settings.port}")
         # TP > 1: rank 0's shard, the other ranks started and met here (seed 000's encoder TP)
-        self.tp_group = EncoderTPGroup(
-            self.model, settings.tp, settings.timeout,
-            {"model": settings.model, "dtype": settings.dtype, "device": settings.device},
-            self.recorder.node) if settings.tp > 1 else None
+        self.tp_group = EncoderTPGroup(self.model, settings, self.recorder.node) if settings.tp > 1 else None
         self.runtime = open_runtime(settings.runtime, self.model) if self.tp_group is None else None  # no KV cache
         self.embedding_dim = self.model.config.vision_config.hidden_size
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()

@@ -36,7 +36,8 @@ from epd_lab.kv.connector import AlreadyHeld, RequestAborted
 from epd_lab.kv.tp_plan import KVLayout, side_channel_port
 from epd_lab.models.runtime import PrefillOutput, PrefillPlan, open_runtime
 from epd_lab.models.runtime.tp import TPGroup, check_model
-from epd_lab.servers.rank_group import RankDone, RankProcesses, Stop, encoder, rank_arguments, rank_group, rank_sockets
+from epd_lab.servers.rank_group import (RankDone, RankProcesses, Stop, encoder, kv_rank_arguments, open_rank,
+                                        rank_flags, rank_group, rank_sockets, ready, tensor_bytes, tensor_from)
 from epd_lab.serving import error_for_status
 from epd_lab.trace import Span
 
@@ -66,12 +67,8 @@ class AbortKV(msgspec.Struct, tag="abort", array_like=True):
 
 
 _step_decoder = msgspec.msgpack.Decoder(PrefillStep | AbortKV | Stop)
-_MODEL_FLAGS = ("model", "dtype", "device", "transport", "host", "kv_blocks", "block_size", "kv_free_timeout",
-                "dp_rank", "side_channel_base")
-
-
-def _raw(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B") if tensor.numel() else memoryview(b"")
+_RANK_FLAGS = ("model", "dtype", "device", "transport", "host", "kv_blocks", "block_size", "kv_free_timeout",
+               "dp_rank", "side_channel_base")
 
 
 def _agree(tp: TPGroup, ok: bool) -> bool:
@@ -94,9 +91,8 @@ class PrefillTPGroup:
         check_model(model.config, settings.tp)  # before any process starts
         self.node = node
         self._lock = threading.Lock()  # one forward at a time through the group: the collectives' one order
-        args = [f"--{k.replace('_', '-')}={getattr(settings, k)}" for k in _MODEL_FLAGS
-                if getattr(settings, k) is not None]
-        self.ranks = RankProcesses("epd_lab.servers.prefill_tp", settings.tp, settings.timeout, args)
+        self.ranks = RankProcesses("epd_lab.servers.prefill_tp", settings.tp, settings.timeout,
+                                   rank_flags(settings, _RANK_FLAGS))
         self.tp: TPGroup | None = None
 
     def join(self) -> TPGroup:
@@ -127,7 +123,7 @@ class PrefillTPGroup:
                     seq, request_id, input_ids.reshape(-1).tolist(), [] if grid is None else grid.tolist(),
                     [] if host is None else list(host.shape),
                     "" if host is None else str(host.dtype).removeprefix("torch."),
-                    b"" if host is None else _raw(host), remote, wait_s))
+                    b"" if host is None else tensor_bytes(host), remote, wait_s))
             except RuntimeError as exc:
                 raise error_for_status(502, f"prefill {exc}") from None
             result = runtime.prefill(input_ids, embeds, grid, block_table, plan=plan) \
@@ -187,8 +183,7 @@ def _step(msg: PrefillStep, tp: TPGroup, runtime: Any, pool: BlockManager, produ
     try:
         if not _agree(tp, status == 0):
             return status, error  # a peer could not take it: it says why
-        embeds = None if not msg.shape else torch.frombuffer(bytearray(msg.embeds), dtype=torch.uint8).view(
-            getattr(torch, msg.dtype)).reshape(msg.shape).to(device)
+        embeds = tensor_from(msg.embeds, msg.dtype, msg.shape).to(device) if msg.shape else None
         grid = torch.tensor(msg.grid) if msg.grid else None
         try:
             runtime.prefill(torch.tensor([msg.input_ids], device=device), embeds, grid, table)
@@ -207,32 +202,16 @@ def _step(msg: PrefillStep, tp: TPGroup, runtime: Any, pool: BlockManager, produ
 def rank_main(argv: list[str] | None = None) -> int:
     """Rank r ≥ 1 of a prefill's TP group: load the model, open the cache and side channel, say so, join the group,
     run every step rank 0 sends."""
-    from epd_lab import models
-    from epd_lab.ep.messages import DTYPES
-    from epd_lab.serving.placement import use_device
-    from epd_lab.transfer import open_engine
-
-    ap = rank_arguments("a rank of a prefill's TP group (started by it)")
-    ap.add_argument("--model")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--transport", default="auto")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--kv-blocks", type=int, required=True)
-    ap.add_argument("--block-size", type=int, required=True)
+    ap = kv_rank_arguments("a rank of a prefill's TP group (started by it)")
     ap.add_argument("--kv-free-timeout", type=float, required=True)
     ap.add_argument("--dp-rank", type=int, default=0)
     ap.add_argument("--side-channel-base", type=int, default=0)
     args = ap.parse_args(argv)
-    models.configure_torch(threads=1)  # the same kernels, hence the same bits, as rank 0
     with rank_sockets(args) as (steps, done):
-        try:
-            device = use_device(args.device)
-            model = models.open_model(args.model, dtype=DTYPES[args.dtype], device=device)
-            engine = open_engine(args.transport, args.host, args.timeout)
-        except Exception as exc:  # rank 0's start fails with it
-            done.send(encoder.encode(RankDone(0, args.rank, 0, 0, f"{type(exc).__name__}: {exc}", 500)))
+        opened = open_rank(args, done, engine=True)
+        if opened is None:
             return 1
+        device, model, engine = opened
         pool = BlockManager(args.kv_blocks)
         layout = KVLayout(model.config.text_config.num_key_value_heads, args.size, args.rank)
         port = side_channel_port(args.dp_rank, args.size, args.rank, args.side_channel_base)
@@ -241,8 +220,7 @@ def rank_main(argv: list[str] | None = None) -> int:
                                               tp_size=args.size) as cache, \
                 KVProducer(engine, cache, free_blocks=pool.free, layout=layout, host=args.host, port=port,
                            timeout=args.timeout, free_timeout=args.kv_free_timeout) as producer:
-            now = time.monotonic_ns()
-            done.send(encoder.encode(RankDone(0, args.rank, now, now, info=producer.url)))
+            ready(args, done, producer.url)
             with rank_group(args) as tp:
                 runtime = open_runtime("fast", model, cache, tp=tp)
                 while True:

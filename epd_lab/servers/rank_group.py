@@ -21,9 +21,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from epd_lab.models.runtime.tp import TPGroup, rendezvous, tp_group
@@ -224,14 +226,72 @@ class RankProcesses:
 
 
 def rank_arguments(description: str) -> argparse.ArgumentParser:
-    """A rank process's parser with the flags `RankProcesses` passes; the role adds its own."""
+    """A rank process's parser with the flags `RankProcesses` passes and the model's (``--model``, ``--dtype``,
+    ``--device``: the role's own settings); the role adds its own."""
     ap = argparse.ArgumentParser(allow_abbrev=False, description=description)
     for flag in ("rank", "size"):
         ap.add_argument(f"--{flag}", type=int, required=True)
     for flag in ("init", "steps", "done"):
         ap.add_argument(f"--{flag}", required=True)
     ap.add_argument("--timeout", type=float, required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
     return ap
+
+
+def kv_rank_arguments(description: str) -> argparse.ArgumentParser:
+    """`rank_arguments` and a KV cache's rank's: its transfer engine (``--transport``, ``--host``) and cache size
+    (``--kv-blocks``, ``--block-size``)."""
+    ap = rank_arguments(description)
+    ap.add_argument("--transport", default="auto")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--kv-blocks", type=int, required=True)
+    ap.add_argument("--block-size", type=int, required=True)
+    return ap
+
+
+def rank_flags(settings: Any, names: Sequence[str]) -> list[str]:
+    """The role's `settings` named by `names` as a rank's flags (unset ones left out)."""
+    return [f"--{k.replace('_', '-')}={getattr(settings, k)}" for k in names if getattr(settings, k) is not None]
+
+
+def open_rank(args: argparse.Namespace, done: zmq.Socket, engine: bool = False,
+              ) -> tuple[torch.device, Any, Any] | None:
+    """The rank's device, model (as rank 0 opened them: one torch thread, the same kernels, the same bits) and, with
+    `engine`, its transfer engine (``--transport``, ``--host``). None when any of them failed to open: rank 0 was
+    told (its start fails with the reason) and the rank should exit."""
+    from epd_lab import models
+    from epd_lab.ep.messages import DTYPES
+    from epd_lab.serving.placement import use_device
+    from epd_lab.transfer import open_engine
+
+    models.configure_torch(threads=1)
+    try:
+        device = use_device(args.device)
+        model = models.open_model(args.model, dtype=DTYPES[args.dtype], device=device)
+        return device, model, open_engine(args.transport, args.host, args.timeout) if engine else None
+    except Exception as exc:  # noqa: BLE001 - any failure to start is rank 0's start failing
+        done.send(encoder.encode(RankDone(0, args.rank, 0, 0, f"{type(exc).__name__}: {exc}", 500)))
+        return None
+
+
+def ready(args: argparse.Namespace, done: zmq.Socket, info: str = "") -> None:
+    """Tell rank 0 this rank is ready (`RankDone` seq 0, with `info`)."""
+    now = time.monotonic_ns()
+    done.send(encoder.encode(RankDone(0, args.rank, now, now, info=info)))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A host tensor's bytes, for a step (raw in a msgpack struct, never pickle)."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B") if tensor.numel() else memoryview(b"")
+
+
+def tensor_from(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """The tensor `tensor_bytes` sent (a copy: the message's buffer is read-only)."""
+    if not data:
+        return torch.empty(list(shape), dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(list(shape))
 
 
 @contextlib.contextmanager
