@@ -18,6 +18,7 @@ count. A fit over one distinct covariate value goes through the origin (a single
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -138,9 +139,9 @@ def encoders_of(topology: str) -> int:
 
 
 def read_point(path: str | Path, topology: str | None = None) -> Point:
-    """A result JSON as a `Point`; the topology from the name of its folder unless given."""
+    """A result JSON (or ``.json.gz``) as a `Point`; the topology from the name of its folder unless given."""
     path = Path(path)
-    r = json.loads(path.read_text())
+    r = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
     ours = r["epd_lab"]
     name = topology or path.parent.name
     n = max(1, r["completed"])
@@ -199,12 +200,14 @@ def fit(points: Sequence[Point], machine: str, device_slots: float, host_on_devi
     if not base:
         raise ValueError("no point has server spans (epd_lab.server.critical_path_ms): run bench serve against "
                          "an epd_lab cluster")
-    # the tower's cost from parts that ran alone (one encoder, or the floor): two encoders' parts on one device
-    # overlap, and each part's span then holds the other's share too
-    mm = [p for p in base if p.images and p.encoders == 1] or [p for p in base if p.images]
+    # the tower's cost from parts that ran alone (one encoder, or the floor); without such points, the parts of
+    # encoders sharing one device ran side by side, each span holding the others' share: scaled by slots/encoders
+    alone = [p for p in base if p.images and p.encoders == 1]
+    mm = alone or [p for p in base if p.images]
+    share = {id(p): 1.0 if alone else min(1.0, device_slots / p.encoders) for p in mm}
     load = fit_linear([p.part_kpatches * PATCH_PIXELS / 1e3 for p in mm],  # megapixels of one part
                       [p.spans.get("load", 0) + p.spans.get("decode", 0) for p in mm])
-    vit = fit_linear([p.part_kpatches for p in mm], [p.spans.get("vit", 0) for p in mm])
+    vit = fit_linear([p.part_kpatches for p in mm], [p.spans.get("vit", 0) * share[id(p)] for p in mm])
     prefill = fit_linear([p.prompt_tokens / 1e3 for p in base], [p.spans.get("prefill", 0) for p in base])
     # decode: TPOT against the batch a step sees (1 + Little's law's mean in decode: rate × decode time), at each
     # workload's two lowest rates per topology (higher ones add the other stages' share of the device to TPOT,

@@ -1,4 +1,5 @@
-"""`epd-lab whatif`: calibrate the model from recorded runs, predict a rate sweep, compare it with a measured one.
+"""`epd-lab whatif`: calibrate the model from recorded runs, predict a rate sweep, compare it with a measured one,
+ask the what-ifs.
 
     epd-lab whatif calibrate data/bench/goodput-cpu-tiny-1x224 data/bench/goodput-cpu-tiny-4x448 \\
         --machine cpu-intel-xeon --device-slots 2 --host-on-device --out data/calibration/cpu-intel-xeon.json
@@ -6,6 +7,7 @@
         --rates 4,8,16 --num-prompts 48 --image-count 1 --image-resolution 224x224 --goodput ttft:100 tpot:10 \\
         --out out/predicted
     epd-lab whatif compare out/predicted data/bench/goodput-cpu-tiny-1x224
+    epd-lab whatif ask --calibration data/calibration/h200.json --out data/whatif/h200-whatifs
 """
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ from pathlib import Path
 from epd_lab.bench.serve.metrics import parse_goodput
 from epd_lab.bench.serve.topologies import parse_devices
 from epd_lab.whatif.calibration import Calibration, Link, fit, read_point, runtime_slope
+from epd_lab.machine import commit
 from epd_lab.whatif.run import compare, predict_sweep, tune_slots
+from epd_lab.whatif.scenarios import WHATIFS, answer
 
 
 def _points(paths: list[str]) -> tuple[list, int]:
-    """Every ``rate-*.json`` under the given folders (or the files given), and the runs' ``--random-input-len``."""
+    """Every ``rate-*.json`` (or ``.json.gz``) under the given folders (or the files given), and the runs'
+    ``--random-input-len``."""
     points, input_len = [], 64
     for name in paths:
         path = Path(name)
-        files = sorted(path.glob("*/rate-*.json")) if path.is_dir() else [path]
+        files = sorted([*path.glob("*/rate-*.json"), *path.glob("*/rate-*.json.gz")]) if path.is_dir() else [path]
         if path.is_dir() and (path / "sweep.json").exists():
             input_len = json.loads((path / "sweep.json").read_text()).get("random_input_len", input_len)
         points += [read_point(f) for f in files]
@@ -41,14 +46,15 @@ def _link(text: str | None) -> Link | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``epd-lab whatif calibrate|run|compare ...``: see the module docstring."""
-    ap = argparse.ArgumentParser(prog="epd-lab whatif", description=__doc__.splitlines()[0], allow_abbrev=False)
+    """``epd-lab whatif calibrate|run|compare|ask ...``: see the module docstring."""
+    ap = argparse.ArgumentParser(prog="epd-lab whatif", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 allow_abbrev=False)
     sub = ap.add_subparsers(dest="what", required=True)
     cal = sub.add_parser("calibrate", help="fit a calibration JSON from bench serve / sweep rates results")
     cal.add_argument("sources", nargs="+", help="sweep folders (their */rate-*.json) or result JSONs")
     cal.add_argument("--machine", required=True, help="the calibration's name, e.g. h200-qwen2-vl-2b")
     cal.add_argument("--device-slots", type=float, default=1, help="stages one device runs at once (GPU 1, CPU cores)")
-    cal.add_argument("--tune-slots", action="store_true", help="fit the device's effective slots (1 to 2) to the "
+    cal.add_argument("--tune-slots", action="store_true", help="fit the device's effective slots (0.5 to 2) to the "
                      "source sweeps' TTFT p50 and goodput instead (a CPU shared with the client and other work)")
     cal.add_argument("--host-on-device", action="store_true", help="host work takes a device slot (a CPU machine)")
     cal.add_argument("--decode-max-batch", type=int, default=16)
@@ -82,10 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--pd-link", default=None, metavar="MS[:GBPS]", help="P→D link (default: the calibration's)")
     run.add_argument("--encoder-tp", type=int, default=1)
     run.add_argument("--out", required=True)
+    ask = sub.add_parser("ask", help="the what-ifs (equal GPUs, encoders per prefill, RDMA, TP) with error bars")
+    ask.add_argument("--calibration", required=True)
+    ask.add_argument("--rates", default=",".join(str(r) for r in range(2, 50, 2)))
+    ask.add_argument("--num-prompts", type=int, default=64)
+    ask.add_argument("--image-count", type=int, default=4)
+    ask.add_argument("--image-resolution", default="448x448")
+    ask.add_argument("--goodput", nargs="+", default=["ttft:300", "tpot:30"], metavar="NAME:MS")
+    ask.add_argument("--spread", type=float, default=0.15, help="± share the device costs are scaled by")
+    ask.add_argument("--out", required=True, help="folder: whatifs.csv (per rate), capacity.csv, inputs.json")
     cmp = sub.add_parser("compare", help="relative error of a predicted sweep against a measured one")
     cmp.add_argument("predicted")
     cmp.add_argument("measured")
-    cmp.add_argument("--json", default=None, help="also write the table here")
+    cmp.add_argument("--csv", default=None, help="also write the table here")
     args = ap.parse_args(argv)
     if args.what == "calibrate":
         points, input_len = _points(args.sources)
@@ -128,8 +143,22 @@ def main(argv: list[str] | None = None) -> int:
                               input_len=args.random_input_len, output_len=args.random_output_len, random_mm=mm)
         print(table.to_string(index=False))
         return 0
+    if args.what == "ask":
+        c = Calibration.load(args.calibration)
+        rates = [float(r) for r in args.rates.split(",")]
+        slos = parse_goodput(args.goodput)
+        per_rate, summary = answer(c, WHATIFS, rates, slos, num_prompts=args.num_prompts, spread=args.spread,
+                                   image_count=args.image_count, image_resolution=args.image_resolution)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        per_rate.drop(columns="assumes").round(3).to_csv(out / "whatifs.csv", index=False)  # assumes: capacity.csv
+        summary.to_csv(out / "capacity.csv", index=False)
+        inputs = {k: v for k, v in vars(args).items() if k not in ("what", "out")} | {"commit": commit()}
+        (out / "inputs.json").write_text(json.dumps(inputs, indent=1) + "\n")
+        print(summary.drop(columns="assumes").to_string(index=False))
+        return 0
     table = compare(args.predicted, args.measured)
-    if args.json:
-        Path(args.json).write_text(table.to_json(orient="records", indent=1) + "\n")
+    if args.csv:
+        table.round(4).to_csv(args.csv, index=False)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     return 0

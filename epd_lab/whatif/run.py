@@ -125,7 +125,7 @@ def tune_slots(cal: Calibration, sweeps: Sequence[str | Path], grid: Sequence[fl
     best predicts the recorded sweeps (folders with ``sweep.json`` and ``rates.csv``): the least mean absolute log
     error of TTFT p50 and goodput over their points. For a host whose cores the roles, the client and other work
     share, where the nominal core count overstates what the servers get."""
-    grid = grid or [round(1 + 0.1 * i, 1) for i in range(11)]
+    grid = grid or [round(0.5 + 0.1 * i, 1) for i in range(16)]  # 0.5 (a host others load too) to 2 cores
     best, best_err = cal.device_slots, math.inf
     for slots in grid:
         trial = replace(cal, device_slots=slots)
