@@ -74,12 +74,14 @@ class Counters:
 @dataclasses.dataclass(slots=True)
 class Lookup:
     """One part's L3 lookup: per item, its prefetch (None: not asked of L3, or not there); `t_start_ns`: when
-    the lookup began (the ``store_get`` span's start)."""
+    the lookup began (the ``store_get`` span's start); `found_all`: every item was in L1, L2 or L3 (the part
+    should need no ViT, unless a prefetch fails)."""
 
     keys: list[str]
     prefetches: list[concurrent.futures.Future | None]
     deadline: float  # monotonic seconds: a prefetch not done by then is a fallback
     t_start_ns: int
+    found_all: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,9 +126,9 @@ class GlobalEmbeddingCache:
         t0 = time.monotonic_ns()
         prefetches: list[concurrent.futures.Future | None] = [None] * len(keys)
         deadline = time.monotonic() + self.timeout
-        if self.store is None:
-            return Lookup(list(keys), prefetches, deadline, t0)
         asked = [i for i, key in enumerate(keys) if key not in self.l1 and key not in self.l2]
+        if self.store is None:
+            return Lookup(list(keys), prefetches, deadline, t0, not asked)
         if asked:
             found = self.store.exists([keys[i] for i in asked])
             if None in found:
@@ -135,7 +137,7 @@ class GlobalEmbeddingCache:
             for i, there in zip(asked, found):
                 if there:
                     prefetches[i] = self.store.submit(self._prefetch, keys[i], tuple(shapes[i]), dtype)
-        return Lookup(list(keys), prefetches, deadline, t0)
+        return Lookup(list(keys), prefetches, deadline, t0, all(prefetches[i] is not None for i in asked))
 
     def _prefetch(self, key: str, shape: tuple[int, ...],
                   dtype: torch.dtype) -> tuple[torch.Tensor | None, int, float]:

@@ -372,7 +372,9 @@ class MMEncoder:
         When no other ViT runs or waits, the items' decoding starts in the decoder thread before they are hashed
         (a 448² PNG's sha256 is 0.35 ms, its decode 2-3 ms, both outside the GIL): a miss then waits for the
         longer of the two, not their sum. A cached item's decode is dropped unused (cancelled if not started).
-        Busy, the worker decodes only what misses, as the ViT's turn comes."""
+        Busy, the worker decodes only what misses, as the ViT's turn comes; a part whose every item the cache
+        levels hold (L3: found by the lookup) is assembled here at once, never queued behind another part's ViT
+        (should a prefetch fail, its item waits for the ViT here)."""
         loop = asyncio.get_running_loop()
         read: asyncio.Future = loop.create_future()
 
@@ -393,7 +395,11 @@ class MMEncoder:
                     item.decoded = self.decoder.submit(_timed_decode, item)
             lookup = self._hash(items, spans)
             args = (vit, req.req_id, req.part_idx, items, spans, lookup)
-            self._run_vit_into(*args) if idle else self.worker.submit(self._run_vit_into, *args)
+            # a part the cache levels answer whole needs no ViT: it runs here, never behind another part's ViT
+            if idle or (lookup is not None and lookup.found_all):
+                self._run_vit_into(*args)
+            else:
+                self.worker.submit(self._run_vit_into, *args)
 
         loop.run_in_executor(None, run)
         return await read
@@ -412,7 +418,7 @@ class MMEncoder:
         # a CUDA device is current per thread: this one may never have had the role's made current
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
-            with self._vit_running, on_device:
+            with on_device:
                 result = self._run_vit(*args)
         except BaseException as exc:
             vit.set_exception(exc)
@@ -477,12 +483,13 @@ class MMEncoder:
 
     def _run_vit(self, req_id: str, part_idx: int, items: list[_Item], spans: list[Span],
                  lookup: Lookup | None) -> tuple[torch.Tensor, list[Span]]:
-        """In one ViT thread at a time (`_run_vit_into`): the embedding of all items, from the cache levels where
-        possible (`GlobalEmbeddingCache.collect`: L1, L2, then L3's prefetches), else decoded (only what no level
-        gave goes to the ViT; a decode started beside the hash of an item found cached is dropped) and encoded;
-        with the spans so far (`intake`, `load`), then ``store_get`` when any item came from L3 (from the lookup to
-        the embedding assembled), ``decode`` when anything was decoded, and ``vit`` when the ViT ran (or, with no
-        item from L3, the assembly of cached items). An image that does not decode raises `MediaError`."""
+        """In the thread that read the part or the ViT worker (`_run_vit_into`): the embedding of all items, from
+        the cache levels where possible (`GlobalEmbeddingCache.collect`: L1, L2, then L3's prefetches), else
+        decoded and encoded (only what no level gave goes to the ViT, one ViT at a time whichever thread runs it;
+        a decode started beside the hash of an item found cached is dropped); with the spans so far (`intake`,
+        `load`), then ``store_get`` when any item came from L3 (from the lookup to the embedding assembled),
+        ``decode`` when anything was decoded, and ``vit`` when the ViT ran (or, with no item from L3, the assembly
+        of cached items). An image that does not decode raises `MediaError`."""
         spans = list(spans)
         found = (self.global_cache.collect(lookup) if lookup is not None
                  else Found([None] * len(items), [None] * len(items)))
@@ -492,29 +499,21 @@ class MMEncoder:
             if piece is not None and item.decoded is not None:
                 item.decoded.cancel()  # cached: its decode is not needed (one already running ends unused)
         t0 = time.monotonic_ns()
-        if missing:
-            images, t0 = _decode_items([items[i] for i in missing])
-            t_decoded = time.monotonic_ns()
-            spans.append(Span(req_id, part_idx, "decode", self.recorder.node, t0, t_decoded,
-                              sum(img.width * img.height * 3 for img in images)))
-            t0 = t_decoded
-            with torch.inference_mode():
-                if self.tp_group is None:
-                    emb = self.runtime.encode(*models.preprocess(images, self.device))
-                else:  # every rank runs its shard; the other ranks' vit spans join this part's
-                    emb, rank_spans = self.tp_group.encode(*models.preprocess(images, self.device), req_id, part_idx)
-                    spans.extend(rank_spans)
-            counts = [models.num_image_tokens(img.size) for img in images]
-            if sum(counts) != emb.shape[0]:
-                raise RuntimeError(f"the ViT gave {emb.shape[0]} tokens, the image sizes say {sum(counts)}")
-            for i, piece in zip(missing, emb.to(self.dtype).split(counts)):
-                pieces[i] = piece.clone()  # its own storage, so the cache accounts exactly its bytes
-                if lookup is not None:
-                    self.global_cache.insert(items[i].key, pieces[i], partial(self._put_span, req_id, part_idx))
-        # a fresh tensor, owned by this request: it is registered and sent, the cache's pieces never are
-        embedding = torch.cat(pieces)
-        synchronize(self.device)  # the span ends when the ViT did, and the engine's copy reads finished bytes
-        t_end = time.monotonic_ns()
+        # one ViT at a time, whichever thread runs it, from the decode to the embedding in hand
+        with self._vit_running if missing else contextlib.nullcontext():
+            if missing:
+                emb, images, t0 = self._decode_and_encode(req_id, part_idx, [items[i] for i in missing], spans)
+                counts = [models.num_image_tokens(img.size) for img in images]
+                if sum(counts) != emb.shape[0]:
+                    raise RuntimeError(f"the ViT gave {emb.shape[0]} tokens, the image sizes say {sum(counts)}")
+                for i, piece in zip(missing, emb.to(self.dtype).split(counts)):
+                    pieces[i] = piece.clone()  # its own storage, so the cache accounts exactly its bytes
+                    if lookup is not None:
+                        self.global_cache.insert(items[i].key, pieces[i], partial(self._put_span, req_id, part_idx))
+            # a fresh tensor, owned by this request: it is registered and sent, the cache's pieces never are
+            embedding = torch.cat(pieces)
+            synchronize(self.device)  # the span ends when the ViT did, and the engine's copy reads finished bytes
+            t_end = time.monotonic_ns()
         if "l3" in found.levels:  # a hit shows as store_get: from the lookup to the embedding assembled
             spans.append(Span(req_id, part_idx, "store_get", self.recorder.node, lookup.t_start_ns, t_end,
                               found.l3_bytes))
@@ -693,6 +692,22 @@ class MMEncoder:
         if self.recorder.enabled:
             spans.append(span)
         return path
+
+    def _decode_and_encode(self, req_id: str, part_idx: int, items: list[_Item],
+                           spans: list[Span]) -> tuple[torch.Tensor, list[Image.Image], int]:
+        """Holding the ViT: decode `items` (a ``decode`` span into `spans`) and run the ViT on them (with TP ranks:
+        every rank, their ``vit`` spans into `spans`); the embedding, the images and when the ViT began."""
+        images, t0 = _decode_items(items)
+        t_decoded = time.monotonic_ns()
+        spans.append(Span(req_id, part_idx, "decode", self.recorder.node, t0, t_decoded,
+                          sum(img.width * img.height * 3 for img in images)))
+        with torch.inference_mode():
+            if self.tp_group is None:
+                emb = self.runtime.encode(*models.preprocess(images, self.device))
+            else:  # every rank runs its shard; the other ranks' vit spans join this part's
+                emb, rank_spans = self.tp_group.encode(*models.preprocess(images, self.device), req_id, part_idx)
+                spans.extend(rank_spans)
+        return emb, images, t_decoded
 
     def _put_span(self, req_id: str, part_idx: int, t_start_ns: int, t_end_ns: int, nbytes: int) -> None:
         """An L3 put done (in the background, after the part was sent): its ``store_put`` span, in this encoder's
