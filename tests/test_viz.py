@@ -281,10 +281,13 @@ def test_sweep_heatmap_and_lines_aggregate_the_rows():
     assert heat.data[0].z.tolist() == [[20.0, 6.0], [40.0, 12.0]] and heat.data[0].text.tolist() == [[3, 3], [1, 1]]
     assert list(heat.data[0].x) == ["1", "2"] and list(heat.data[0].y) == ["1", "2"]
     assert sweep_heatmap(table, "encoders", "images", "ttft_ms", agg="max").data[0].z.tolist()[0] == [30.0, 7.0]
+    assert [list(row) for row in heat.data[0].customdata] == [["10–30", "5–7"], ["", ""]]  # spread of several rows
+    assert heat.layout.xaxis.type == "category" and heat.layout.yaxis.type == "category"
     lines = sweep_lines(table, x="encoders", value="ttft_ms", color="images")
     one = lines.data[0]
     assert [t.name for t in lines.data] == ["1", "2"] and list(one.x) == [1, 2] and list(one.y) == [20.0, 6.0]
     assert list(one.error_y.array) == [10.0, 1.0] and list(one.error_y.arrayminus) == [10.0, 1.0]
+    assert list(lines.layout.xaxis.tickvals) == [1, 2]  # the swept values, not a linear scale's ticks
     with pytest.raises(ValueError, match="unknown agg"):
         sweep_lines(table, "encoders", "ttft_ms", agg="mode")
 

@@ -32,15 +32,22 @@ def _check_columns(table: pd.DataFrame, *columns: str | None) -> None:
 
 def sweep_heatmap(table: pd.DataFrame, x: str, y: str, value: str, agg: str = "median",
                   fmt: str = ".3g") -> go.Figure:
-    """`agg` of `value` over the grid of `x` × `y`, each cell labelled with its number (empty where no row)."""
+    """`agg` of `value` over the grid of `x` × `y` (both axes discrete: the swept values only), each cell labelled
+    with its number (empty where no row); a cell of several rows shows their spread, smallest to largest, under it
+    and in its hover."""
     _check_columns(table, x, y, value)
-    grid = _aggregate(table.groupby([y, x])[value], agg).unstack(x).sort_index().sort_index(axis=1)
-    counts = table.groupby([y, x])[value].count().unstack(x).reindex_like(grid)
+    groups = table.groupby([y, x])[value]
+    grid = _aggregate(groups, agg).unstack(x).sort_index().sort_index(axis=1)
+    counts = groups.count().unstack(x).reindex_like(grid)
+    lo, hi = groups.min().unstack(x).reindex_like(grid), groups.max().unstack(x).reindex_like(grid)
+    spread = [[f"{a:{fmt}}–{b:{fmt}}" if n > 1 else "" for a, b, n in zip(row_lo, row_hi, row_n)]
+              for row_lo, row_hi, row_n in zip(lo.to_numpy(), hi.to_numpy(), counts.fillna(0).to_numpy())]
     fig = go.Figure(go.Heatmap(
         z=grid.to_numpy(), x=[str(v) for v in grid.columns], y=[str(v) for v in grid.index],
-        text=counts.fillna(0).astype(int).to_numpy(), texttemplate=f"%{{z:{fmt}}}", colorscale="Viridis",
-        colorbar_title=value, hovertemplate=f"{x}=%{{x}}<br>{y}=%{{y}}<br>{agg} {value}=%{{z:{fmt}}}"
-                                            "<br>%{text} rows<extra></extra>",
+        text=counts.fillna(0).astype(int).to_numpy(), customdata=spread,
+        texttemplate=f"%{{z:{fmt}}}<br>%{{customdata}}", colorscale="Viridis", colorbar_title=value,
+        hovertemplate=f"{x}=%{{x}}<br>{y}=%{{y}}<br>{agg} {value}=%{{z:{fmt}}}"
+                      "<br>%{text} rows, %{customdata}<extra></extra>",
     ))
     fig.update_layout(title=f"{agg} {value} by {x} and {y}", xaxis=dict(title=x, type="category"),
                       yaxis=dict(title=y, type="category"))
@@ -65,7 +72,9 @@ def sweep_lines(table: pd.DataFrame, x: str, value: str, color: str | None = Non
             customdata=by_x.count().to_numpy(),
             hovertemplate=f"{x}=%{{x}}<br>{agg} {value}=%{{y:.3g}}<br>%{{customdata}} rows<extra></extra>",
         ))
+    swept = sorted(table[x].dropna().unique())
+    ticks = swept if len(swept) <= 12 else None  # a swept parameter's axis names its values, not a linear scale's
     fig.update_layout(title=f"{agg} {value} by {x}" + (f", per {color}" if color else ""), legend_title=color,
-                      xaxis=dict(title=x, type="log" if log_x else None),
+                      xaxis=dict(title=x, type="log" if log_x else None, tickvals=ticks),
                       yaxis=dict(title=value, type="log" if log_y else None))
     return fig
