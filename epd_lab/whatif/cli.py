@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="epd-lab whatif", description=" ".join(__doc__.split("\n\n")[0].split()),
                                  allow_abbrev=False)
     sub = ap.add_subparsers(dest="what", required=True)
-    cal = sub.add_parser("calibrate", help="fit a calibration JSON from bench serve / sweep rates results")
+    cal = sub.add_parser("calibrate", allow_abbrev=False,
+                         help="fit a calibration JSON from bench serve / sweep rates results")
     cal.add_argument("sources", nargs="+", help="sweep folders (their */rate-*.json) or result JSONs")
     cal.add_argument("--machine", required=True, help="the calibration's name, e.g. h200-qwen2-vl-2b")
     cal.add_argument("--device-slots", type=float, default=1, help="stages one device runs at once (GPU 1, CPU cores)")
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--embed-bytes-per-token", type=int, default=None)
     cal.add_argument("--kv-bytes-per-token", type=int, default=None)
     cal.add_argument("--out", required=True)
-    run = sub.add_parser("run", help="predict sweep rates (same workload arguments, same result keys)")
+    run = sub.add_parser("run", allow_abbrev=False,
+                         help="predict sweep rates (same workload arguments, same result keys)")
     run.add_argument("--calibration", required=True)
     run.add_argument("--topologies", default="monolithic,1e1p1d,2e1p1d")
     run.add_argument("--rates", required=True, help="requests/s, comma-separated")
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--pd-link", default=None, metavar="MS[:GBPS]", help="P→D link (default: the calibration's)")
     run.add_argument("--encoder-tp", type=int, default=1)
     run.add_argument("--out", required=True)
-    ask = sub.add_parser("ask", help="the what-ifs (equal GPUs, encoders per prefill, RDMA, TP) with error bars")
+    ask = sub.add_parser("ask", allow_abbrev=False,
+                         help="the what-ifs (equal GPUs, encoders per prefill, RDMA, TP) with error bars")
     ask.add_argument("--calibration", required=True)
     ask.add_argument("--rates", default=",".join(str(r) for r in range(2, 50, 2)))
     ask.add_argument("--num-prompts", type=int, default=64)
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--goodput", nargs="+", default=["ttft:300", "tpot:30"], metavar="NAME:MS")
     ask.add_argument("--spread", type=float, default=0.15, help="± share the device costs are scaled by")
     ask.add_argument("--out", required=True, help="folder: whatifs.csv (per rate), capacity.csv, inputs.json")
-    cmp = sub.add_parser("compare", help="relative error of a predicted sweep against a measured one")
+    cmp = sub.add_parser("compare", allow_abbrev=False,
+                         help="relative error of a predicted sweep against a measured one")
     cmp.add_argument("predicted")
     cmp.add_argument("measured")
     cmp.add_argument("--csv", default=None, help="also write the table here")
