@@ -1,7 +1,8 @@
 """The global embedding cache against a real ``mooncake_master`` and real encoder processes (no mock of the store).
 
-1. The object format and the keys, in-process: an object round-trips; a changed, truncated or foreign one is
-   refused; one model's encoders share keys, two models or two preprocessings never do.
+1. The object format, the keys and L2, in-process: an object round-trips; a changed, truncated or foreign one
+   is refused; one model's encoders share keys, two models or two preprocessings never do; L2 keeps what L1
+   evicted.
 2. The master and the client, in-process: OS ports and no process left; the store full evicts and never fails a
    put; an unreachable master is refused within the probe's timeout; an object changed in the store is refused by
    the digest check and counted (the caller runs the ViT).
@@ -82,6 +83,22 @@ def test_keys_are_shared_by_one_model_and_never_by_two() -> None:
               embedding_key("ab" * 32, "/models/Qwen2-VL-2B", "bfloat16", {**PRE, "merge": 4}, {"hidden_size": 1280}),
               embedding_key("ab" * 32, "/models/Qwen2-VL-2B", "bfloat16", PRE, {"hidden_size": 640})]
     assert len({key, *others}) == 6
+
+
+def test_l2_keeps_what_l1_evicted_and_gives_it_back_to_l1() -> None:
+    """L1 holds one embedding, L2 three: the first of two is evicted from L1, found in L2 (counted there), and kept
+    in L1 again; with no L3 a miss in both is the ViT's (no prefetch)."""
+    emb = {k: torch.full((4, 8), float(i)) for i, k in enumerate(("a", "b"))}
+    cache = GlobalEmbeddingCache(EmbeddingCache(emb["a"].nbytes), 3 * emb["a"].nbytes, None, torch.device("cpu"), 1.0)
+    for key, tensor in emb.items():
+        cache.insert(key, tensor)
+    assert "a" not in cache.l1 and "a" in cache.l2 and "b" in cache.l1
+    lookup = cache.lookup(["a", "c"], [(4, 8), (4, 8)], torch.float32)
+    assert lookup.prefetches == [None, None] and not lookup.found_all
+    found = cache.collect(lookup)
+    assert found.levels == ["l2", None] and torch.equal(found.pieces[0], emb["a"])
+    assert "a" in cache.l1 and (cache.l2.hits, cache.l2.misses) == (1, 1)
+    assert cache.lookup(["a", "b"], [(4, 8)] * 2, torch.float32).found_all
 
 
 # ---- 2. master and client in-process ----
