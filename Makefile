@@ -8,13 +8,18 @@ NATIVE := $(filter-out native/_native.c native/_verbs.c,$(NATIVE))
 JUPYTER_ENV := JUPYTER_CONFIG_DIR=$(CURDIR)/.jupyter/config JUPYTER_DATA_DIR=$(CURDIR)/.jupyter/data \
 	JUPYTER_RUNTIME_DIR=$(CURDIR)/.jupyter/runtime IPYTHONDIR=$(CURDIR)/.jupyter/ipython
 
-.PHONY: demo test bench build lab notebooks clean
+.PHONY: demo test test-quick bench build lab notebooks clean
 
 demo: build
 	$(BIN)/epd-lab demo
 
+# Every test and notebook (CI's command). test-quick leaves out those marked slow (clusters of processes, the
+# browser, campaign and fuzz legs, the notebooks): a few minutes on 2 vCPUs, for the loop of editing (docs/testing.md).
 test: build
 	EPD_ARTIFACTS=$(CURDIR)/.artifacts $(BIN)/python -m pytest -q
+
+test-quick: build
+	EPD_ARTIFACTS=$(CURDIR)/.artifacts $(BIN)/python -m pytest -q -m "not slow"
 
 # JupyterLab on loopback, with Jupyter's config, data and runtime dirs inside the project (.jupyter/); as root
 # too. The command line is scripts/lab.sh, which the tests run.

@@ -1,4 +1,5 @@
-"""Shared fixtures: peer engines in real child processes on loopback, and engines in this process."""
+"""Shared fixtures: peer engines in real child processes on loopback, engines in this process, one torch thread, the
+tiny model; and which tests are slow (``-m "not slow"``: `make test-quick`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -43,3 +44,43 @@ def one_thread():
     configure_torch(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny Qwen2-VL as every role loads it, after configure_torch(1) as every role runs (bit-identical
+    tokens and logits across processes); the thread count is restored after the module."""
+    import torch
+
+    from epd_lab.models import configure_torch, load_model
+
+    before = torch.get_num_threads()
+    configure_torch(1)
+    yield load_model()
+    torch.set_num_threads(before)
+
+
+# Modules whose tests start clusters of server processes, a browser, a campaign leg or a fuzz leg (tens of seconds
+# to minutes each on 2 vCPUs). Marked slow: `make test-quick` (`pytest -m "not slow"`) leaves them out, `make test`
+# runs everything. So are the notebooks (nbval runs each whole).
+SLOW_MODULES = {
+    "test_bench_e2e_device.py", "test_bench_serve.py", "test_bounds.py", "test_browser.py", "test_campaign.py",
+    "test_cli_first_hour.py", "test_demo.py", "test_e2e.py", "test_epd.py", "test_failures.py", "test_faults.py",
+    "test_floor.py", "test_front.py", "test_fuzz.py", "test_global_cache.py", "test_global_cache_ray.py",
+    "test_gpu_roles.py", "test_kv_deadline.py", "test_layout.py", "test_links.py", "test_overload.py", "test_pd.py",
+    "test_ray.py", "test_ray_netns.py", "test_secret.py", "test_serving.py", "test_supervisor.py", "test_sweep.py",
+    "test_tp.py", "test_tp_encoder.py", "test_tp_servers.py", "test_trace.py", "test_xpyd.py",
+}
+# Single slow tests in otherwise quick modules (the Triton kernels run in Triton's CPU interpreter: 10-20 s each).
+SLOW_TESTS = {
+    "test_runtime.py::test_the_vision_tower_on_triton_kernels_equals_torch_ops_in_the_interpreter",
+    "test_runtime.py::test_the_model_on_triton_kernels_equals_torch_ops_in_the_interpreter",
+    "test_runtime.py::test_triton_kernels_match_the_torch_ops_in_the_interpreter",
+}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if (item.path.name in SLOW_MODULES or item.path.suffix == ".ipynb"
+                or f"{item.path.name}::{item.originalname}" in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)

@@ -1,11 +1,12 @@
-"""Helpers shared by the tests: a free loopback port, a polling wait, a child's next line, a frozen process, a
-circle in a graph.
+"""Helpers shared by the tests: a free loopback port, a polling wait, a child's next line, a process's state (alive,
+frozen), a circle in a graph, a /metrics sample, one chat through an OpenAI-compatible endpoint.
 
-Random-noise test images come from `epd_lab.noise`; the `one_thread` fixture lives in ``conftest.py``.
+Random-noise test images come from `epd_lab.noise`; the `one_thread` and `model` fixtures live in ``conftest.py``.
 """
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import socket
@@ -47,6 +48,64 @@ def proc_state(pid: int) -> str:
     """The process's state letter in ``/proc/<pid>/stat`` (``T`` stopped, ``Z`` a zombie, ...)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def alive(pid: int, started: str | None = None) -> bool:
+    """Whether process `pid` exists and is not a zombie; with `started` (field 22 of its ``/proc/<pid>/stat``, its
+    start time), also that it is still the process that started then, not a later one given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and (started is None or fields[19] == started)
+
+
+def metrics(url: str, **get: Any) -> str:
+    """The Prometheus text of `url`'s ``/metrics`` (`get`: httpx.get's options, e.g. headers)."""
+    import httpx
+
+    get.setdefault("timeout", 10)
+    return httpx.get(url + "/metrics", **get).text
+
+
+def metric_samples(text: str, name: str) -> dict[str, float]:
+    """The samples of metric `name` in a Prometheus text by their labels (``'path="tcp"'``; ``''`` unlabelled)."""
+    pattern = rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$"
+    return {m[1] or "": float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
+
+
+_ABSENT = object()
+
+
+def metric(text: str, sample: str, default: Any = _ABSENT) -> Any:
+    """The value of one sample, named with its labels as the text writes them (``epd_proxy_requests_total{...}``);
+    `default` when absent, else an AssertionError."""
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head == sample:
+            return float(value)
+    if default is _ABSENT:
+        raise AssertionError(f"no sample {sample} in the metrics")
+    return default
+
+
+def chat(url: str, messages: list[dict[str, Any]], max_tokens: int, stream: bool = False, timeout: float = 60,
+         **options: Any) -> tuple[str, str]:
+    """(response id, text) of one chat request to the OpenAI-compatible server at `url` (greedy unless `options`
+    say otherwise: temperature, seed), whole or streamed."""
+    import openai
+
+    from epd_lab.servers.openai_api import MODEL_ID
+
+    options.setdefault("temperature", 0)
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout) as client:
+        kwargs = dict(model=MODEL_ID, messages=messages, max_tokens=max_tokens, **options)
+        if not stream:
+            reply = client.chat.completions.create(**kwargs)
+            return reply.id, reply.choices[0].message.content
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        return chunks[0].id, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def freeze(pid: int) -> None:

@@ -8,14 +8,7 @@ import time
 import pytest
 
 from epd_lab.bench.awake import cpus_awake
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from helpers import alive
 
 
 def test_one_spinner_per_cpu_pinned_at_sched_idle_and_reaped_after():
@@ -25,8 +18,8 @@ def test_one_spinner_per_cpu_pinned_at_sched_idle_and_reaped_after():
         for cpu, pid in spinners.items():
             assert os.sched_getscheduler(pid) == os.SCHED_IDLE
             assert os.sched_getaffinity(pid) == {cpu}
-            assert _alive(pid)
-    assert not any(_alive(pid) for pid in spinners.values())
+            assert alive(pid)
+    assert not any(alive(pid) for pid in spinners.values())
 
 
 def test_a_subset_of_cpus_and_a_raising_block_leave_no_spinner():
@@ -35,7 +28,7 @@ def test_a_subset_of_cpus_and_a_raising_block_leave_no_spinner():
         with cpus_awake({cpu}) as spinners:
             assert list(spinners) == [cpu]
             raise RuntimeError("boom")
-    assert not _alive(spinners[cpu])
+    assert not alive(spinners[cpu])
 
 
 def test_spinners_exit_by_themselves_when_their_parent_is_killed():
@@ -45,13 +38,13 @@ def test_spinners_exit_by_themselves_when_their_parent_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert pids and all(_alive(pid) for pid in pids)
+        assert pids and all(alive(pid) for pid in pids)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
     finally:
         parent.kill()
         parent.wait()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from epd_lab.sweep import JUPYTER_DIRS
-from helpers import free_port, wait_for
+from helpers import alive, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "01_epd_protocol_step_by_step.ipynb"
@@ -60,14 +60,6 @@ def _descendants(pid: int) -> set[tuple[int, str]]:
             found.add(child)
             todo.append(child[0])
     return found
-
-
-def _alive(proc: tuple[int, str]) -> bool:
-    try:
-        fields = Path(f"/proc/{proc[0]}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[19] == proc[1] and fields[0] != "Z"
 
 
 def _api(base: str, token: str, path: str, method: str = "GET"):
@@ -135,9 +127,9 @@ def _stop(server: subprocess.Popen, base: str | None, token: str) -> None:
         except subprocess.TimeoutExpired:
             continue
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in below) and time.monotonic() < deadline:
+    while any(alive(*p) for p in below) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [p for p in below if _alive(p)]
+    left = [p for p in below if alive(*p)]
     for pid, _ in left:  # do not leave them to the next test, then fail
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes left behind by JupyterLab's kernel: {[pid for pid, _ in left]}"
@@ -194,8 +186,13 @@ def _check_outputs(page) -> None:
     assert not errors, "\n\n".join(errors)
     prompts = _prompts(page)
     assert all(re.fullmatch(r"\[\d+\]:", p) for p in prompts), f"cells that did not run: {prompts}"
-    # the waterfall and the panel's FigureWidget: plotly drew them, with bars
-    assert page.locator(".jp-Notebook .js-plotly-plot .plot-container").count() >= 2
+    # the waterfall and the panel's FigureWidget: plotly drew them, with bars. A figure whose output carries its
+    # PNG too (static_pngs) shows the PNG until the pointer comes over it, then plotly draws it
+    assert page.locator(".jp-Notebook .jp-RenderedPlotly img.plot-img").count() >= 1
+    for figure in page.locator(".jp-Notebook .jp-RenderedPlotly").all():
+        figure.hover()
+    wait_for(lambda: page.locator(".jp-Notebook .js-plotly-plot .plot-container").count() >= 2, 30,
+             "plotly drew the waterfall and the panel's figure")
     assert page.locator(".jp-Notebook .js-plotly-plot .barlayer .point path").count() > 0
     # the panel's widgets, with its request's status
     assert page.locator(".jp-Notebook .jupyter-widgets").count() > 0

@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import configure_torch, load_model
 from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
@@ -22,12 +21,6 @@ MAX_TOKENS = 16
 def cluster():
     with Cluster(Topology(encoders=2, prefills=1, decodes=1, proxy=True, timeout=20)) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def model():
-    configure_torch()
-    return load_model()
 
 
 @pytest.mark.parametrize("n_images", [0, 1, 3])

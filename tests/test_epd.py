@@ -49,7 +49,7 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model, preprocess
 from epd_lab.noise import noise_images
 from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE
-from helpers import freeze, wait_for
+from helpers import alive, freeze, wait_for
 
 # the first test of a cluster waits for it to boot (tens of s on 2 cores); bit-identity across processes needs
 # equal thread counts: the encoders run configure_torch() too
@@ -779,20 +779,12 @@ def test_encoders_die_with_a_killed_driver():
         assert pids and all(os.path.exists(f"/proc/{p}") for p in pids)
         driver.kill()
         driver.wait()
-        wait_for(lambda: not any(_alive(p) for p in pids), 10, f"encoders {pids} gone with their killed driver")
+        wait_for(lambda: not any(alive(p) for p in pids), 10, f"encoders {pids} gone with their killed driver")
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
         driver.stdout.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_mooncake_backend_over_the_real_mooncake_engine(tmp_path):

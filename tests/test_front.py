@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate
+from epd_lab.models import build_input_ids, monolithic_generate
 from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
@@ -18,30 +18,16 @@ from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import completion_prompt, detokenize
 from epd_lab.serving import from_argv
+from helpers import chat
 
 MAX_TOKENS = 8
 CHAT_OK = re.compile(r'^epd_monolithic_requests_total\{route="/v1/chat/completions",status="200"\} (\d+)$', re.M)
-
-
-@pytest.fixture(scope="module")
-def model():
-    configure_torch()
-    return load_model()
 
 
 def _messages(n_images: int, seed: int) -> list[dict]:
     content = [{"type": "image_url", "image_url": {"url": data_uri(random_png(seed + i, (96, 128)))}}
                for i in range(n_images)] + [{"type": "text", "text": f"what do you see? ({seed})"}]
     return [{"role": "user", "content": content}]
-
-
-def _chat(url: str, messages: list[dict], stream: bool) -> str:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    kwargs = dict(model=MODEL_ID, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-    if stream:
-        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
-                       if c.choices)
-    return client.chat.completions.create(**kwargs).choices[0].message.content
 
 
 def _chats_served(url: str) -> int:
@@ -56,7 +42,7 @@ def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
         cases = [(n, stream, 10 * i) for i, (n, stream) in enumerate((n, s) for n in (0, 1, 2) for s in (False, True))]
         for n_images, stream, seed in cases:
             messages = _messages(n_images, seed)
-            assert _chat(cluster.proxy_url, messages, stream) == monolithic_chat(model, messages, MAX_TOKENS), \
+            assert chat(cluster.proxy_url, messages, MAX_TOKENS, stream)[1] == monolithic_chat(model, messages, MAX_TOKENS), \
                 (n_images, stream)
         served = [_chats_served(url) for url in cluster.monolithic_urls]
         assert served == [3, 3]  # round-robin: every other request
@@ -81,7 +67,7 @@ def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
         not_png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm9wZQ=="}}
         bad = [{"role": "user", "content": [not_png, {"type": "text", "text": "hi"}]}]
         with pytest.raises(openai.BadRequestError):
-            _chat(cluster.proxy_url, bad, False)
+            chat(cluster.proxy_url, bad, MAX_TOKENS, False)[1]
 
 
 def test_a_killed_replica_is_skipped_and_none_left_is_a_503(model):
@@ -91,7 +77,7 @@ def test_a_killed_replica_is_skipped_and_none_left_is_a_503(model):
         victim.wait(timeout=10)
         for i, stream in enumerate((False, True, False)):
             messages = _messages(1, 100 + i)
-            assert _chat(cluster.proxy_url, messages, stream) == monolithic_chat(model, messages, MAX_TOKENS)
+            assert chat(cluster.proxy_url, messages, MAX_TOKENS, stream)[1] == monolithic_chat(model, messages, MAX_TOKENS)
         assert _chats_served(cluster.monolithic_urls[1]) == 3
         survivor = cluster.procs[1]
         survivor.kill()

@@ -11,7 +11,6 @@ import contextlib
 import re
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -23,11 +22,10 @@ from epd_lab.models import configure_torch, open_model
 from epd_lab.models.runtime import open_runtime
 from epd_lab.servers.decode import DecodeSettings
 from epd_lab.servers.encoder import EncoderSettings
-from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.serving import from_argv, to_argv
-from helpers import wait_for
+from helpers import chat, metric, metrics, wait_for
 
 HAS_GPU = torch.cuda.is_available()
 cuda = pytest.mark.cuda
@@ -128,22 +126,6 @@ def reference(gpu_model):
         yield ref
 
 
-def _chat(cluster: Cluster, messages: list, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> str:
-    client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
-    chunks = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens,
-                                            temperature=temperature, seed=seed, stream=True)
-    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-
-def _metric(url: str, name: str) -> float:
-    """A `/metrics` sample's value (the unlabelled one): `name` without the role's ``epd_<role>_`` prefix."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    values = [float(line.split()[-1]) for line in text.splitlines()
-              if line.startswith("epd_") and line.split(" ")[0].split("_", 2)[-1] == name]
-    assert len(values) == 1, f"{url}/metrics has {len(values)} samples named {name}"
-    return values[0]
-
-
 @cuda
 @needs_gpu
 @pytest.mark.timeout(600)
@@ -164,12 +146,12 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(reference, recv_b
             content = [{"type": "image_url", "image_url": {"url": image_uri(seed * 10 + i, 224)}}
                        for i in range(n_images)] + [{"type": "text", "text": "what do you see?"}]
             messages = [{"role": "user", "content": content}]
-            assert _chat(cluster, messages, 12) == reference(messages, 12)
+            assert chat(cluster.proxy_url, messages, 12, stream=True, timeout=120)[1] == reference(messages, 12)
         # a seeded draw: token 0 on the prefill's GPU, the rest on decode's, as the monolithic use draws them
-        assert _chat(cluster, messages, 12, 1.0, 11) == reference(messages, 12, 1.0, 11)
+        assert chat(cluster.proxy_url, messages, 12, stream=True, timeout=120, temperature=1.0, seed=11)[1] == reference(messages, 12, 1.0, 11)
         # the KV went GPU to GPU; the embeddings too into a GPU buffer, else through pinned staging
-        assert _metric(cluster.prefill_urls[0], "engine_cuda_writes_out_total") > 0
-        encoders = {name: sum(_metric(url, name) for url in cluster.encoder_urls)
+        assert metric(metrics(cluster.prefill_urls[0]), "epd_prefill_engine_cuda_writes_out_total") > 0
+        encoders = {name: sum(metric(metrics(url), f"epd_encoder_{name}") for url in cluster.encoder_urls)
                     for name in ("engine_cuda_writes_out_total", "engine_cuda_staged_bytes_total")}
         assert (encoders["engine_cuda_writes_out_total"] > 0) == (recv_buffer == "device"), encoders
         assert (encoders["engine_cuda_staged_bytes_total"] > 0) == (recv_buffer != "device"), encoders
@@ -191,5 +173,5 @@ def test_a_real_size_shape_on_the_gpu_answers_as_the_monolithic_model():
                                              {"type": "text", "text": "describe it"}]}]
     with Cluster(Topology(encoders=1, prefills=1, decodes=1, proxy=True, device="cuda", model="qwen2-vl-2b",
                           timeout=120)) as cluster, _Reference(model) as reference:
-        assert _chat(cluster, messages, 8) == reference(messages, 8)
-        assert _chat(cluster, messages, 8, 0.7, 3) == reference(messages, 8, 0.7, 3)
+        assert chat(cluster.proxy_url, messages, 8, stream=True, timeout=120)[1] == reference(messages, 8)
+        assert chat(cluster.proxy_url, messages, 8, stream=True, timeout=120, temperature=0.7, seed=3)[1] == reference(messages, 8, 0.7, 3)

@@ -346,14 +346,6 @@ def producer_main(argv: list[str]) -> None:
 
 # ---- connector tests ----
 @pytest.fixture(scope="module")
-def model():
-    before = torch.get_num_threads()
-    configure_torch(1)  # the producer process runs under it too: bit-identical prefills
-    yield load_model()
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def producer(model):
     p = Producer("--timeout", "1.0", "--free-timeout", "1.5")
     yield p

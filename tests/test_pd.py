@@ -29,9 +29,9 @@ from PIL import Image
 
 from epd_lab.launch import Cluster, Topology
 from epd_lab.procs import die_with_parent, tail
-from epd_lab.models import build_input_ids, configure_torch, load_model, monolithic_generate, preprocess
+from epd_lab.models import build_input_ids, monolithic_generate, preprocess
 from epd_lab.noise import data_uri, random_png
-from helpers import free_port, wait_for
+from helpers import free_port, metric, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -168,14 +168,6 @@ def stack():
         assert not server.alive()
     cluster.close()
     assert cluster.procs == []
-
-
-@pytest.fixture(scope="module")
-def model():
-    before = torch.get_num_threads()
-    configure_torch(1)  # as every server: bit-identical tokens
-    yield load_model()
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
@@ -440,11 +432,6 @@ def _queued(second: concurrent.futures.Future, url: str, queued: Callable[[str],
     return metrics if queued(metrics) else ""
 
 
-def _metric(text: str, name: str) -> float:
-    """The value of the unlabelled or fully labelled sample `name` in a /metrics text."""
-    return next(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.rpartition(" ")[0] == name)
-
-
 def _max_tokens_for(blocks: int, prompt_len: int) -> int:
     """The max_tokens whose reservation (prompt_len + max_tokens - 1 tokens) takes exactly `blocks` of 16."""
     return blocks * 16 - prompt_len + 1
@@ -481,14 +468,14 @@ def test_decode_admits_a_request_only_when_its_whole_kv_fits_the_pool(stack, tmp
             else:
                 assert status == 503 and retry_after is not None, (rid, status, lines)
         metrics = httpx.get(tight.url + "/metrics").text
-        assert len(served) >= 2 and _metric(metrics, "epd_decode_kv_admission_queued_total") >= 1
-        assert _metric(metrics, "epd_decode_requests_failed_total") == 0
+        assert len(served) >= 2 and metric(metrics, "epd_decode_kv_admission_queued_total") >= 1
+        assert metric(metrics, "epd_decode_requests_failed_total") == 0
         assert tight.health()["counters"].get("kv_pool_exhausted", 0) == 0
         wait_for(lambda: (h := tight.health())["free_blocks"] == 16 and h["reserved_blocks"] == 0, 10,
                  lambda: f"every block and reservation back: {tight.health()}")
         metrics = httpx.get(tight.url + "/metrics").text
-        assert _metric(metrics, "epd_decode_kv_blocks_reserved") == 0
-        assert _metric(metrics, "epd_decode_kv_admission_admitted") == 0
+        assert metric(metrics, "epd_decode_kv_blocks_reserved") == 0
+        assert metric(metrics, "epd_decode_kv_admission_admitted") == 0
     finally:
         for rid in [*rids, "kvb-big"]:  # the refused ones' KV, left with the prefill
             stack.http.post(stack.main.url + "/v1/abort", json={"request_id": rid})
@@ -513,9 +500,9 @@ def test_a_decode_kv_waiter_is_served_when_blocks_return_or_refused_by_its_deadl
                 received = tight.health()["counters"]["kv_bytes"]
                 second = pool.submit(httpx.post, tight.url + "/v1/decode", timeout=60, json=stack.decode_body(
                     "kvw-wait", kv["kvw-wait"], _max_tokens_for(3, kv["kvw-wait"]["prompt_len"])))
-                metrics = wait_for(lambda: _queued(second, tight.url, lambda m: _metric(
+                metrics = wait_for(lambda: _queued(second, tight.url, lambda m: metric(
                     m, "epd_decode_kv_admission_queue_length") == 1), 10, "the second request queued", interval=0.02)
-                assert _metric(metrics, "epd_decode_kv_blocks_reserved") == 255
+                assert metric(metrics, "epd_decode_kv_blocks_reserved") == 255
                 assert tight.health()["counters"]["kv_bytes"] == received  # the waiter's KV stays with prefill
                 t0 = time.monotonic()
                 r = stack.http.post(tight.url + "/v1/decode", headers={"X-EPD-Deadline-Ms": "1500"},
@@ -526,7 +513,7 @@ def test_a_decode_kv_waiter_is_served_when_blocks_return_or_refused_by_its_deadl
             r = second.result(30)  # the first stream closed: its blocks and reservation come back
         assert r.status_code == 200 and len(r.json()["tokens"]) == _max_tokens_for(3, kv["kvw-wait"]["prompt_len"])
         metrics = httpx.get(tight.url + "/metrics").text
-        assert _metric(metrics, 'epd_decode_kv_admission_refused_total{reason="deadline"}') + _metric(
+        assert metric(metrics, 'epd_decode_kv_admission_refused_total{reason="deadline"}') + metric(
             metrics, 'epd_decode_kv_admission_refused_total{reason="expired"}') == 1
     finally:
         stack.http.post(stack.main.url + "/v1/abort", json={"request_id": "kvw-short"})

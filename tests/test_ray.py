@@ -9,7 +9,6 @@ Kept small for a 2-vCPU CI machine: one CPU per node, no dashboard, one cluster 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -24,10 +23,9 @@ from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from epd_lab.launch import Cluster, Topology  # noqa: E402
-from epd_lab.models import configure_torch, load_model  # noqa: E402
 from epd_lab.noise import data_uri, random_png  # noqa: E402
 from epd_lab.servers.reference import monolithic_chat  # noqa: E402
-from helpers import wait_for  # noqa: E402
+from helpers import metric_samples, metrics, wait_for  # noqa: E402
 
 MAX_TOKENS = 8
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}  # Ray's floor is 75 MiB; the default is 30% of RAM
@@ -62,12 +60,6 @@ def cluster(ray_cluster):
         yield c
 
 
-@pytest.fixture(scope="module")
-def model():
-    configure_torch()
-    return load_model()
-
-
 def _client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key=SECRET, max_retries=0, timeout=60)
 
@@ -88,10 +80,7 @@ def _node_of(cluster: Cluster, name: str) -> str:
     return cluster.procs[cluster.process_names().index(name)].node_id
 
 
-def _metric(url: str, name: str) -> dict[str, float]:
-    """Samples of one metric family by their label text, e.g. {'path="tcp"': 123.0}."""
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {SECRET}"}, timeout=10).text
-    return {m[1]: float(m[2]) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
+AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
@@ -112,8 +101,8 @@ def test_answers_equal_the_monolithic_model_and_cross_nodes_over_tcp(cluster, mo
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
     # two requests in a row, each prefill and each decode taking one (ties go round-robin): prefill0 (host_b)
     # to decode0 (host_c), prefill1 (host_c) to decode1 (host_b). E→P and P→D all crossed nodes: tcp only
-    assert set(_metric(cluster.encoder_urls[0], "epd_encoder_engine_bytes_out_total")) == {'path="tcp"'}
-    kv = [set(_metric(url, "epd_prefill_engine_bytes_out_total")) for url in cluster.prefill_urls]
+    assert set(metric_samples(metrics(cluster.encoder_urls[0], headers=AUTH), "epd_encoder_engine_bytes_out_total")) == {'path="tcp"'}
+    kv = [set(metric_samples(metrics(url, headers=AUTH), "epd_prefill_engine_bytes_out_total")) for url in cluster.prefill_urls]
     assert kv == [{'path="tcp"'}, {'path="tcp"'}]
 
 
@@ -138,7 +127,7 @@ def test_a_killed_actor_takes_its_role_down_and_the_replica_serves(cluster, mode
     assert cluster.alive() == [True, False, True, True, True, True]
     # the proxy finds prefill0 down (a refused connection) and sends everything to prefill1
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
-    assert _metric(cluster.proxy_url, "epd_proxy_backend_up")[f'role="prefill",url="{url}"'] == 0
+    assert metric_samples(metrics(cluster.proxy_url, headers=AUTH), "epd_proxy_backend_up")[f'role="prefill",url="{url}"'] == 0
 
 
 def test_a_lost_node_takes_its_roles_down_and_the_replicas_serve(cluster, ray_cluster, model):
@@ -147,7 +136,7 @@ def test_a_lost_node_takes_its_roles_down_and_the_replicas_serve(cluster, ray_cl
     _wait_gone([victim.actor_pid, victim.pid])
     assert cluster.alive() == [True, False, True, True, False, True]
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
-    assert _metric(cluster.proxy_url, "epd_proxy_backend_up")[f'role="decode",url="{url}"'] == 0
+    assert metric_samples(metrics(cluster.proxy_url, headers=AUTH), "epd_proxy_backend_up")[f'role="decode",url="{url}"'] == 0
 
 
 def test_what_ray_cannot_place_is_refused_before_a_role_starts(ray_cluster):

@@ -15,18 +15,11 @@ import torch
 from epd_lab import procs
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
-from epd_lab.models import configure_torch, load_model
 from epd_lab.noise import noise_images
 from epd_lab.trace import (COLUMNS, Recorder, Span, critical_path, estimate_clock_offset, frame_spans, load_frame,
                            request_of, save_frame, spans_frame, to_chrome_trace)
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def model():
-    configure_torch()
-    return load_model()
 
 
 @pytest.fixture(scope="module")

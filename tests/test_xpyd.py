@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -32,12 +31,11 @@ from epd_lab.kv.connector import RequestAborted
 from epd_lab.kv.messages import decode_reply, encode
 from epd_lab.launch import Cluster, Topology
 from epd_lab.procs import die_with_parent
-from epd_lab.models import configure_torch, load_model
 from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
-from helpers import read_line, wait_for
+from helpers import chat, metric, metrics, read_line, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -95,12 +93,6 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def model() -> Any:
-    configure_torch()  # one thread, as every server: bit-identical tokens
-    return load_model()
-
-
-@pytest.fixture(scope="module")
 def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
         yield c
@@ -134,16 +126,6 @@ def _messages(text: str, sizes: list[tuple[int, int]], seed: int) -> list[dict[s
     return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
 
 
-def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool = False) -> tuple[str, str]:
-    """(response id, text) of one greedy chat request."""
-    kwargs: dict[str, Any] = {"model": MODEL_ID, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
-    if not stream:
-        reply = client.chat.completions.create(**kwargs)
-        return reply.id, reply.choices[0].message.content
-    chunks = list(client.chat.completions.create(stream=True, **kwargs))
-    return chunks[0].id, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-
 def _served(cluster: Cluster) -> tuple[list[int], list[int]]:
     """Requests answered by each prefill, requests finished by each decode."""
     return ([_health(u)["counters"].get("requests_ok", 0) for u in cluster.prefill_urls],
@@ -155,25 +137,13 @@ def _aborts(cluster: Cluster) -> int:
     return sum(_health(u)["producer"]["requests_aborted"] for u in _live(cluster, cluster.prefill_urls, PREFILLS))
 
 
-def _metric(cluster: Cluster, line: str) -> float | None:
-    """The value of the cluster's proxy's metric line that starts with `line` (name and labels), None if absent."""
-    return _proxy_metric(cluster.proxy_url, line)
-
-
-def _proxy_metric(url: str, line: str) -> float | None:
-    """The value of the metric line that starts with `line` (name and labels) at proxy `url`, None if absent."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    found = re.search("^" + re.escape(line) + r" (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else None
-
-
 def test_xpyd_concurrent_chats_equal_the_monolithic_model(cluster: Cluster, client: openai.OpenAI,
                                                           model: Any) -> None:
     cases = [(_messages("what do you see?", sizes, seed=10 * i), i % 2 == 1)
              for i, sizes in enumerate([[], [(224, 224)], [(100, 333), (64, 64)], [(500, 260)], [], [(128, 96)]])]
     before_p, before_d = _served(cluster)
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        futures = [pool.submit(_chat, client, messages, stream) for messages, stream in cases]
+        futures = [pool.submit(chat, cluster.proxy_url, messages, MAX_TOKENS, stream) for messages, stream in cases]
         texts = [f.result(120)[1] for f in futures]
     assert texts == [monolithic_chat(model, messages, MAX_TOKENS) for messages, _ in cases]
     after_p, after_d = _served(cluster)
@@ -203,7 +173,7 @@ def test_decode_asks_only_the_producers_it_was_told_about(cluster: Cluster) -> N
 
 
 def test_spans_of_one_request_make_one_timeline(cluster: Cluster, client: openai.OpenAI) -> None:
-    response_id, _ = _chat(client, _messages("timeline", [(224, 224)], seed=99), stream=True)
+    response_id, _ = chat(cluster.proxy_url, _messages("timeline", [(224, 224)], seed=99), MAX_TOKENS, stream=True)
     got = wait_for(lambda: (r := httpx.get(cluster.proxy_url + "/v1/spans", params={"request_id": response_id}))
                 .status_code == 200 and "e2e" in {s[2] for s in r.json()["spans"]} and r.json(),
                 SLACK, "the proxy never recorded the request's e2e span")  # recorded as the stream closes
@@ -255,9 +225,8 @@ def test_no_reachable_decode_aborts_the_prefilled_request(cluster: Cluster) -> N
         proc, url = _start_proxy(cluster.prefill_urls, [f"http://127.0.0.1:{dead.getsockname()[1]}"])
         try:
             aborted_before = _aborts(cluster)
-            with (openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30) as c,
-                  pytest.raises(openai.InternalServerError, match="no decode server is reachable") as info):
-                _chat(c, _messages("nobody decodes me", [(224, 224)], seed=5))
+            with pytest.raises(openai.InternalServerError, match="no decode server is reachable") as info:
+                chat(url, _messages("nobody decodes me", [(224, 224)], seed=5), MAX_TOKENS, timeout=30)
             assert info.value.status_code == 503
             assert _aborts(cluster) == aborted_before + 1
             assert 'epd_proxy_prefill_aborts_total{result="freed"} 1' in httpx.get(url + "/metrics").text
@@ -281,7 +250,7 @@ def test_streaming_client_disconnect_releases_prefill_and_decode(cluster: Cluste
     assert sum(_health(u)["active_requests"] for u in cluster.decode_urls) == 1
     stream.close()
     wait_for(lambda: cancelled() == before + 1, SLACK, "the decode did not drop the request")
-    wait_for(lambda: _metric(cluster, 'epd_proxy_streams_aborted_total{reason="client_disconnect"}') == 1, SLACK,
+    wait_for(lambda: metric(metrics(cluster.proxy_url), 'epd_proxy_streams_aborted_total{reason="client_disconnect"}', None) == 1, SLACK,
           "the proxy did not count the disconnect")
     # blocks_back: no blocks held and nothing generating on any prefill or decode
 
@@ -295,7 +264,7 @@ def _leave_while_prefills_are_frozen(cluster: Cluster, body: bytes) -> None:
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            wait_for(lambda: sum(_metric(cluster, f'epd_proxy_backend_inflight{{role="prefill",url="{u}"}}')
+            wait_for(lambda: sum(metric(metrics(cluster.proxy_url), f'epd_proxy_backend_inflight{{role="prefill",url="{u}"}}', None)
                               for u in cluster.prefill_urls) == 1, SLACK, "the request never reached a prefill")
     finally:  # thawed well within the proxy's idle timeout, which would otherwise fail the prefill call
         for proc in cluster.procs[PREFILLS]:
@@ -309,10 +278,10 @@ def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
     body = json.dumps({"model": MODEL_ID, "messages": _messages("leaving", [], seed=1), "max_tokens": MAX_TOKENS,
                        "stream": False}).encode()
     aborted_before, served_before = _aborts(cluster), _served(cluster)[1]
-    status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
+    status_before = metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None) or 0
     _leave_while_prefills_are_frozen(cluster, body)
     wait_for(lambda: _aborts(cluster) == aborted_before + 1, SLACK, "the prefill never got the abort")
-    assert _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') == status_before + 1
+    assert metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None) == status_before + 1
     assert _served(cluster)[1] == served_before  # no decode was asked
 
 
@@ -322,21 +291,21 @@ def test_streamed_client_gone_while_prefill_runs_releases_both(cluster: Cluster)
     moved to decode or still waited on the prefill, every block on both sides comes back (`blocks_back`)."""
     body = json.dumps({"model": MODEL_ID, "messages": _messages("leaving too", [], seed=2), "max_tokens": MAX_TOKENS,
                        "stream": True}).encode()
-    status_before = _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}') or 0
+    status_before = metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None) or 0
     _leave_while_prefills_are_frozen(cluster, body)
-    wait_for(lambda: _metric(cluster, 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}')
+    wait_for(lambda: metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None)
           == status_before + 1, SLACK, "the proxy did not answer 499")
 
 
 def _concurrently(client: openai.OpenAI, n: int, text: str) -> list[concurrent.futures.Future]:
     pool = concurrent.futures.ThreadPoolExecutor(n)
-    futures = [pool.submit(_chat, client, _messages(f"{text} {i}", [(128, 96)], seed=i)) for i in range(n)]
+    futures = [pool.submit(chat, cluster.proxy_url, _messages(f"{text} {i}", [(128, 96)], seed=i), MAX_TOKENS) for i in range(n)]
     pool.shutdown(wait=False)
     return futures
 
 
 def _stalls(cluster: Cluster, role: str, url: str) -> float:
-    return _metric(cluster, f'epd_proxy_backend_stalls_total{{role="{role}",url="{url}"}}') or 0
+    return metric(metrics(cluster.proxy_url), f'epd_proxy_backend_stalls_total{{role="{role}",url="{url}"}}', None) or 0
 
 
 def test_frozen_then_killed_decode(cluster: Cluster, client: openai.OpenAI, model: Any) -> None:
@@ -351,20 +320,20 @@ def test_frozen_then_killed_decode(cluster: Cluster, client: openai.OpenAI, mode
         start = time.monotonic()
         messages = [_messages(f"frozen {i}", [(128, 96)], seed=i) for i in range(2)]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            answers = list(pool.map(lambda m: _chat(client, m)[1], messages))
+            answers = list(pool.map(lambda m: chat(cluster.proxy_url, m, MAX_TOKENS)[1], messages))
         assert time.monotonic() - start < TIMEOUT + SLACK
         assert answers == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
         assert _stalls(cluster, "decode", victim_url) == stalls_before + 1
-        assert _metric(cluster, f'epd_proxy_backend_up{{role="decode",url="{victim_url}"}}') == 0
+        assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="decode",url="{victim_url}"}}', None) == 0
         assert _aborts(cluster) == aborted_before  # the KV went to decode 0: nothing to abort
     finally:
         victim.kill()  # SIGKILL ends a stopped process too
         victim.wait(10)
     messages = [_messages(f"after {i}", [], seed=i) for i in range(3)]
-    assert [_chat(client, m)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
+    assert [chat(cluster.proxy_url, m, MAX_TOKENS)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
     health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
     assert health["status"] == "ok" and [e["healthy"] for e in health["decode"]] == [True, False]
-    assert _metric(cluster, f'epd_proxy_backend_up{{role="decode",url="{victim_url}"}}') == 0
+    assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="decode",url="{victim_url}"}}', None) == 0
 
 
 def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: Cluster, client: openai.OpenAI,
@@ -380,8 +349,8 @@ def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: 
         start = time.monotonic()
         messages = [_messages(f"passed over {i}", [(96, 64)], seed=i) for i in range(2)]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(_chat, client, m) for m in messages]
-            wait_for(lambda: _metric(cluster, inflight) == 1 or all(f.done() for f in futures), SLACK,
+            futures = [pool.submit(chat, cluster.proxy_url, m, MAX_TOKENS) for m in messages]
+            wait_for(lambda: metric(metrics(cluster.proxy_url), inflight, None) == 1 or all(f.done() for f in futures), SLACK,
                   "no request reached the frozen prefill")
             answers = [f.result(TIMEOUT + SLACK)[1] for f in futures]
         assert time.monotonic() - start < TIMEOUT + SLACK
@@ -389,7 +358,7 @@ def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: 
         assert _stalls(cluster, "prefill", victim_url) == stalls_before + 1
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    wait_for(lambda: _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 1, SLACK,
+    wait_for(lambda: metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 1, SLACK,
           "the thawed prefill was not taken back")
     # blocks_back: prefill 1 holds nothing for the request it was passed over for
 
@@ -407,17 +376,17 @@ def test_killed_prefill_passes_its_request_on_or_is_a_502_when_alone(cluster: Cl
     retried = 'epd_proxy_retries_total{role="prefill",reason="disconnected"}'
     lone, lone_url = _start_proxy([victim_url], cluster.decode_urls, "--pipelined")
     try:
-        retried_before = _metric(cluster, retried) or 0
+        retried_before = metric(metrics(cluster.proxy_url), retried, None) or 0
         health = httpx.get(lone_url + "/health", timeout=10).json()  # probes: the lone proxy learns the kv_url
         assert health["prefill"][0]["health"]["kv_url"]  # so its streamed request goes the pipelined way
-        with (openai.OpenAI(base_url=lone_url + "/v1", api_key="none", max_retries=0, timeout=60) as lone_client,
-              concurrent.futures.ThreadPoolExecutor(3) as pool):
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
             messages = [_messages(f"doomed {i}", [(128, 96)], seed=i) for i in range(2)]
             os.kill(victim.pid, signal.SIGSTOP)
             try:  # round robin sends one of the two to prefill 1; the lone proxy has only it
-                futures = [pool.submit(_chat, client, m) for m in messages]
-                alone = pool.submit(_chat, lone_client, _messages("alone", [], seed=7), stream=True)
-                wait_for(lambda: _metric(cluster, inflight) == 1 and _proxy_metric(lone_url, inflight) == 1, SLACK,
+                futures = [pool.submit(chat, cluster.proxy_url, m, MAX_TOKENS) for m in messages]
+                alone = pool.submit(chat, lone_url, _messages("alone", [], seed=7), MAX_TOKENS, stream=True)
+                wait_for(lambda: metric(metrics(cluster.proxy_url), inflight, None) == 1
+                         and metric(metrics(lone_url), inflight, None) == 1, SLACK,
                          "no request reached the frozen prefill")
             finally:
                 victim.kill()  # SIGKILL ends a stopped process too
@@ -425,19 +394,19 @@ def test_killed_prefill_passes_its_request_on_or_is_a_502_when_alone(cluster: Cl
             answers = [f.result(60)[1] for f in futures]
             error = alone.exception(TIMEOUT + SLACK)  # bounded: the proxy's own timeout would give a 504
         assert answers == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
-        assert _metric(cluster, retried) == retried_before + 1
-        assert _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 0
+        assert metric(metrics(cluster.proxy_url), retried, None) == retried_before + 1
+        assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 0
         assert isinstance(error, openai.InternalServerError) and error.status_code == 502, error
         assert f"prefill {victim_url} closed the connection before answering" in str(error)
-        assert _proxy_metric(lone_url, retried) == 1  # passed on, with no prefill left to take it
-        wait_for(lambda: _proxy_metric(lone_url, 'epd_proxy_prefill_aborts_total{result="unreachable"}') == 1,
+        assert metric(metrics(lone_url), retried, None) == 1  # passed on, with no prefill left to take it
+        wait_for(lambda: metric(metrics(lone_url), 'epd_proxy_prefill_aborts_total{result="unreachable"}', None) == 1,
                  SLACK, "the lone proxy sent the dead prefill no abort")
     finally:
         lone.terminate()
         lone.wait(10)
         lone.stdout.close()
     messages = [_messages(f"one prefill left {i}", [(100, 100)] * (i % 2), seed=i) for i in range(3)]
-    assert [_chat(client, m)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
+    assert [chat(cluster.proxy_url, m, MAX_TOKENS)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
     health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
     assert health["status"] == "ok" and [e["healthy"] for e in health["prefill"]] == [True, False]
-    assert _metric(cluster, f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}') == 0
+    assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 0
