@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import signal
 
-    ap = argparse.ArgumentParser(prog="python -m epd_lab.ep.store", description=main.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m epd_lab.ep.store", description=main.__doc__.splitlines()[0],
+                                 allow_abbrev=False)
     ap.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=0, help="its RPC port (0: one the OS gives)")
     ap.add_argument("--log", type=Path, default=None, help="a file for its log lines (default: discarded)")
