@@ -117,10 +117,16 @@ def test_compact_moves_the_rows_and_load_result_joins_them(tmp_path):
 
 
 def test_committed_campaign_runs_read_with_their_rows():
+    """Every committed leg reads; a leg whose rows file is kept gets every run's requests and samples back from it,
+    and one whose rows file is not kept (the large faults and soak legs: docs/campaign.md) keeps each run's
+    summary (its counts and latency quantiles)."""
     data = Path(__file__).resolve().parents[1] / "data" / "bench"
     summaries = sorted(data.glob("campaign*/**/*.json"))
-    assert summaries
+    assert any(rows_path(p).exists() for p in summaries)
     for path in summaries:
         result = load_result(path)
         for run in runs_of(result):
-            assert "requests" in run and "samples" in run, path
+            if rows_path(path).exists():
+                assert "requests" in run and "samples" in run, path
+            else:
+                assert "counts" in run and "latency_s" in run, path
