@@ -44,3 +44,15 @@ def test_the_rule_finds_a_figure_without_its_png():
 def test_every_plotly_output_has_a_png_beside_it(path):
     notebook = json.loads(path.read_text())
     assert figures_without_png(notebook) == [], f"{path.name}: plotly outputs without a PNG (static_pngs() missing?)"
+
+
+def test_an_nbconvert_export_shows_every_figure_as_an_image():
+    """nbconvert's HTML (what a code host or an offline export shows, no plotly JavaScript running) carries one
+    image per plotly figure of a committed notebook."""
+    from nbconvert import HTMLExporter
+
+    path = ROOT / "notebooks" / "02_backends_compared.ipynb"
+    notebook = json.loads(path.read_text())
+    figures = sum(PLOTLY in o.get("data", {}) for c in notebook["cells"] for o in c.get("outputs", []))
+    html, _ = HTMLExporter().from_filename(str(path))
+    assert figures and html.count('src="data:image/png;base64,') >= figures
