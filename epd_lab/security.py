@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import threading
+import time
 from collections.abc import Mapping
+
+import zmq
 
 ENV_SECRET = "EPD_SECRET"
 ENV_SECRET_FILE = "EPD_SECRET_FILE"
@@ -36,6 +41,32 @@ EP_NOTIFY = b"epd/ep-notify"
 
 class AuthError(ValueError):
     """A message or request that does not carry a valid proof of the shared secret."""
+
+
+class RefusalLog:
+    """The refusing side's log of peers that failed authentication on one surface: a warning line at most every
+    `interval` seconds, with the count so far, so that a flood of bad messages cannot fill a role's log. It names
+    the peer where known, never the secret."""
+
+    def __init__(self, logger: logging.Logger, surface: str, interval: float = 1.0) -> None:
+        self.logger, self.surface, self.interval = logger, surface, interval
+        self._last = -float("inf")
+        self._lock = threading.Lock()
+
+    def __call__(self, count: int, frame: zmq.Frame | None = None) -> None:
+        """Note one refusal (`count`: the surface's counter after it; `frame`: the refused ZMQ message, whose
+        sender's address is logged when it came over tcp)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.interval:
+                return
+            self._last = now
+        try:
+            peer = frame.get("Peer-Address") if frame is not None else None
+        except zmq.ZMQError:  # not a tcp message: no address to name
+            peer = None
+        self.logger.warning("%s: a peer%s failed authentication (no valid tag of the shared secret; %d refused so "
+                            "far)", self.surface, f" at {peer}" if peer else "", count)
 
 
 def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:

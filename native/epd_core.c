@@ -748,7 +748,7 @@ struct epd_server {
     srv_conn *conns;
     uint8_t secret[EPD_SECRET_MAX];
     uint32_t secret_len;
-    uint64_t active, accepted, refused, idle_closed, auth_failures; /* atomics */
+    uint64_t active, accepted, refused, idle_closed, auth_failures, auth_logged_ns; /* atomics */
 };
 
 /* While the next request of a pipelined batch is already waiting, hold the reply back (MSG_MORE) so
@@ -898,6 +898,29 @@ static int serve_auth(epd_server *s, int fd, const epd_wire_req *q, uint8_t *cno
     return reply(fd, q->seq, EPD_ST_OK, NULL, 0);
 }
 
+/* One line on stderr (the role's log) per refused peer, at most one a second so that a flood cannot fill the
+ * log; the count says how many there were. The secret itself is never printed. */
+static void log_auth_failure(epd_server *s, int fd, uint64_t count) {
+    uint64_t now = now_ns(), last = LOAD(&s->auth_logged_ns);
+    if (last && now - last < 1000000000ull) return;
+    if (!__atomic_compare_exchange_n(&s->auth_logged_ns, &last, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    char host[INET6_ADDRSTRLEN] = "?";
+    int port = 0;
+    if (getpeername(fd, (struct sockaddr *)&ss, &sl) == 0) {
+        if (ss.ss_family == AF_INET) {
+            inet_ntop(AF_INET, &((struct sockaddr_in *)&ss)->sin_addr, host, sizeof(host));
+            port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+        } else if (ss.ss_family == AF_INET6) {
+            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&ss)->sin6_addr, host, sizeof(host));
+            port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+        }
+    }
+    fprintf(stderr, "epd_lab.transfer: a peer at %s:%d failed the shared-secret handshake on port %d "
+                    "(auth_failures=%lu)\n", host, port, s->port, (unsigned long)count);
+}
+
 static void *conn_main(void *arg) {
     srv_conn *c = arg;
     epd_server *s = c->s;
@@ -925,7 +948,8 @@ static void *conn_main(void *arg) {
         if (q.op == EPD_OP_AUTH) {
             ok = serve_auth(s, c->fd, &q, cnonce, snonce, &stage, &authed);
         } else if (!authed) {
-            /* nothing is read, written or answered before the handshake */
+            /* nothing is read or written before the handshake; the answer tells a writer without the secret why */
+            reply(c->fd, q.seq, EPD_ST_AUTH_REQUIRED, NULL, 0);
         } else if (q.op == EPD_OP_WRITE) {
             ok = serve_write(s, c->fd, &q);
         } else if (q.op == EPD_OP_WRITE_STRIDED) {
@@ -939,7 +963,7 @@ static void *conn_main(void *arg) {
         if (!ok) break;
     }
     /* a connection that made requests and left without proving the secret: a wrong or missing one */
-    if (tried && !authed) ADD(&s->auth_failures, 1);
+    if (tried && !authed) log_auth_failure(s, c->fd, ADD(&s->auth_failures, 1));
     shutdown(c->fd, SHUT_RDWR);
     ADD(&s->active, -1);
     STORE(&c->done, 1);
@@ -1152,9 +1176,21 @@ int epd_conn_alive(epd_conn *c) {
     return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK); /* 0: closed; bytes: out of step */
 }
 
-/* Any failure but a refusal leaves the stream out of step: the connection is not reused. */
-static int conn_fail(epd_conn *c, char *err, const char *what, int e) {
+static int auth_required(epd_conn *c, char *err) {
     c->broken = 1;
+    return fail(err, EPD_EAUTH, "%s requires the shared secret and this engine has none: set the same EPD_SECRET "
+                                "on both", c->peer);
+}
+
+/* Any failure but a refusal leaves the stream out of step: the connection is not reused. A server with a secret
+ * answers a request without the handshake with EPD_ST_AUTH_REQUIRED and closes; a large write may fail while it
+ * is still being sent, with that answer already waiting to be read. */
+static int conn_fail(epd_conn *c, char *err, const char *what, int e) {
+    epd_wire_rep rep;
+    c->broken = 1;
+    if (recv(c->fd, &rep, sizeof(rep), MSG_PEEK | MSG_DONTWAIT) == (ssize_t)sizeof(rep) &&
+        rep.magic == EPD_WIRE_MAGIC && rep.status == EPD_ST_AUTH_REQUIRED)
+        return auth_required(c, err);
     return io_fail(err, what, e, c->timeout_ms);
 }
 
@@ -1166,6 +1202,7 @@ static int read_reply(epd_conn *c, epd_wire_rep *rep, uint64_t seq, char *err) {
         c->broken = 1;
         return fail(err, EPD_EPROTO, "%s answered with bytes that are not the engine's protocol", c->peer);
     }
+    if (rep->status == EPD_ST_AUTH_REQUIRED) return auth_required(c, err);
     return EPD_OK;
 }
 

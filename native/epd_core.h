@@ -33,15 +33,17 @@ enum {
 #define EPD_WIRE_MAGIC 0x57445045u /* "EPDW" */
 #define EPD_WIRE_VERSION 2
 enum { EPD_OP_WRITE = 1, EPD_OP_HELLO = 2, EPD_OP_CONTROL = 3, EPD_OP_AUTH = 4, EPD_OP_WRITE_STRIDED = 5 };
-enum { EPD_ST_OK = 0, EPD_ST_REFUSED = 1, EPD_ST_BADREQ = 2, EPD_ST_CONTROL_ERR = 3, EPD_ST_NOAUTH = 4 };
+enum { EPD_ST_OK = 0, EPD_ST_REFUSED = 1, EPD_ST_BADREQ = 2, EPD_ST_CONTROL_ERR = 3, EPD_ST_NOAUTH = 4,
+       EPD_ST_AUTH_REQUIRED = 5 };
 #define EPD_CONTROL_MAX (1u << 20)
 
 /* The shared-secret handshake (only when the server has a secret; epd_lab.security says where it comes from).
  * Before any other request the client sends AUTH with its nonce (EPD_NONCE_BYTES); the server answers its own
  * nonce and proof HMAC-SHA256(secret, "EPD-S" | cnonce | snonce); the client checks that proof and sends AUTH
  * with HMAC-SHA256(secret, "EPD-C" | snonce | cnonce); the server checks it and answers OK. Any other request
- * first, or a wrong proof, closes the connection (counted in auth_failures). A server without a secret answers
- * AUTH with EPD_ST_NOAUTH. Both sides prove the secret, so a writer never sends bytes to an impostor. */
+ * first is answered EPD_ST_AUTH_REQUIRED (its payload unread), so that a writer without the secret learns why,
+ * and closes the connection, as a wrong proof does (both counted in auth_failures). A server without a secret
+ * answers AUTH with EPD_ST_NOAUTH. Both sides prove the secret, so a writer never sends bytes to an impostor. */
 #define EPD_NONCE_BYTES 32
 #define EPD_MAC_BYTES 32
 #define EPD_SECRET_MAX 256

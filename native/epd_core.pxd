@@ -25,6 +25,7 @@ cdef extern from "epd_core.h" nogil:
         EPD_ST_BADREQ
         EPD_ST_CONTROL_ERR
         EPD_ST_NOAUTH
+        EPD_ST_AUTH_REQUIRED
         EPD_SECRET_MAX
         EPD_COPY_MEMCPY
         EPD_COPY_STREAM

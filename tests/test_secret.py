@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import os
 import socket
+import zlib
 from collections.abc import Iterator
 
 import httpx
@@ -19,15 +20,15 @@ from epd_lab import _native, security
 from epd_lab.ep.messages import EmbeddingNotify, encode_zmq
 from epd_lab.ep.push import PushSockets
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
-from epd_lab.kv import BlockManager, KVConsumer, KVProducer, KVTransferError, PagedKVCache, TransError
+from epd_lab.kv import BlockManager, KVAuthenticationError, KVConsumer, KVProducer, PagedKVCache, TransError
 from epd_lab.kv.messages import decode_reply, encode
 from epd_lab.launch import Cluster, Topology
 from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.transfer import TransferEngine
-from epd_lab.transfer.errors import AuthenticationError, PeerUnreachable
+from epd_lab.transfer.errors import AuthenticationError, PeerUnreachable, TransferError
 from epd_lab.transfer.peer import PeerProcess
-from epd_lab.wire_types import WIRE_REQ
+from epd_lab.wire_types import WIRE_REP, WIRE_REQ
 from helpers import wait_for
 
 SECRET = "s3cret-" + "x" * 25
@@ -76,32 +77,57 @@ def test_native_hmac_is_hmac_sha256():
 
 # ---- the engine's handshake ----
 @pytest.fixture
-def guarded_peer() -> Iterator[PeerProcess]:
-    with PeerProcess("tcp", env={**os.environ, security.ENV_SECRET: SECRET}) as peer:
+def guarded_peer(tmp_path) -> Iterator[PeerProcess]:
+    """A peer process with the secret; its log in ``peer.log``."""
+    with (open(tmp_path / "peer.log", "w") as log,
+          PeerProcess("tcp", env={**os.environ, security.ENV_SECRET: SECRET}, stderr=log) as peer):
+        peer.log = tmp_path / "peer.log"
         yield peer
 
 
-def test_engine_refuses_writers_without_the_secret_and_nothing_lands(guarded_peer):
+def _write_error(engine: TransferEngine, session_id: str, src: np.ndarray, dst: int) -> TransferError:
+    """The error `engine` gets writing `src` to `dst` of the peer `session_id`."""
+    with pytest.raises(TransferError) as info:
+        engine.write_buffer(session_id, src, dst)
+    return info.value
+
+
+def test_engine_tells_writers_without_the_secret_that_they_failed_authentication(guarded_peer, caplog):
     peer = guarded_peer
-    dst = peer.alloc(4096, fill=0x11)
-    src = np.full(4096, 0x22, dtype=np.uint8)
-    with TransferEngine(protocol="tcp") as none, pytest.raises(PeerUnreachable):
-        none.register_buffer(src)
-        none.write_buffer(peer.session_id, src, dst)
-    with TransferEngine(protocol="tcp", secret=OTHER) as other, pytest.raises(AuthenticationError,
-                                                                              match="does not know"):
-        other.register_buffer(src)
-        other.write_buffer(peer.session_id, src, dst)
+    big = 8 << 20  # far past the sockets' buffers: refused while the writer is still sending
+    dst, big_dst = peer.alloc(4096, fill=0x11), peer.alloc(big, fill=0x11)
+    src, big_src = np.full(4096, 0x22, dtype=np.uint8), np.full(big, 0x22, dtype=np.uint8)
+    cases = [("tcp", None, src, dst, "requires the shared secret and this engine has none"),
+             ("auto", None, src, dst, "requires the shared secret"),  # refused at the shm path's HELLO
+             ("tcp", None, big_src, big_dst, "requires the shared secret"),
+             ("tcp", OTHER, src, dst, "does not know this engine's shared secret")]
+    for protocol, secret, data, where, message in cases:
+        with TransferEngine(protocol=protocol, secret=secret, timeout=5.0) as writer:
+            writer.register_buffer(data)
+            error = _write_error(writer, peer.session_id, data, where)
+            # the peer is reachable: the error names the secret, and a retry gets the same answer
+            assert isinstance(error, AuthenticationError) and not isinstance(error, PeerUnreachable), repr(error)
+            assert message in str(error) and SECRET not in str(error)
+            assert isinstance(_write_error(writer, peer.session_id, data, where), AuthenticationError)
+            # the writer's log: one line for that peer, however often it retries
+            lines = [r.getMessage() for r in caplog.records if "failed authentication" in r.getMessage()]
+            assert len(lines) == 1 and peer.session_id in lines[0] and SECRET not in lines[0], lines
+            caplog.clear()
     # a raw client that skips the handshake and sends a well-formed write header, then the bytes
     host, port = peer.session_id.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(WIRE_REQ.pack(_native.WIRE_MAGIC, _native.WIRE_VERSION, _native.OP_WRITE, 0, dst, 4096, 0)
+        s.sendall(WIRE_REQ.pack(_native.WIRE_MAGIC, _native.WIRE_VERSION, _native.OP_WRITE, 7, dst, 4096, 0)
                   + src.tobytes())
         s.settimeout(5)
-        assert s.recv(24) == b""  # closed unanswered
-    assert peer.read(dst, 4096) == b"\x11" * 4096
+        magic, status, seq, length = WIRE_REP.unpack(s.recv(WIRE_REP.size, socket.MSG_WAITALL))
+        assert (magic, status, seq, length) == (_native.WIRE_MAGIC, _native.ST_AUTH_REQUIRED, 7, 0)
+        assert s.recv(1) == b""  # then closed
+    assert peer.read(dst, 4096) == b"\x11" * 4096 and peer.checksum(big_dst, big) == zlib.crc32(b"\x11" * big)
     stats = peer.stats()
-    assert stats["writes_in"] == 0 and stats["auth_failures"] >= 3
+    assert stats["writes_in"] == 0 and stats["auth_failures"] >= 9
+    # the refusing side's log: a line naming the handshake and the count, never the secret
+    log = peer.log.read_text()
+    assert "failed the shared-secret handshake" in log and "auth_failures=" in log and SECRET not in log, log
     for protocol, value in (("tcp", 0x22), ("auto", 0x33)):  # the handshake also guards the HELLO of the shm path
         src[:] = value
         with TransferEngine(protocol=protocol, secret=SECRET) as good:
@@ -130,13 +156,19 @@ def kv_pair() -> Iterator[tuple[KVProducer, TransferEngine, PagedKVCache, BlockM
             yield producer, d_engine, d_cache, blocks
 
 
-def test_kv_side_channel_refuses_untagged_and_wrongly_tagged_asks(kv_pair):
+def test_kv_side_channel_refuses_untagged_and_wrongly_tagged_asks(kv_pair, caplog):
     producer, d_engine, d_cache, blocks = kv_pair
     producer.request_finished("r", blocks.allocate(2))
-    for secret in (None, OTHER):
+    for secret, message in ((None, "requires the shared secret"), (OTHER, "another EPD_SECRET, or none")):
         with KVConsumer(d_engine, d_cache, timeout=3.0, secret=secret) as consumer:
-            with pytest.raises(KVTransferError):
+            with pytest.raises(KVAuthenticationError, match=message) as info:  # named, and at once
                 consumer.receive_kv(producer.url, "r", [0, 1])
+            assert info.value.reason == "unauthenticated" and "authentication failed" in str(info.value)
+    # the producer's log: a line naming the surface and the count, never the secret
+    lines = [r.getMessage() for r in caplog.records if r.name == "epd_lab.kv.connector"]
+    assert any("KV side channel: a peer at 127.0.0.1" in m and "failed authentication" in m
+               for m in lines), lines
+    assert not any(SECRET in m for m in lines)
     meta = KVConsumer(d_engine, d_cache, secret=SECRET).metadata("r", [0, 1])
     with zmq.Context.instance().socket(zmq.REQ) as sock:  # a raw ask, untagged: answered at once, typed
         sock.setsockopt(zmq.LINGER, 0)
@@ -152,7 +184,7 @@ def test_kv_side_channel_refuses_untagged_and_wrongly_tagged_asks(kv_pair):
     assert d_engine.stats()["writes_in"] > 0
 
 
-def test_notify_channel_drops_untagged_messages_before_decoding(monkeypatch):
+def test_notify_channel_drops_untagged_messages_before_decoding(monkeypatch, caplog):
     monkeypatch.setenv(security.ENV_SECRET, SECRET)
     msg = encode_zmq(EmbeddingNotify(req_id="nobody_local_part_0", part_idx=0, modality="IMAGE", shape=[1, 1],
                                      dtype="float32", grid_thw=[[1, 1, 1]]))
@@ -170,6 +202,11 @@ def test_notify_channel_drops_untagged_messages_before_decoding(monkeypatch):
                 p.close()
         assert receiver.counters["unauthenticated_messages"] == 1  # the other secret's: never decoded
         assert receiver.counters["stray_messages"] == 1  # ours: decoded (no request waits for it)
+    # a PUSH gets no answer: the receiver's log tells of the refusal, never the secret
+    lines = [r.getMessage() for r in caplog.records if r.name == "epd_lab.ep.receiver"]
+    assert any("E→P notifications: a peer at 127.0.0.1" in m and "failed authentication" in m
+               for m in lines), lines
+    assert not any(SECRET in m or OTHER in m for m in lines)
 
 
 # ---- a whole cluster ----

@@ -55,8 +55,8 @@ from hypothesis.errors import HypothesisWarning
 
 from epd_lab import security
 from epd_lab.campaign.verdict import Progress
-from epd_lab._native import (OP_AUTH, OP_CONTROL, OP_HELLO, OP_WRITE, ST_BADREQ, ST_CONTROL_ERR, ST_OK, ST_REFUSED,
-                             WIRE_MAGIC, WIRE_VERSION)
+from epd_lab._native import (OP_AUTH, OP_CONTROL, OP_HELLO, OP_WRITE, ST_AUTH_REQUIRED, ST_BADREQ, ST_CONTROL_ERR,
+                             ST_OK, ST_REFUSED, WIRE_MAGIC, WIRE_VERSION)
 from epd_lab.ep.messages import EncodeRequest, SchedulerReceiveUrl, SendRequest
 from epd_lab.noise import image_uri
 from epd_lab.servers.messages import AbortRequest, DecodeRequest, PrefillRequest
@@ -495,7 +495,7 @@ def wire_frames(draw: Any, targets: tuple[int, ...] = (), keys: tuple[int, ...] 
 def _engine_exchange(host: str, port: int, frame: bytes, short: bool, timeout: float
                      ) -> tuple[str, tuple[int, ...] | None]:
     """Send one frame on its own connection; its outcome (``ok``, ``refused``, ``badreq``, ``control_err``,
-    ``closed``, ``hang``, ``conn_refused``) and the reply header."""
+    ``auth_required``, ``closed``, ``hang``, ``conn_refused``) and the reply header."""
     try:
         s = socket.create_connection((host, port), timeout=timeout)
     except OSError:
@@ -517,7 +517,8 @@ def _engine_exchange(host: str, port: int, frame: bytes, short: bool, timeout: f
         except OSError:
             return "closed", None  # reset: the owner dropped a connection it had no use for
     rep = WIRE_REP.unpack(buf)
-    return {ST_OK: "ok", ST_REFUSED: "refused", ST_BADREQ: "badreq", ST_CONTROL_ERR: "control_err"}.get(
+    return {ST_OK: "ok", ST_REFUSED: "refused", ST_BADREQ: "badreq", ST_CONTROL_ERR: "control_err",
+            ST_AUTH_REQUIRED: "auth_required"}.get(
         rep[1], f"status_{rep[1]}"), rep
 
 

@@ -38,6 +38,7 @@ import collections
 import concurrent.futures
 import contextlib
 import http.client
+import logging
 import random
 import threading
 import time
@@ -77,6 +78,7 @@ from epd_lab.serving.settings import check_at_least, check_choice, check_positiv
 from epd_lab.trace import Recorder, clock_id
 from epd_lab.transfer import TransferEngine, as_array, open_engine
 
+log = logging.getLogger(__name__)
 
 RELEASE_RETRY_S = 120.0  # a part whose /release got no answer is retried while its encoder may still hold it
 # `receive`'s on_sizes: each modality's grids, and the mooncake backend's `Landing` (None for the zmq backends)
@@ -341,6 +343,7 @@ class EmbeddingReceiver:
         max_frame = NOTIFY_MAX_BYTES if config.backend == "mooncake" else MAX_ZMQ_BYTES
         self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame + security.TAG_BYTES)
         self._secret = security.load_secret()
+        self._refusals = security.RefusalLog(log, "E→P notifications")
         self.embedding_port = self._pull.bind_to_random_port(f"tcp://{config.host}")
         self._closing = threading.Event()
         self._listener = threading.Thread(target=self._listen, name="epd-receiver-zmq", daemon=True)
@@ -363,6 +366,7 @@ class EmbeddingReceiver:
                 msg = decode_zmq(security.verify(self._secret, security.EP_NOTIFY, frame.buffer))
             except security.AuthError:
                 self.counters["unauthenticated_messages"] += 1  # no valid tag of the secret: never decoded
+                self._refusals(self.counters["unauthenticated_messages"], frame)
                 continue
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.counters["invalid_messages"] += 1  # validated, never trusted: drop it

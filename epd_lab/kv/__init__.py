@@ -9,13 +9,14 @@
   `_send_blocks`) and `KVConsumer` (decode, REQ: `receive_kv`), under the seed's names.
 """
 from epd_lab.kv.block_manager import BlockManager, OutOfBlocks, blocks_needed
-from epd_lab.kv.connector import KVConsumer, KVProducer, KVTransferError
+from epd_lab.kv.connector import KVAuthenticationError, KVConsumer, KVProducer, KVTransferError
 from epd_lab.kv.messages import MooncakeAgentMetadata, TransDone, TransError
 from epd_lab.kv.paged_cache import PagedKVCache
 from epd_lab.kv.runs import BlockCopies, block_copies, group_concurrent_contiguous
 
 __all__ = [
     "BlockCopies",
+    "KVAuthenticationError",
     "BlockManager",
     "KVConsumer",
     "KVProducer",

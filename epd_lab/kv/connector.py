@@ -125,12 +125,29 @@ def _layout_of(cache: PagedKVCache, layout: KVLayout | None) -> KVLayout:
 REPLY_SLACK_S = 0.5  # a consumer waits this much past its timeout for the producer's answer (see KVConsumer)
 
 
+def _tagged_reply(frame: memoryview) -> bool:
+    """Whether `frame` reads as a reply behind a tag (`security.sign`): what a producer with a secret sends."""
+    try:
+        decode_reply(frame[security.TAG_BYTES:])
+    except (msgspec.DecodeError, ValueError):
+        return False
+    return True
+
+
 class KVTransferError(RuntimeError):
     """The KV of a request did not arrive: ``TRANS_ERROR`` (its `reason`), a timeout, or a dead producer."""
 
     def __init__(self, message: str, reason: str = "failed") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class KVAuthenticationError(KVTransferError):
+    """The producer and this consumer do not share the secret (`epd_lab.security`): one has another or none. The
+    producer was reached; asking again cannot help."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="unauthenticated")
 
 
 class KVTransferTimeout(KVTransferError):
@@ -239,6 +256,7 @@ class KVProducer:
         self._counters = dict.fromkeys(
             ("transfers_done", "transfers_failed", "requests_done", "requests_failed", "requests_expired",
              "requests_aborted", "malformed", "unauthenticated", "asks_refused", "blocks_freed", "bytes_sent"), 0)
+        self._refusals = security.RefusalLog(log, "KV side channel")
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # a larger frame is dropped by ZMQ, and its sender disconnected, before any of it is buffered here
@@ -370,6 +388,7 @@ class KVProducer:
             payload = security.verify(self._secret, security.KV_ASK, last.buffer)
         except security.AuthError as exc:
             self._count("unauthenticated")
+            self._refusals(self._counters["unauthenticated"], last)
             self._reply(envelope, TransError([], str(exc)))
             return
         named = _named_requests(payload)
@@ -812,9 +831,15 @@ class KVConsumer:
         try:
             reply = decode_reply(security.verify(self._secret, security.KV_REPLY, frame.buffer))
         except security.AuthError as exc:
-            raise KVTransferError(f"request {request_id!r}: reply from {producer_url} refused: {exc} (a producer "
-                                  f"without this EPD_SECRET?)") from None
+            raise KVAuthenticationError(f"request {request_id!r}: authentication failed with the producer at "
+                                        f"{producer_url}: its reply refused: {exc} (it has another EPD_SECRET, or "
+                                        f"none)") from None
         except msgspec.DecodeError as exc:
+            if self._secret is None and _tagged_reply(frame.buffer):
+                raise KVAuthenticationError(f"request {request_id!r}: authentication failed with the producer at "
+                                            f"{producer_url}: it requires the shared secret (its replies are "
+                                            f"tagged) and this consumer has none: set the same EPD_SECRET on "
+                                            f"both") from None
             raise KVTransferError(f"request {request_id!r}: unreadable reply from {producer_url}: {exc}") from None
         if isinstance(reply, TransError):
             raise KVTransferError(f"request {request_id!r}: TRANS_ERROR from {producer_url}: {reply.error}",

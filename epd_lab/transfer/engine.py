@@ -27,6 +27,7 @@ hosts on one machine do. ``shm`` and ``cuda`` are refused there with that reason
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import threading
@@ -39,7 +40,7 @@ from epd_lab import _native, security
 from epd_lab.transfer import cuda, shm_copy
 from epd_lab.transfer.buffers import buffer_info
 from epd_lab.transfer.counters import WriteCounters
-from epd_lab.transfer.errors import PeerUnreachable, TransferError, TransportUnavailable
+from epd_lab.transfer.errors import AuthenticationError, PeerUnreachable, TransferError, TransportUnavailable
 from epd_lab.transfer.registration import Registration
 
 PROTOCOLS = ("auto", "tcp", "shm", "verbs", "cuda")
@@ -47,6 +48,8 @@ ENV_HOST_ID = "EPD_HOST_ID"
 HOST_CONTROL = b"HOST/id"  # a control request: the peer answers its host id (empty: not named)
 MAX_CONNECTIONS = 256  # served at once by an engine's port (one thread each)
 IDLE_TIMEOUT = 30.0  # seconds a connection may idle between requests
+
+log = logging.getLogger(__name__)
 
 
 class TransferStatus(Enum):
@@ -189,6 +192,7 @@ class TransferEngine:
         self._owner.control_handler = self._on_control
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
+        self._auth_logged: set[str] = set()  # peers whose refusal was logged
         self._pool = ThreadPoolExecutor(max_workers=async_workers, thread_name_prefix="epd-transfer")
         self._batches: dict[int, Future] = {}
         self._batch_ids = itertools.count(1)
@@ -318,6 +322,10 @@ class TransferEngine:
             self._drop_peer(session_id)
             self._out.count(failed=True)
             raise
+        except AuthenticationError as exc:
+            self._log_auth_failure(session_id, exc)
+            self._out.count(failed=True)
+            raise
         except (TransferError, ValueError):
             self._out.count(failed=True)
             raise
@@ -415,12 +423,18 @@ class TransferEngine:
             raise ValueError("the engine is closed")
         host, port = parse_session_id(session_id)
         peer = _Peer(session_id, "tcp", host, port, self._owner.timeout_ms, self._secret)
-        conn = peer.conn()  # raises PeerUnreachable / TransferTimeout
+        try:
+            conn = peer.conn()  # raises PeerUnreachable / TransferTimeout / AuthenticationError
+        except AuthenticationError as exc:
+            self._log_auth_failure(session_id, exc)
+            raise
         try:
             self._choose_path(peer, conn)
-        except BaseException:
+        except BaseException as exc:
             conn.close()
             peer.close()
+            if isinstance(exc, AuthenticationError):
+                self._log_auth_failure(session_id, exc)
             raise
         peer.give_back(conn)
         with self._lock:
@@ -454,6 +468,14 @@ class TransferEngine:
                     f"use protocol='tcp' (any host) or 'auto'") from exc
             return
         peer.path, peer.hello = "shm", (pid, table_fd, nonce)
+
+    def _log_auth_failure(self, session_id: str, exc: AuthenticationError) -> None:
+        """One log line per peer that refused this engine's secret (or lack of one); the error names no secret."""
+        with self._lock:
+            first = session_id not in self._auth_logged
+            self._auth_logged.add(session_id)
+        if first:
+            log.error("transfer to %s failed authentication: %s", session_id, exc)
 
     def _drop_peer(self, session_id: str) -> None:
         with self._lock:

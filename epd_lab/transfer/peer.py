@@ -20,7 +20,7 @@ import select
 import subprocess
 import sys
 import zlib
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -127,13 +127,14 @@ class PeerProcess:
     """Start `serve` in a child process and call its commands. A context manager; `close` kills it."""
 
     def __init__(self, protocol: str = "auto", timeout: float = 5.0, start_timeout: float = 30.0,
-                 env: dict[str, str] | None = None, **engine_args: Any) -> None:
-        """`env`: the child's whole environment (default: this process's); `engine_args`: more keyword
-        arguments of `TransferEngine` (``max_connections``, ``idle_timeout``)."""
+                 env: dict[str, str] | None = None, stderr: IO[Any] | None = None, **engine_args: Any) -> None:
+        """`env`: the child's whole environment (default: this process's); `stderr`: a file for the child's log
+        (default: this process's stderr); `engine_args`: more keyword arguments of `TransferEngine`
+        (``max_connections``, ``idle_timeout``)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "epd_lab.transfer.peer", "--protocol", protocol, "--timeout", str(timeout),
              "--engine-args", json.dumps(engine_args)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env,
         )
         hello = self._readline(start_timeout)
         self.session_id: str = hello["session_id"]
