@@ -299,10 +299,11 @@ class Cluster:
             for i in range(topology.prefills):
                 self.prefill_urls.append(self._start(f"prefill{i}", "prefill", encoders=tuple(self.encoder_urls),
                                                      dp_rank=i))
-            # decode asks only the side channels of this cluster's prefills (their /health names them)
+            # decode asks only the side channels of this cluster's prefills (their /health names them, to the token)
+            auth = security.bearer_header(security.resolve(topology.secret))
             for i, url in enumerate(self.prefill_urls):
-                self.side_channels[f"prefill{i}"] = httpx.get(url + "/health", timeout=topology.timeout).json()[
-                    "kv_urls"]
+                self.side_channels[f"prefill{i}"] = httpx.get(url + "/health", headers=auth,
+                                                              timeout=topology.timeout).json()["kv_urls"]
             kv_producers = tuple(u for urls in self.side_channels.values() for u in urls)
             for i in range(topology.decodes):
                 self.decode_urls.append(self._start(f"decode{i}", "decode", kv_producers=kv_producers))

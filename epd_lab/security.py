@@ -6,7 +6,8 @@ dropped) in the environment of every process of a deployment. Never a command-li
 deployments, the default). With it:
 
 - HTTP: every route but ``/health`` needs ``Authorization: Bearer <secret>`` (`bearer_header`,
-  `check_bearer`); the proxy's OpenAI clients pass the secret as their ``api_key``.
+  `check_bearer`); the proxy's OpenAI clients pass the secret as their ``api_key``. ``/health`` answers anyone
+  alive or not, and its detail (the topology's addresses) only with the token.
 - The transfer engine's TCP port: a mutual challenge-response before any request (native code,
   ``epd_core.c``: HMAC-SHA256 over both sides' nonces).
 - ZMQ side channels (P→D KV asks and replies, E→P notifications): an HMAC-SHA256 tag in front of every

@@ -219,7 +219,13 @@ def cluster() -> Iterator[Cluster]:
 def test_every_role_requires_the_bearer_token_except_health(cluster):
     auth = {"Authorization": f"Bearer {SECRET}"}
     for url in cluster.urls():
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        # alive or not to anyone; the detail (addresses of side channels, engines, peers) only to the token
+        for headers in ({}, {"Authorization": f"Bearer {OTHER}"}, {"Authorization": SECRET}):
+            r = httpx.get(url + "/health", headers=headers, timeout=10)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, (url, r.text)
+            assert "127.0.0.1" not in r.text and "tcp://" not in r.text
+        detail = httpx.get(url + "/health", headers=auth, timeout=10).json()
+        assert detail["status"] == "ok" and "http" in detail, (url, detail)
         for headers in ({}, {"Authorization": f"Bearer {OTHER}"}, {"Authorization": SECRET}):
             r = httpx.get(url + "/metrics", headers=headers, timeout=10)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (url, r.text)
@@ -227,6 +233,8 @@ def test_every_role_requires_the_bearer_token_except_health(cluster):
         assert httpx.get(url + "/metrics", headers=auth, timeout=10).status_code == 200
     r = httpx.post(cluster.prefill_urls[0] + "/v1/prefill", json={}, timeout=10)
     assert r.status_code == 401 and r.json() == {"detail": r.json()["detail"]}  # the role's own error body
+    prefill = httpx.get(cluster.prefill_urls[0] + "/health", headers=auth, timeout=10).json()
+    assert prefill["kv_url"].startswith("tcp://127.0.0.1:") and prefill["kv_urls"] == [prefill["kv_url"]]
 
 
 def test_openai_clients_pass_the_secret_as_api_key_and_a_request_crosses_e_p_d(cluster):
@@ -248,7 +256,8 @@ def test_openai_clients_pass_the_secret_as_api_key_and_a_request_crosses_e_p_d(c
 
 
 def test_cluster_side_channels_refuse_clients_without_the_secret(cluster):
-    kv_url = httpx.get(cluster.prefill_urls[0] + "/health", timeout=10).json()["kv_url"]
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    kv_url = httpx.get(cluster.prefill_urls[0] + "/health", headers=auth, timeout=10).json()["kv_url"]
     with zmq.Context.instance().socket(zmq.REQ) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(kv_url)
@@ -256,7 +265,7 @@ def test_cluster_side_channels_refuse_clients_without_the_secret(cluster):
         assert sock.poll(5000)
         reply = decode_reply(security.verify(SECRET.encode(), security.KV_REPLY, sock.recv()))
     assert isinstance(reply, TransError) and "tag" in reply.error
-    health = httpx.get(cluster.prefill_urls[0] + "/health", timeout=10).json()
+    health = httpx.get(cluster.prefill_urls[0] + "/health", headers=auth, timeout=10).json()
     assert health["producer"]["unauthenticated"] >= 1
 
 

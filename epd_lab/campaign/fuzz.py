@@ -735,7 +735,7 @@ def fuzz(cluster: Any, *, inputs_per_server: int, frames_per_socket: int, seed: 
     end = t0 + time_budget_s
     timeout = cluster.topology.timeout + SLACK_S
     roles = _roles(cluster)
-    health = {url: httpx.get(url + "/health", timeout=timeout).json() for _, url, _ in roles}
+    health = {url: httpx.get(url + "/health", timeout=timeout, headers=_auth()).json() for _, url, _ in roles}
     http_ports = {int(url.rsplit(":", 1)[1]) for _, url, _ in roles}
     engines = {int(h["session_id"].rsplit(":", 1)[1]) for h in health.values() if "session_id" in h}
     kv_urls = [h["kv_url"] for h in health.values() if "kv_url" in h]

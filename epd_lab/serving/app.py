@@ -7,7 +7,8 @@ The role object the factory builds (off the event loop: model loads, engine star
 their status and ``{"detail": ...}`` (or the role's own shape: the proxy's OpenAI error objects), and so are
 unknown routes and any other exception (500, with its type and message); ``GET /health``, ``GET /metrics``,
 ``GET /v1/spans`` and ``GET /v1/clock`` are added. With a shared secret (``EPD_SECRET``), every route but
-``/health`` needs it as a bearer token (401 otherwise).
+``/health`` needs it as a bearer token (401 otherwise); ``/health`` answers anyone whether the role is alive
+(``{"status": ...}`` and 200 or 503), and its detail only with the token.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class RequireBearer:
     """ASGI middleware: every route but ``/health`` needs ``Authorization: Bearer <secret>``; anything else is
     answered 401 with the role's error body before the app sees it (`epd_lab.security`)."""
 
-    OPEN_ROUTES = frozenset({"/health"})  # probes (launchers, load balancers) carry no secret
+    OPEN_ROUTES = frozenset({"/health"})  # probes (load balancers) carry no secret: the route then shows status only
 
     def __init__(self, app: Any, secret: bytes, error_body: Callable[[ServingError], Any]) -> None:
         self.app, self.secret, self.error_body = app, secret, error_body
@@ -184,9 +185,9 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
     in a thread; if it has ``async def run()``, that runs as a task for the server's life (sweepers).
     `routes` are the role's own paths (the request counter's labels); `error_body` shapes an error's JSON.
     `secret`: with one (None takes ``EPD_SECRET`` from the environment), every route but ``/health`` needs it as
-    a bearer token (`RequireBearer`). `gate(server, scope)`: a refusal before routing (`Gate`), inside the
-    secret's check and the request counter."""
-    from fastapi import FastAPI, Request
+    a bearer token (`RequireBearer`), and ``/health`` shows only ``status`` without it. `gate(server, scope)`: a
+    refusal before routing (`Gate`), inside the secret's check and the request counter."""
+    from fastapi import FastAPI, Header, Request
     from fastapi.responses import PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -231,10 +232,14 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
         return await serving_error(request, error_for_status(exc.status_code, str(exc.detail)))
 
     @app.get("/health")
-    async def health() -> Any:
+    async def health(authorization: str | None = Header(None)) -> Any:
         report = await _maybe_await(app.state.server.health())
+        code = 200 if report.get("status") == "ok" else 503
+        if secret is not None and not security.check_bearer(secret, authorization):
+            # alive or not, to anyone; the rest names the topology's addresses (side channels, peers, sessions)
+            return json_response({"status": report.get("status")}, code)
         report.setdefault("http", http_info())
-        return json_response(report, 200 if report.get("status") == "ok" else 503)
+        return json_response(report, code)
 
     # routes are annotated `Any` (a module-level name): an annotation naming a class imported inside this
     # function cannot be resolved by FastAPI, and /openapi.json would answer 500
