@@ -44,8 +44,8 @@ from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings
 from epd_lab.serving import option, to_argv
-from epd_lab.serving.placement import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP, RUNTIME_NAMES,
-                                      transport_option)
+from epd_lab.servers.model_settings import (DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES, MODEL_HELP, RUNTIME_HELP,
+                                           RUNTIME_NAMES, transport_option)
 from epd_lab.trace import Recorder, Span, collect
 
 if TYPE_CHECKING:

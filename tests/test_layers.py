@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"transfer", "trace", "rdma_info"},  # the transfer engine, spans
     {"kv", "machine"},  # P→D blocks and their wire; the host record
     {"models"},  # the model, its runtimes over the paged cache
-    {"serving", "http_client", "aio_http"},  # what every server shares: HTTP (its clients), admission, placement
+    {"serving", "http_client", "aio_http"},  # what every server shares: HTTP (its clients), admission, settings
     {"ep"},  # E→P below the servers: messages, media, cache, receiver
     {"servers"},  # encoder, prefill, decode, proxy, monolithic
     {"launch", "launch_ray"},  # clusters of server processes, local or on Ray

@@ -77,7 +77,8 @@ from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import messages_to_prompt
-from epd_lab.serving.placement import DEVICE_HELP, MODEL_HELP, use_device
+from epd_lab.models.catalog import use_device
+from epd_lab.servers.model_settings import DEVICE_HELP, MODEL_HELP
 from epd_lab.trace import TRANSFER_STAGES, critical_path, summarize_critical_paths
 
 TEXT = "what is in this picture?"

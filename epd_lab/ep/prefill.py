@@ -14,7 +14,7 @@ from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, Landing, ReceivedEm
 from epd_lab.kv import BlockManager, OutOfBlocks, PagedKVCache, blocks_needed
 from epd_lab.models import build_input_ids, model_device, preprocess
 from epd_lab.models.runtime import PrefillOutput, open_runtime
-from epd_lab.serving.placement import synchronize
+from epd_lab.models.catalog import synchronize
 from epd_lab.trace import Span
 
 

@@ -20,7 +20,8 @@ from epd_lab.models import shapes
 from epd_lab.models.tiny import ATTN_IMPLEMENTATION, load_model
 from epd_lab.models.vision import make_image_invariant
 
-__all__ = ["DEVICE_NAME", "DTYPE_NAMES", "MODEL_SHAPES", "model_device", "open_model", "resolve_device", "resolve_dtype"]
+__all__ = ["DEVICE_NAME", "DTYPE_NAMES", "MODEL_SHAPES", "model_device", "open_model", "resolve_device", "resolve_dtype",
+           "synchronize", "use_device"]
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16")
 # The names `open_model` takes besides a directory (for a CLI's help); a name wins over a directory of that name.
@@ -65,6 +66,23 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"--device {name}: this process sees {count} CUDA device(s), "
                          f"cuda:0 to cuda:{count - 1} (CUDA_VISIBLE_DEVICES renumbers them)")
     return torch.device("cuda", index)
+
+
+def use_device(name: str) -> torch.device:
+    """Where a role starts: the device ``--device name`` names (`resolve_device`: a GPU that is not there is a
+    ValueError with the reason), made this process's current CUDA device, so that what runs without naming
+    one (the transfer engine's CUDA calls, ``torch.cuda.synchronize()``) runs on the role's GPU."""
+    device = resolve_device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a span ends when the work did (kernels run asynchronously);
+    nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -11,4 +11,6 @@
   floor the split is measured against; `front`: ``python -m epd_lab.servers.front --replica URL,URL``, a
   round-robin front over monolithic replicas.
 - `messages`: the prefill and decode servers' HTTP bodies; `reference`: the monolithic answer a chat must equal.
+- `model_settings`: the model roles' shared ``--model``/``--device``/``--dtype``/``--runtime`` (`ModelSettings`),
+  paged-KV options (`PagedKVSettings`) and ``--transport`` (`transport_option`).
 """

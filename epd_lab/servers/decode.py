@@ -90,7 +90,8 @@ from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (KV_DEADLINE_HEADER, Admission, BadGateway, BadRequest, Conflict, Forbidden,
                              GatewayTimeout, Metric, NotFound, ServingError, Unavailable, deadline_budget,
                              engine_metrics, option, read_struct, role_app, serve_main)
-from epd_lab.serving.placement import PagedKVSettings, check_transport, transport_option, use_device
+from epd_lab.models.catalog import use_device
+from epd_lab.servers.model_settings import PagedKVSettings, check_transport, transport_option
 from epd_lab.serving.settings import check_at_least, check_positive
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span

@@ -119,7 +119,8 @@ from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Co
 from epd_lab.models import processor
 from epd_lab.models.runtime import open_runtime
 from epd_lab.servers.encoder_tp import EncoderTPGroup
-from epd_lab.serving.placement import ModelSettings, check_transport, synchronize, transport_option, use_device
+from epd_lab.models.catalog import synchronize, use_device
+from epd_lab.servers.model_settings import ModelSettings, check_transport, transport_option
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive
 from epd_lab.trace import Recorder, Span, clock_id
 from epd_lab.transfer import (

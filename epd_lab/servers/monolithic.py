@@ -39,7 +39,8 @@ from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.servers.text import Detokenizer, detokenize
 from epd_lab.serving import (BadRequest, Metric, ServingError, Unavailable, decode_body, json_response, option,
                              read_body, role_app, serve_main)
-from epd_lab.serving.placement import PagedKVSettings, use_device
+from epd_lab.models.catalog import use_device
+from epd_lab.servers.model_settings import PagedKVSettings
 from epd_lab.serving.settings import check_at_least, check_positive
 from epd_lab.trace import Recorder, Span
 

@@ -73,7 +73,8 @@ from epd_lab.servers.text import prompt_tokens
 from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, client_gone,
                              deadline_budget, decode_body, engine_metrics, error_for_status, option, read_body,
                              read_struct, role_app, serve_main)
-from epd_lab.serving.placement import PagedKVSettings, check_transport, synchronize, transport_option, use_device
+from epd_lab.models.catalog import synchronize, use_device
+from epd_lab.servers.model_settings import PagedKVSettings, check_transport, transport_option
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive, check_urls
 from epd_lab.trace import Recorder, Span
 

@@ -172,7 +172,7 @@ def _allocate(pool: BlockManager, n: int, wait_s: float) -> list[int]:
 def _step(msg: PrefillStep, tp: TPGroup, runtime: Any, pool: BlockManager, producer: KVProducer,
           block_size: int, device: torch.device) -> tuple[int, str]:
     """Run one step on this rank; its (status, error), (0, "") when it went through."""
-    from epd_lab.serving.placement import synchronize
+    from epd_lab.models.catalog import synchronize
 
     table: list[int] | None = None
     status, error = 0, ""

@@ -263,7 +263,7 @@ def open_rank(args: argparse.Namespace, done: zmq.Socket, engine: bool = False,
     told (its start fails with the reason) and the rank should exit."""
     from epd_lab import models
     from epd_lab.ep.messages import DTYPES
-    from epd_lab.serving.placement import use_device
+    from epd_lab.models.catalog import use_device
     from epd_lab.transfer import open_engine
 
     models.configure_torch(threads=1)

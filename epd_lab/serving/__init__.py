@@ -10,8 +10,6 @@
 - `metrics`: the request counter and the Prometheus text writer.
 - `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`);
   `ServerSettings`, every role's base.
-- `placement`: the model roles' shared ``--model``/``--device``/``--dtype``/``--runtime`` (`ModelSettings`) and
-  paged-KV options (`PagedKVSettings`); imports torch, so it is not re-exported here.
 - `stream`: `ClosingStreamingResponse`, a streamed answer that cleans up however it ends; needs Starlette, so it
   is not re-exported here either.
 """

@@ -10,7 +10,7 @@
 command line that recreates given settings, which `epd_lab.launch` starts each process with.
 
 `ServerSettings` (``--host``, ``--port``) is every role's base; the model roles' bases, which add the model's
-placement and the paged KV cache, are `epd_lab.serving.placement`'s (they need torch; the proxy does not).
+placement and the paged KV cache, are `epd_lab.servers.model_settings`'s (they need torch; the proxy does not).
 `check_at_least`, `check_positive`, `check_choice` and `check_urls` (a role's backends) are the checks the roles'
 ``__post_init__`` share, each with one message.
 """

@@ -1,28 +1,26 @@
-"""Where and how a role's model runs: the ``--model``, ``--device``, ``--dtype`` and ``--runtime`` options every
-model role shares (`ModelSettings`, the base of their settings), and the paged KV cache's ``--kv-blocks`` and
+"""A model role's settings: where and how its model runs, the ``--model``, ``--device``, ``--dtype`` and ``--runtime``
+options every model role shares (`ModelSettings`, the base of their settings), and the paged KV cache's ``--kv-blocks`` and
 ``--block-size`` that prefill, decode and the monolithic floor add (`PagedKVSettings`), and the ``--transport``
 of the roles that open a transfer engine (`transport_option`).
 
 A role on ``cuda[:N]`` keeps its model and what it computes on that GPU: the encoder its embeddings (and its
 embedding cache), prefill and decode their paged KV cache, registered with the transfer engine, which then
 moves them GPU to GPU (`epd_lab.transfer.cuda`). ``--dtype auto`` is bfloat16 on CUDA and float32 on the CPU.
+A role makes its device current with `epd_lab.models.catalog.use_device`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import torch
-
-from epd_lab.models import DEFAULT_MODEL_DIR, DTYPE_NAMES, resolve_device, resolve_dtype
+from epd_lab.models import DEFAULT_MODEL_DIR, DTYPE_NAMES, resolve_dtype
 from epd_lab.models.catalog import DEVICE_NAME
 from epd_lab.models.runtime import RUNTIMES
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, option
 from epd_lab.transfer.registry import ENGINES, transports
 
 __all__ = ["DEVICE_HELP", "DTYPE_HELP", "DTYPE_NAMES", "MODEL_HELP", "RUNTIME_HELP", "RUNTIME_NAMES", "ModelSettings",
-           "PagedKVSettings", "check_placement", "check_transport", "synchronize", "transport_option",
-           "use_device"]
+           "PagedKVSettings", "check_placement", "check_transport", "transport_option"]
 
 MODEL_HELP = "a local model directory, or a model shape: tiny, qwen2-vl-2b, qwen2-vl-7b (default: tiny)"
 DEVICE_HELP = "cpu, cuda or cuda:N: where the model runs and the role's embeddings or KV cache live"
@@ -87,19 +85,3 @@ class PagedKVSettings(ModelSettings):
         ModelSettings.__post_init__(self)
         check_at_least(self, 1, "kv_blocks", "block_size")
 
-
-def use_device(name: str) -> torch.device:
-    """Where a role starts: the device ``--device name`` names (`resolve_device`: a GPU that is not there is a
-    ValueError with the reason), made this process's current CUDA device, so that what runs without naming
-    one (the transfer engine's CUDA calls, ``torch.cuda.synchronize()``) runs on the role's GPU."""
-    device = resolve_device(name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued work, so that a span ends when the work did (kernels run asynchronously);
-    nothing on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
