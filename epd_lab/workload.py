@@ -13,6 +13,7 @@ of its own. Each worker takes the next request when its last one ends (closed lo
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -23,9 +24,17 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from epd_lab.bench.epd import make_images
 from epd_lab.ep.prefill import EPDPrefill, EPDResult, reference_prefill
+from epd_lab.noise import noise_images
 from epd_lab.trace import STAGES, request_breakdown, save_frame, to_chrome_trace
+
+
+def make_images(directory: str, side: int, count: int, seed: int) -> list[str]:
+    """`count` random RGB PNGs of `side`², distinct (so no encoder cache hit)."""
+    paths = [os.path.join(directory, f"img_{side}_{seed}_{i}.png") for i in range(count)]
+    for path, image in zip(paths, noise_images([(side, side)] * count, seed)):
+        image.save(path)
+    return paths
 
 
 @dataclass(slots=True)

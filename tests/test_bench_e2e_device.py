@@ -196,7 +196,7 @@ def test_stream_client_times_each_chunk_as_it_arrives_and_replaces_a_dropped_con
 
 
 def test_an_mps_daemon_is_found_by_its_process_not_by_a_pipe_left_behind():
-    from epd_lab.bench.transfer_cuda import MPS_COMM, mps_daemon
+    from epd_lab.machine import MPS_COMM, mps_daemon
 
     assert not mps_daemon()  # none runs here (the control pipe a quit daemon leaves does not count)
     # a process named as the daemon is (its comm), for as long as it runs

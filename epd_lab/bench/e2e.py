@@ -60,6 +60,7 @@ from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.ep.receiver import RECV_BUFFERS, resolve_recv_buffer
 from epd_lab.http_client import Connection, header_lines, request_bytes
 from epd_lab.launch import Cluster, Topology
+from epd_lab.machine import machine_info
 from epd_lab.kv import PagedKVCache, blocks_needed
 from epd_lab.models import (
     DTYPE_NAMES,
@@ -662,7 +663,7 @@ def run(backends: tuple[str, ...], requests: int, max_tokens: int, log=print, pi
         def result(complete: bool, log=log) -> dict:
             summary = [_summarize(floor, [r for r in rows[len(floors):] if _point(point).items() <= r.items()], log)
                        for floor, point in zip(floors, points)]
-            return {"machine": _machine(device), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            return {"machine": machine_info(gpu=device.type == "cuda"), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "complete": complete, "device": str(device), "gpu": _gpu_name(device), "model": setup.model,
                     "dtype": resolve_dtype(setup.dtype, setup.device), "runtime": setup.runtime,
                     "media": setup.media, "recv_buffer": resolve_recv_buffer(setup.recv_buffer, setup.device),
@@ -712,17 +713,6 @@ def _summarize(floor: dict, rows: list[dict], log=print) -> dict:
 
 def _gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-
-def _machine(device: torch.device) -> dict:
-    """The host, and on CUDA the GPU, driver and CUDA versions too (`bench.transfer_cuda.machine_info`)."""
-    if device.type == "cuda":
-        from epd_lab.bench.transfer_cuda import machine_info as gpu_machine_info
-
-        return gpu_machine_info()
-    from epd_lab.machine import machine_info
-
-    return machine_info()
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -17,7 +17,6 @@ buffers carved from one registered-once memfd buffer) instead of a `torch.empty`
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -30,16 +29,8 @@ from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.launch import Cluster, Topology
 from epd_lab.machine import machine_info
 from epd_lab.models import configure_torch, load_model
-from epd_lab.noise import noise_images
 from epd_lab.trace import STAGES, Recorder, request_breakdown
-
-
-def make_images(directory: str, side: int, count: int, seed: int) -> list[str]:
-    """`count` random RGB PNGs of `side`², distinct (so no encoder cache hit)."""
-    paths = [os.path.join(directory, f"img_{side}_{seed}_{i}.png") for i in range(count)]
-    for path, image in zip(paths, noise_images([(side, side)] * count, seed)):
-        image.save(path)
-    return paths
+from epd_lab.workload import make_images
 
 
 POOL_BYTES = 256 << 20

@@ -36,7 +36,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from epd_lab.bench import read_json, write_json
 from epd_lab.kv.paged_cache import PagedKVCache
-from epd_lab.machine import commit
+from epd_lab.machine import commit, machine_info
 from epd_lab.models import build_input_ids, configure_torch, open_model, preprocess
 from epd_lab.models.processor import image_processor
 from epd_lab.models.runtime import RUNTIMES, open_runtime
@@ -361,11 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_torch(threads=1)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda":
-        from epd_lab.bench.transfer_cuda import machine_info
-    else:
-        from epd_lab.machine import machine_info
-    machine = machine_info()
+    machine = machine_info(gpu=device.type == "cuda")
     machine["commit"] = commit()  # the device's copy of the tree may carry an older .git: EPD_LAB_COMMIT
     results = [measure(m, device, dtype, args.runtimes.split(","), args.repeats, args.profile_repeats)
                for m in args.models.split(",")]

@@ -22,12 +22,12 @@ import time
 import msgspec
 
 from epd_lab.bench import write_json
-from epd_lab.bench.epd import make_images
 from epd_lab.ep.prefill import EPDPrefill
 from epd_lab.launch import Cluster, Topology
 from epd_lab.machine import machine_info
 from epd_lab.models import configure_torch, load_model
 from epd_lab.trace import Recorder, Span
+from epd_lab.workload import make_images
 
 TARGET = 0.02
 

@@ -23,11 +23,9 @@ shape built on the GPU (seeded random weights, bf16) with one 4096-token prefill
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import pickle
-import platform
 import subprocess
 import sys
 import time
@@ -38,12 +36,12 @@ import numpy as np
 
 from epd_lab.bench import write_json
 from epd_lab.bench.timing import Row, format_ratios, format_row, measure, size_label, to_row
+from epd_lab.machine import machine_info
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
 SCATTER_BLOCKS, SCATTER_BLOCK = 256, 64 * KiB
 SCATTER_SPAN = 2 * SCATTER_BLOCKS * SCATTER_BLOCK
-MPS_COMM = "nvidia-cuda-mps"  # the MPS control daemon's name as /proc/<pid>/comm holds it (15 characters)
 PATHS = ("d2d", "cuda", "cuda_api", "cuda_loop", "cuda_arrays", "pinned_staging", "zmq_pickle")
 SCATTER_ONLY = ("cuda_api", "cuda_loop", "cuda_arrays")
 ZMQ_MAX = 256 * MiB  # pickling a GiB per repeat adds nothing but minutes
@@ -455,37 +453,6 @@ def model_shape(name: str) -> dict:
     return result
 
 
-def machine_info() -> dict:
-    import torch
-
-    from epd_lab.machine import machine_info as cpu_info
-
-    props = torch.cuda.get_device_properties(0)
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip()
-    except (OSError, subprocess.SubprocessError):
-        driver = None
-    return {**cpu_info(), "gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count(),
-            "gpu_memory_gib": round(props.total_memory / GiB, 1), "sm_count": props.multi_processor_count,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
-            "python": platform.python_version(), "mps": mps_daemon()}
-
-
-def mps_daemon() -> bool:
-    """Whether an MPS control daemon (``nvidia-cuda-mps-control -d``) runs on this host: the GPU's processes are
-    then its clients, sharing one context. Its process is looked for, not its control pipe, which stays behind
-    after the daemon quits."""
-    for comm in glob.glob("/proc/[0-9]*/comm"):
-        try:
-            with open(comm) as f:
-                if f.read().strip() == MPS_COMM:
-                    return True
-        except OSError:  # the process ended meanwhile
-            continue
-    return False
-
-
 def ratios(rows: list[dict], kv: list[dict]) -> list[dict]:
     """The `cuda` transport's targets as ratios of medians measured in this run."""
     def g(path: str, size: int, blocks: int = 1) -> float | None:
@@ -595,7 +562,7 @@ def run(paths: tuple[str, ...] = PATHS, sizes: tuple[int, ...] = SIZES, budget_s
         except Exception as exc:  # a shape that cannot build here is reported, the rest stands
             skipped[f"model {name}"] = f"{type(exc).__name__}: {exc}"
             log(f"  model {name}: skipped ({skipped[f'model {name}']})")
-    result = {"machine": machine_info(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result = {"machine": machine_info(gpu=True), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "rows": [asdict(r) for r in rows], "skipped": skipped, "device_time": gpu_time, "kv_4k": kv,
               "models": models,
               "untested": ["GPU memory across hosts (a GPU destination on another host is refused; GPU sources "
