@@ -127,7 +127,7 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace, rest: list[
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "rdma-info":
-        from epd_lab.rdma_info import format_rdma_info, rdma_info
+        from epd_lab.transfer.rdma_info import format_rdma_info, rdma_info
 
         print(format_rdma_info(rdma_info()))
     return 0

@@ -1,4 +1,4 @@
-"""The proxy's asyncio HTTP client (`epd_lab.aio_http`) against a real HTTP/1.1 server on a socket, scripted by path
+"""The proxy's asyncio HTTP client (`epd_lab.http.aio`) against a real HTTP/1.1 server on a socket, scripted by path
 to answer, stream, stall, cut or garble; and behind the proxy against uvicorn (test_proxy, test_front)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from epd_lab.aio_http import MAX_BUFFERED, AsyncHTTPClient, BrokenAnswer, ConnectError, Disconnected
+from epd_lab.http.aio import MAX_BUFFERED, AsyncHTTPClient, BrokenAnswer, ConnectError, Disconnected
 
 
 class _Server:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from epd_lab.http_client import HTTPError, KeepAliveClient
+from epd_lab.http.client import HTTPError, KeepAliveClient
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -102,7 +102,7 @@ def test_errors_are_raised_within_the_timeout(server: _Server) -> None:
 
 
 def test_an_idle_connection_is_retired_before_the_servers_keep_alive(server: _Server, monkeypatch) -> None:
-    import epd_lab.http_client as module
+    import epd_lab.http.client as module
 
     monkeypatch.setattr(module, "CLIENT_KEEPALIVE_S", 0.1)
     with KeepAliveClient(timeout=5) as client:

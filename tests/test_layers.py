@@ -19,10 +19,10 @@ PKG = Path(__file__).resolve().parents[1] / "epd_lab"
 # lowest first; a unit may import from its own layer and every layer before it
 LAYERS: list[set[str]] = [
     {"_native", "_verbs", "security", "failpoints", "procs", "wire_types", "noise", "boundary"},  # bindings, leaf helpers
-    {"transfer", "trace", "rdma_info"},  # the transfer engine, spans
+    {"transfer", "trace"},  # the transfer engine (and what RDMA hardware the host has), spans
     {"kv", "machine"},  # P→D blocks and their wire; the host record
     {"models"},  # the model, its runtimes over the paged cache
-    {"serving", "http_client", "aio_http"},  # what every server shares: HTTP (its clients), admission, settings
+    {"serving", "http"},  # what every server shares: HTTP (its clients), admission, settings
     {"ep"},  # E→P below the servers: messages, media, cache, receiver
     {"servers"},  # encoder, prefill, decode, proxy, monolithic
     {"launch", "launch_ray"},  # clusters of server processes, local or on Ray

@@ -1,4 +1,4 @@
-"""`epd_lab.rdma_info`: the report's shape on this host (no RDMA device), and its device path with stubs."""
+"""`epd_lab.transfer.rdma_info`: the report's shape on this host (no RDMA device), and its device path with stubs."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import epd_lab
-from epd_lab import rdma_info as ri
+from epd_lab.transfer import rdma_info as ri
 
 
 def test_rdma_info_shape() -> None:

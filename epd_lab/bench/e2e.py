@@ -58,7 +58,7 @@ from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.ep.media import MediaPolicy, fetch_media
 from epd_lab.ep.messages import BACKENDS, DTYPES
 from epd_lab.ep.receiver import RECV_BUFFERS, resolve_recv_buffer
-from epd_lab.http_client import Connection, header_lines, request_bytes
+from epd_lab.http.client import Connection, header_lines, request_bytes
 from epd_lab.launch import Cluster, Topology
 from epd_lab.machine import machine_info
 from epd_lab.kv import PagedKVCache, blocks_needed

@@ -5,7 +5,7 @@ make them: a ~200 B JSON body (``small``) and a ~200 KB one (``image``: a base64
 answered with ~200 B of JSON. The server is a FastAPI app served by `epd_lab.serving` (the path every role
 starts through) in its own process, one per stack: uvicorn's parser (h11 or httptools) on its event loop
 (asyncio or uvloop). The clients: ``httpx.Client``, ``http.client`` (HTTPConnection),
-``httpx.AsyncClient``, ``aiohttp`` and ``aio_http`` (`epd_lab.aio_http`, the proxy's client), the async ones on
+``httpx.AsyncClient``, ``aiohttp`` and ``aio_http`` (`epd_lab.http.aio`, the proxy's client), the async ones on
 each loop.
 Every client holds one connection to each server for the whole run.
 
@@ -47,7 +47,7 @@ import msgspec
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import Response
 
-from epd_lab.aio_http import AsyncHTTPClient
+from epd_lab.http.aio import AsyncHTTPClient
 from epd_lab.bench import write_json
 from epd_lab.machine import machine_info
 from epd_lab.serving import CLIENT_KEEPALIVE_S, LOOPS, PARSERS, bind_tcp, http_info, serve_and_announce, url_of

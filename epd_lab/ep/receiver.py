@@ -72,7 +72,7 @@ from epd_lab import security
 from epd_lab.ep.messages import MAX_ZMQ_BYTES
 from epd_lab.ep.push import NOTIFY_MAX_BYTES
 from epd_lab.failpoints import failpoint
-from epd_lab.http_client import HTTPError, KeepAliveClient
+from epd_lab.http.client import HTTPError, KeepAliveClient
 from epd_lab.serving import PROBE_INTERVAL, PROBE_TIMEOUT, Circuits
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive, check_urls
 from epd_lab.trace import Recorder, clock_id

@@ -38,7 +38,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from epd_lab.aio_http import Answer
+from epd_lab.http.aio import Answer
 from epd_lab.servers.openai_api import MODEL_ID, error_body, model_list
 from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, backend_health,
                                      backend_metrics)

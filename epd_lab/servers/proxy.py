@@ -17,7 +17,7 @@ One request, as vLLM's disaggregated proxy does it:
 
 This module is the orchestration; OpenAI's shapes are `epd_lab.servers.openai_api`'s, the backend pools and the
 client that calls them (probes, choice, a POST passed on to the next backend) `epd_lab.servers.routing`'s, the
-backends' bodies `epd_lab.servers.messages`'s. Backends are called through `epd_lab.aio_http` (kept-alive connections).
+backends' bodies `epd_lab.servers.messages`'s. Backends are called through `epd_lab.http.aio` (kept-alive connections).
 
 Choice (``--policy``): ``round_robin``, or ``least_loaded`` (fewest requests in flight as this proxy counts
 them; ties in round-robin order). A backend that refuses connections is marked down and skipped for
@@ -89,7 +89,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from epd_lab.aio_http import Answer
+from epd_lab.http.aio import Answer
 from epd_lab.servers.messages import AbortResponse, PrefillResponse, StreamDone, StreamError, StreamLine, StreamToken
 from epd_lab.servers.openai_api import (MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request,
                                         usage)

@@ -6,7 +6,7 @@ order). A backend that refused a connection is skipped for ``retry_after`` secon
 its ``/health`` probes, and answered nothing else meanwhile, is skipped until it answers again
 (`epd_lab.serving.Liveness`: busy is not frozen). Which backends are up, and when each is probed, is
 `epd_lab.serving.Circuits`, shared with the prefill's receiver (`epd_lab.ep.receiver`); this module does the I/O
-over it, with `epd_lab.aio_http`.
+over it, with `epd_lab.http.aio`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from epd_lab import security
-from epd_lab.aio_http import Answer, AsyncHTTPClient, ClientError, ConnectError, Disconnected
+from epd_lab.http.aio import Answer, AsyncHTTPClient, ClientError, ConnectError, Disconnected
 from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Circuits, Liveness, Metric,
                              ServingError, Unavailable)
 

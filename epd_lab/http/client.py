@@ -5,7 +5,7 @@ Why not httpx: on the 2-core VM, one kept-alive POST round trip to our uvicorn s
 image body (`epd-lab bench http`, `data/bench/http.json`). Why not `http.client` either (since 6c779f6,
 2026-12-03): a socket that sends each request in one call and httptools (uvicorn's parser) reading the answer took
 236 against 387 µs for the same 200 B POST (medians of 10 rounds of 200, side by side, 2-vCPU AMD EPYC), as the
-proxy's asyncio client (`epd_lab.aio_http`) did against aiohttp. The receiver makes two such hops per part
+proxy's asyncio client (`epd_lab.http.aio`) did against aiohttp. The receiver makes two such hops per part
 (`/encode`, `/send`), and the /encode one is on every request's critical path.
 
 Connections are pooled per host:port and reused; each is used by one thread at a time, and none is reused after

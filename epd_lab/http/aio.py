@@ -10,7 +10,7 @@ and the front use: POST and GET, bodies given whole, answers read whole (`Answer
 
 Connections are pooled per host:port, most recently used first, and none is reused after `CLIENT_KEEPALIVE_S`
 idle (before the servers' own keep-alive ends it). A request that fails on a *reused* connection before any byte
-of its answer came (the server closed it meanwhile) is sent once more on a fresh one, as `epd_lab.http_client`
+of its answer came (the server closed it meanwhile) is sent once more on a fresh one, as `epd_lab.http.client`
 does; on a fresh connection that is `Disconnected`: the server closed it, it did not answer. When the fresh one
 cannot even connect, the server died with the request possibly on it: `Disconnected` too, not `ConnectError`
 (which says the request never reached it). An answer read to
@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import httptools
 
-from epd_lab.http_client import header_lines, request_bytes
+from epd_lab.http.client import header_lines, request_bytes
 from epd_lab.serving import CLIENT_KEEPALIVE_S
 
 __all__ = ["Answer", "AsyncHTTPClient", "BrokenAnswer", "ClientError", "ConnectError", "Disconnected"]
