@@ -1,5 +1,5 @@
 """Helpers shared by the tests: a free loopback port, a polling wait, a child's next line, a process's state (alive,
-frozen), a circle in a graph, a /metrics sample, one chat through an OpenAI-compatible endpoint.
+frozen), a circle in a graph, a /metrics text and its samples, one chat through an OpenAI-compatible endpoint.
 
 Random-noise test images come from `epd_lab.noise`; the `one_thread` and `model` fixtures live in ``conftest.py``.
 """
@@ -62,15 +62,35 @@ def alive(pid: int, started: str | None = None) -> bool:
 
 
 def metrics(url: str, **get: Any) -> str:
-    """The Prometheus text of `url`'s ``/metrics`` (`get`: httpx.get's options, e.g. headers)."""
+    """`url`'s ``/metrics``, as `plain_metrics` writes it (`get`: httpx.get's options, e.g. headers)."""
     import httpx
 
     get.setdefault("timeout", 10)
-    return httpx.get(url + "/metrics", **get).text
+    return plain_metrics(httpx.get(url + "/metrics", **get).text)
+
+
+def plain_metrics(text: str) -> str:
+    """A Prometheus exposition parsed by prometheus-client's parser (a malformed one raises) and written back one
+    sample a line, ``name{labels} value``: labels in their order, less the ``model_name`` every sample carries,
+    whole values without ``.0``; each family's ``# TYPE`` line before its samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lines = []
+    for family in text_string_to_metric_families(text):
+        lines.append(f"# TYPE {family.name} {family.type}")
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels.items() if k != "model_name")
+            value = int(sample.value) if float(sample.value).is_integer() else sample.value
+            lines.append(f"{sample.name}{{{labels}}} {value}" if labels else f"{sample.name} {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def metric_samples(text: str, name: str) -> dict[str, float]:
-    """The samples of metric `name` in a Prometheus text by their labels (``'path="tcp"'``; ``''`` unlabelled)."""
+    """The samples of metric `name` in a `plain_metrics` text by their labels (``'path="tcp"'``; ``''`` unlabelled)."""
     pattern = rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$"
     return {m[1] or "": float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
 
@@ -79,8 +99,8 @@ _ABSENT = object()
 
 
 def metric(text: str, sample: str, default: Any = _ABSENT) -> Any:
-    """The value of one sample, named with its labels as the text writes them (``epd_proxy_requests_total{...}``);
-    `default` when absent, else an AssertionError."""
+    """The value of one sample of a `plain_metrics` text, named with its labels as that writes them
+    (``epd_lab:proxy_requests_total{...}``); `default` when absent, else an AssertionError."""
     for line in text.splitlines():
         head, _, value = line.rpartition(" ")
         if head == sample:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from epd_lab.serving import STALL_MISSES, STALL_SILENCE, Admission, BadRequest, Liveness, Unavailable, deadline_budget
 from epd_lab.serving.admission import PRIOR_SAMPLES, Drain, RecentLow
-from epd_lab.serving.metrics import metrics_text
+from epd_lab.serving.metrics import RoleMetrics
+from helpers import plain_metrics
 
 
 def run(coro):
@@ -154,12 +156,30 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_refused_then_and_leaves
     run(go())
 
 
+class _Families:
+    """A collector of fixed families."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self) -> list:
+        return self.families
+
+
+def exposition(role: str, admission: Admission) -> str:
+    """`admission`'s families as a role's /metrics writes them (prometheus-client), read back by `plain_metrics`."""
+    registry = CollectorRegistry()
+    registry.register(_Families(admission.metric_families(RoleMetrics(role, "m"))))
+    return plain_metrics(generate_latest(registry).decode())
+
+
 def test_admission_metrics_name_every_refusal_reason():
     admission = Admission("prefill", workers=4, max_queued=1024, timeout=10.0)
-    text = metrics_text("epd_prefill", {}, admission.metric_families())
-    for line in ('epd_prefill_refused_total{reason="deadline"} 0', 'epd_prefill_refused_total{reason="queue_full"} 0',
-                 'epd_prefill_refused_total{reason="expired"} 0', "epd_prefill_queue_length 0",
-                 "epd_prefill_predicted_wait_seconds 0.0", "epd_prefill_workers 4", "epd_prefill_admitted 0"):
+    text = exposition("prefill", admission)
+    for line in ('epd_lab:prefill_refused_total{reason="deadline"} 0',
+                 'epd_lab:prefill_refused_total{reason="queue_full"} 0',
+                 'epd_lab:prefill_refused_total{reason="expired"} 0', "epd_lab:prefill_queue_length 0",
+                 "epd_lab:prefill_predicted_wait_seconds 0", "epd_lab:prefill_workers 4", "epd_lab:prefill_admitted 0"):
         assert line in text
     assert admission.stats()["refused"] == {"deadline": 0, "queue_full": 0, "expired": 0}
 
@@ -238,8 +258,8 @@ def test_weighted_requests_take_their_units_in_fifo_order_and_wait_for_what_come
         for ticket in granted:
             ticket.leave()
         assert admission.admitted == 0
-        text = metrics_text("decode", {}, admission.metric_families())
-        assert "decode_queued_total 2" in text
+        text = exposition("decode", admission)
+        assert "epd_lab:decode_queued_total 2" in text
 
     run(go())
 
@@ -253,8 +273,8 @@ def test_a_weighted_waiter_is_refused_when_the_units_ahead_of_it_cannot_come_bac
         with pytest.raises(Unavailable, match=r"decode KV overloaded: predicted wait 0\.70 s .* on 10 blocks"):
             await admission.enter(1.5, units=8)
         held.leave()
-        text = metrics_text("decode", {}, admission.metric_families())
-        assert 'decode_kv_admission_refused_total{reason="deadline"} 1' in text
+        text = exposition("decode", admission)
+        assert 'epd_lab:decode_kv_admission_refused_total{reason="deadline"} 1' in text
 
     run(go())
 

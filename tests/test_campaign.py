@@ -77,23 +77,29 @@ def test_campaign_refuses_a_bad_count(tmp_path):
 
 
 def test_pool_levels_reads_only_pool_gauges():
-    text = ("# TYPE epd_prefill_kv_blocks_used gauge\nepd_prefill_kv_blocks_used 3\n"
-            "# TYPE epd_prefill_capacity gauge\nepd_prefill_capacity 36\n"
-            "# TYPE epd_proxy_backend_inflight gauge\n"
-            'epd_proxy_backend_inflight{role="prefill",url="a"} 1\nepd_proxy_backend_inflight{role="decode",url="b"} 2\n'
-            "# TYPE epd_decode_requests_finished_total counter\nepd_decode_requests_finished_total 9\n")
+    m = 'model_name="m"'
+    text = (f"# TYPE epd_lab:prefill_kv_blocks_used gauge\nepd_lab:prefill_kv_blocks_used{{{m}}} 3.0\n"
+            f"# TYPE epd_lab:prefill_capacity gauge\nepd_lab:prefill_capacity{{{m}}} 36.0\n"
+            "# TYPE epd_lab:proxy_backend_inflight gauge\n"
+            f'epd_lab:proxy_backend_inflight{{{m},role="prefill",url="a"}} 1.0\n'
+            f'epd_lab:proxy_backend_inflight{{{m},role="decode",url="b"}} 2.0\n'
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{m}}} 5.0\n"
+            f"# TYPE epd_lab:decode_requests_finished counter\nepd_lab:decode_requests_finished_total{{{m}}} 9.0\n")
     assert pool_levels(text) == {"kv_blocks_used": 3.0, "backend_inflight": 3.0}
     assert "kv_blocks_used" in LEAK_GAUGES
-    reserved = "# TYPE epd_decode_kv_blocks_reserved gauge\nepd_decode_kv_blocks_reserved 12\n"
+    reserved = f"# TYPE epd_lab:decode_kv_blocks_reserved gauge\nepd_lab:decode_kv_blocks_reserved{{{m}}} 12.0\n"
     assert pool_levels(reserved) == {"kv_blocks_reserved": 12.0} and "kv_blocks_reserved" in LEAK_GAUGES
 
 
 def test_refusal_counts_by_reason_keep_decode_kv_refusals_apart():
-    text = ('# TYPE epd_decode_refused_total counter\nepd_decode_refused_total{reason="deadline"} 2\n'
-            'epd_decode_refused_total{reason="expired"} 0\n'
-            '# TYPE epd_decode_kv_admission_refused_total counter\n'
-            'epd_decode_kv_admission_refused_total{reason="deadline"} 3\n'
-            'epd_decode_kv_admission_refused_total{reason="expired"} 1\n')
+    m = 'model_name="m"'
+    text = (f'# TYPE epd_lab:decode_refused counter\nepd_lab:decode_refused_total{{{m},reason="deadline"}} 2.0\n'
+            f'epd_lab:decode_refused_total{{{m},reason="expired"}} 0.0\n'
+            '# TYPE epd_lab:decode_kv_admission_refused counter\n'
+            f'epd_lab:decode_kv_admission_refused_total{{{m},reason="deadline"}} 3.0\n'
+            f'epd_lab:decode_kv_admission_refused_total{{{m},reason="expired"}} 1.0\n'
+            '# TYPE epd_lab:refusals counter\n'  # the floor's summary of every refusal: not counted twice
+            f'epd_lab:refusals_total{{{m},reason="admission_deadline"}} 2.0\n')
     assert refusal_counts(text) == {"deadline": 2.0, "kv_deadline": 3.0, "kv_expired": 1.0}
 
 

@@ -37,7 +37,7 @@ from epd_lab.ep.messages import EmbeddingData, EmbeddingNotify, EncodeResponse, 
 from epd_lab.ep.receiver import EmbeddingReceiver, EPDError, PartPlan, ReceiverConfig, encode_request, send_request
 from epd_lab.serving import MAX_BODY_BYTES
 from epd_lab.transfer import TransferEngine
-from helpers import read_line, wait_for
+from helpers import plain_metrics, read_line, wait_for
 
 TIMEOUT = 1.5  # the servers' --timeout: the wait for a receive URL that never comes
 TTL = 2.0  # the mooncake server's --embedding-ttl
@@ -62,7 +62,7 @@ class Server:
         return int(self.url.rsplit(":", 1)[1])
 
     def metric(self, line_start: str) -> float:
-        text = self.client.get("/metrics").text
+        text = plain_metrics(self.client.get("/metrics").text)
         values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)]
         return sum(values)
 
@@ -167,7 +167,7 @@ IMG_B = png_bytes((168, 112), 2)
 # ---- mooncake ----
 def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pull, tmp_path):
     server, (sock, port) = servers["mooncake"], pull
-    sent = server.metric("epd_encoder_bytes_sent_total")
+    sent = server.metric("epd_lab:encoder_bytes_sent_total")
     img_a, img_b = png_bytes((224, 224), 21), png_bytes((168, 112), 22)  # not in the cache: decoded
     path = tmp_path / "b.png"
     path.write_bytes(img_b)
@@ -213,7 +213,7 @@ def test_mooncake_encode_send_lands_the_embedding(servers, vision, receiver, pul
     assert not buf[:offset].any()
     landed = buf[offset:].view(torch.float32).reshape(msg.shape)
     assert torch.equal(landed, local_embedding(vision, [img_a, img_b]))
-    assert server.metric("epd_encoder_bytes_sent_total") == sent + meta["embedding_size"]
+    assert server.metric("epd_lab:encoder_bytes_sent_total") == sent + meta["embedding_size"]
 
     # released after sending: a second /send is refused
     resp = server.client.post("/send", json={
@@ -287,10 +287,10 @@ def test_mooncake_send_errors(servers, receiver):
 def test_mooncake_embedding_released_after_ttl(servers, receiver):
     server = servers["mooncake"]
     meta = server.client.post("/encode", json=encode_body("ttl", [data_uri(IMG_A)])).json()
-    expired = server.metric("epd_encoder_embeddings_expired_total")
+    expired = server.metric("epd_lab:encoder_embeddings_expired_total")
     wait_for(lambda: server.client.get("/health").json()["embeddings_held"] == 0, TTL + 5,
              "the held embeddings released at their TTL", interval=0.1)
-    assert server.metric("epd_encoder_embeddings_expired_total") > expired
+    assert server.metric("epd_lab:encoder_embeddings_expired_total") > expired
     resp = server.client.post("/send", json={"req_id": "ttl", "part_idx": 0, "session_id": receiver.session_id,
                                              "buffer_address": 4096, "embedding_size": meta["embedding_size"],
                                              "embedding_port": 1})
@@ -461,7 +461,7 @@ def test_mooncake_cached_image_is_never_decoded(servers, receiver, pull):
     was decoded; the bytes are the same."""
     server, (sock, port) = servers["mooncake"], pull
     item = data_uri(png_bytes((224, 224), 43))
-    hits = server.metric("epd_encoder_cache_hits_total")
+    hits = server.metric("epd_lab:encoder_cache_hits_total")
     landed = []
     for req_id, stages in (("cached_0", ["intake", "load", "decode", "vit"]), ("cached_1", ["intake", "load", "vit"])):
         meta = server.client.post("/encode", json=encode_body(req_id, [item])).json()
@@ -475,7 +475,7 @@ def test_mooncake_cached_image_is_never_decoded(servers, receiver, pull):
         assert msg.error is None and [s.stage for s in msg.spans] == [*stages, "transfer", "notify"]
         landed.append(buf)
     assert torch.equal(*landed)
-    assert server.metric("epd_encoder_cache_hits_total") == hits + 1
+    assert server.metric("epd_lab:encoder_cache_hits_total") == hits + 1
 
 
 # ---- zmq backends ----
@@ -483,7 +483,7 @@ def test_zmq_to_tokenizer_pushes_the_bytes_and_caches(servers, vision, pull):
     """The second request is a cache hit (same bytes, another request): no decode span (a decode started beside
     its hash is dropped unused)."""
     server, (sock, port) = servers["zmq_to_tokenizer"], pull
-    hits = server.metric("epd_encoder_cache_hits_total")
+    hits = server.metric("epd_lab:encoder_cache_hits_total")
     img = png_bytes((168, 112), 23)  # not in the cache yet
     expected = local_embedding(vision, [img])
     for req_id, stages in (("tok_0", ["intake", "load", "decode", "vit", "transfer"]),
@@ -497,7 +497,7 @@ def test_zmq_to_tokenizer_pushes_the_bytes_and_caches(servers, vision, pull):
         assert msg.spans[-2].nbytes == len(msg.data) == resp.json()["embedding_size"]
         got = torch.frombuffer(bytearray(msg.data), dtype=torch.float32).reshape(msg.shape)
         assert torch.equal(got, expected)
-    assert server.metric("epd_encoder_cache_hits_total") == hits + 1
+    assert server.metric("epd_lab:encoder_cache_hits_total") == hits + 1
     resp = server.client.post("/encode", json=encode_body("tok_x", [data_uri(IMG_B)]))
     assert resp.status_code == 400 and "embedding_port" in resp.json()["detail"]
 
@@ -649,15 +649,15 @@ def test_health_and_metrics(servers, pull):
     assert health["backend"] == "mooncake" and health["model"] == "tiny-qwen2-vl"
     assert health["session_id"].startswith("127.0.0.1:") and health["node"] == f"encoder:{server.port}"
     assert tokenizer.client.get("/health").json()["session_id"] is None
-    assert server.metric('epd_encoder_requests_total{route="/health",status="200"}') >= 1
-    assert server.metric('epd_encoder_requests_total{route="/encode",status="400"}') >= 1
-    assert server.metric("epd_encoder_embeddings_held") >= 1
-    assert server.metric("epd_encoder_cache_misses_total") >= 1
+    assert server.metric('epd_lab:encoder_requests_total{route="/health",status="200"}') >= 1
+    assert server.metric('epd_lab:encoder_requests_total{route="/encode",status="400"}') >= 1
+    assert server.metric("epd_lab:encoder_embeddings_held") >= 1
+    assert server.metric("epd_lab:encoder_cache_misses_total") >= 1
     # the zmq backends answer /encode after the ViT: its result is in the cache by now
     body = encode_body("metrics", [data_uri(png_bytes((56, 56), 4))], embedding_port=pull[1])
     assert tokenizer.client.post("/encode", json=body).is_success
-    assert 0 < tokenizer.metric("epd_encoder_cache_bytes") <= 4 << 20
-    assert tokenizer.metric("epd_encoder_bytes_sent_total") >= 4 * 256 * 4  # 56² → 4 tokens
+    assert 0 < tokenizer.metric("epd_lab:encoder_cache_bytes") <= 4 << 20
+    assert tokenizer.metric("epd_lab:encoder_bytes_sent_total") >= 4 * 256 * 4  # 56² → 4 tokens
     for proc in (s.proc for s in servers.values()):
         assert proc.poll() is None
 

@@ -49,7 +49,7 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.models import configure_torch, load_model, preprocess
 from epd_lab.noise import noise_images
 from epd_lab.serving import PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE
-from helpers import alive, freeze, wait_for
+from helpers import alive, freeze, plain_metrics, wait_for
 
 # the first test of a cluster waits for it to boot (tens of s on 2 cores); bit-identity across processes needs
 # equal thread counts: the encoders run configure_torch() too
@@ -259,8 +259,8 @@ def work(tmp_path_factory) -> Workload:
 def cache_hits(urls: list[str]) -> float:
     total = 0.0
     for url in urls:
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("epd_encoder_cache_hits_total "):
+        for line in plain_metrics(httpx.get(url + "/metrics", timeout=10).text).splitlines():
+            if line.startswith("epd_lab:encoder_cache_hits_total "):
                 total += float(line.split()[1])
     return total
 
@@ -501,7 +501,7 @@ def test_a_busy_encoder_passes_the_part_on_and_a_failed_request_releases_its_par
             result = work.check(rx, "float32", "one busy", work.images("busy-failover", SIZES[:2]))
             assert [p.encoder for p in result.received.parts] == [1, 1]
             assert rx.counters["encoder_failovers"] == 1
-        assert 'epd_encoder_refused_total{reason="queue_full"} 2' in httpx.get(busy + "/metrics", timeout=10).text
+        assert 'epd_lab:encoder_refused_total{reason="queue_full"} 2' in plain_metrics(httpx.get(busy + "/metrics", timeout=10).text)
         answer = httpx.post(busy + "/release", json={"req_id": held.req_id}, timeout=10).json()
         assert answer == {"req_id": held.req_id, "released": True}
         assert httpx.get(busy + "/health", timeout=10).json()["admitted"] == 0
@@ -530,8 +530,8 @@ def _held_and_released(urls: list[str]) -> tuple[int, int]:
     held = released = 0
     for url in urls:
         held += httpx.get(url + "/health", timeout=10).json()["embeddings_held"]
-        metrics = httpx.get(url + "/metrics", timeout=10).text
-        released += int(float(re.search(r"^epd_encoder_embeddings_released_total (\S+)$", metrics, re.M).group(1)))
+        metrics = plain_metrics(httpx.get(url + "/metrics", timeout=10).text)
+        released += int(float(re.search(r"^epd_lab:encoder_embeddings_released_total (\S+)$", metrics, re.M).group(1)))
     return held, released
 
 

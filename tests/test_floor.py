@@ -31,10 +31,11 @@ from epd_lab.servers.monolithic import MonolithicSettings
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.prefill import PrefillSettings
 from epd_lab.servers.proxy import ProxySettings, create_app as proxy_app
-from epd_lab.serving import (BadRequest, Conflict, GatewayTimeout, Metric, Unavailable, from_argv, json_response,
-                             parser, read_body, read_struct, role_app, to_argv)
+from epd_lab.serving import (BadRequest, Conflict, GatewayTimeout, Metric, RoleMetrics, Unavailable, from_argv,
+                             json_response, parser, read_body, read_struct, role_app, to_argv)
 from epd_lab.serving.app import DirectPosts
 from epd_lab.trace import Recorder
+from helpers import metric, plain_metrics
 
 NON_DEFAULT = [
     EncoderSettings(port=1234, backend="zmq_to_scheduler", model="/models/x", dtype="bfloat16", timeout=2.5,
@@ -131,6 +132,7 @@ class Role:
 
     def __init__(self) -> None:
         self.recorder = Recorder(node="test:0")
+        self.metrics = RoleMetrics("test", "test-model")
         self.status = "ok"
         self.closed = threading.Event()
         self.ran = threading.Event()
@@ -139,8 +141,11 @@ class Role:
         return {"status": self.status}
 
     def metric_families(self) -> list[Metric]:
-        return [Metric.of("things", "gauge", "things held", 3), Metric.of("by_kind_total", "counter", "things by kind",
-                                                                           {"a\"b": 1, "c": 2}, "kind")]
+        return [self.metrics.gauge("things", "things held", 3),
+                self.metrics.counter("by_kind", "things by kind", {"a\"b": 1, "c": 2}, "kind")]
+
+    def refusals(self) -> dict[str, float]:
+        return {"things_refused": 2}
 
     async def run(self) -> None:
         self.ran.set()
@@ -208,9 +213,9 @@ def test_plain_posts_skip_the_framework_and_answer_as_it_would(role) -> None:
     while not isinstance(direct, DirectPosts):
         direct = direct.app
     assert set(direct.table) == {"/body", "/struct", "/plain"}  # not /raise/{status}
-    text = client.get("/metrics").text
+    text = plain_metrics(client.get("/metrics").text)
     for status in (200, 409, 500, 405):
-        assert f'epd_test_requests_total{{route="/plain",status="{status}"}} 1' in text, status
+        assert f'epd_lab:test_requests_total{{route="/plain",status="{status}"}} 1' in text, status
 
 
 def test_one_body_limit_and_one_decoder(role) -> None:
@@ -218,6 +223,8 @@ def test_one_body_limit_and_one_decoder(role) -> None:
     assert client.post("/body", content=b"x" * 10).json() == {"n": 10}
     r = client.post("/body", content=b"x" * 11)
     assert r.status_code == 413 and "larger than 10 bytes" in r.json()["detail"]
+    refused = metric(plain_metrics(client.get("/metrics").text), 'epd_lab:refusals_total{reason="body_too_large"}')
+    assert refused == 1  # counted by the body reader, in this server's floor
     assert client.post("/struct", content=b'{"a": 1}').json() == {"a": 1}
     for bad in (b"{", b'{"a": "one"}', b"[]"):
         r = client.post("/struct", content=bad)
@@ -234,16 +241,18 @@ def test_health_metrics_and_the_request_counter(role) -> None:
     client.post("/raise/400")
     client.post("/raise/500")
     client.get("/no/such/route")
-    text = client.get("/metrics").text
-    for line in ('epd_test_requests_total{route="/health",status="200"} 1',
-                 'epd_test_requests_total{route="/health",status="503"} 1',
-                 'epd_test_requests_total{route="/raise/{status}",status="400"} 0',  # templates are not paths
-                 'epd_test_requests_total{route="other",status="400"} 1',
-                 'epd_test_requests_total{route="other",status="500"} 1',
-                 'epd_test_requests_total{route="other",status="404"} 1',
-                 "# TYPE epd_test_things gauge", "epd_test_things 3",
-                 'epd_test_by_kind_total{kind="a\\"b"} 1', 'epd_test_by_kind_total{kind="c"} 2'):
+    text = plain_metrics(client.get("/metrics").text)
+    for line in ('epd_lab:test_requests_total{route="/health",status="200"} 1',
+                 'epd_lab:test_requests_total{route="/health",status="503"} 1',
+                 'epd_lab:test_requests_total{route="/raise/{status}",status="400"} 0',  # templates are not paths
+                 'epd_lab:test_requests_total{route="other",status="400"} 1',
+                 'epd_lab:test_requests_total{route="other",status="500"} 1',
+                 'epd_lab:test_requests_total{route="other",status="404"} 1',
+                 "# TYPE epd_lab:test_things gauge", "epd_lab:test_things 3",
+                 'epd_lab:test_by_kind_total{kind="a\\"b"} 1', 'epd_lab:test_by_kind_total{kind="c"} 2',
+                 'epd_lab:refusals_total{reason="things_refused"} 2'):
         assert (line in text) != line.endswith(" 0"), line
+    assert 'epd_lab:refusals_total{reason="body_too_large"} 0' in text  # the floor's own reasons, always there
 
 
 def test_the_proxy_answers_openai_error_objects_on_the_floor() -> None:
@@ -256,7 +265,8 @@ def test_the_proxy_answers_openai_error_objects_on_the_floor() -> None:
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
         r = client.post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)  # deeper than decoders go
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON body")
-        assert 'epd_proxy_requests_total{route="/v1/completions",status="400"} 1' in client.get("/metrics").text
+        metrics = plain_metrics(client.get("/metrics").text)
+        assert 'epd_lab:proxy_requests_total{route="/v1/completions",status="400"} 1' in metrics
 
 
 @pytest.mark.parametrize("role", list(ROLES))

@@ -18,10 +18,10 @@ from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.servers.text import completion_prompt, detokenize
 from epd_lab.serving import from_argv
-from helpers import chat
+from helpers import chat, plain_metrics
 
 MAX_TOKENS = 8
-CHAT_OK = re.compile(r'^epd_monolithic_requests_total\{route="/v1/chat/completions",status="200"\} (\d+)$', re.M)
+CHAT_OK = re.compile(r'^epd_lab:monolithic_requests_total\{route="/v1/chat/completions",status="200"\} (\d+)$', re.M)
 
 
 def _messages(n_images: int, seed: int) -> list[dict]:
@@ -32,7 +32,7 @@ def _messages(n_images: int, seed: int) -> list[dict]:
 
 def _chats_served(url: str) -> int:
     """The chat requests a monolithic server answered 200, from its /metrics."""
-    return sum(map(int, CHAT_OK.findall(httpx.get(url + "/metrics", timeout=10).text)))
+    return sum(map(int, CHAT_OK.findall(plain_metrics(httpx.get(url + "/metrics", timeout=10).text))))
 
 
 def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
@@ -55,7 +55,7 @@ def test_two_replicas_answer_as_the_monolithic_model_and_both_serve(model):
         assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == reference
         health = httpx.get(cluster.proxy_url + "/health", timeout=10)
         assert health.status_code == 200 and [r["served"] for r in health.json()["replicas"]] == [4, 4]
-        assert "epd_front_backend_served_total" in httpx.get(cluster.proxy_url + "/metrics", timeout=10).text
+        assert "epd_lab:front_backend_served_total" in plain_metrics(httpx.get(cluster.proxy_url + "/metrics", timeout=10).text)
         # a seeded draw: each replica draws what HF's generate draws with the servers' sampler
         messages = _messages(1, 3)
         want = monolithic_chat(model, messages, MAX_TOKENS, temperature=0.8, seed=5)

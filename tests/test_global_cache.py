@@ -29,7 +29,6 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import openai
 import pytest
 import torch
@@ -46,7 +45,7 @@ from epd_lab.noise import random_png
 from epd_lab.servers.encoder import item_key
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
-from helpers import free_port, read_line, wait_for
+from helpers import free_port, metric, metrics, read_line, wait_for
 
 REASON = store.unavailable_reason()
 if REASON:
@@ -224,11 +223,6 @@ def cluster() -> Iterator[Cluster]:
     assert master.poll() is not None, "the cluster's mooncake_master outlived it"
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name))
-
-
 def _receive(url: str, paths: list[str], rid: str | None = None) -> torch.Tensor:
     with EmbeddingReceiver(ReceiverConfig([url], "mooncake", TIMEOUT)) as receiver:
         return receiver.receive(paths, rid).embeddings["image"]
@@ -237,13 +231,14 @@ def _receive(url: str, paths: list[str], rid: str | None = None) -> torch.Tensor
 def test_an_image_encoded_by_one_encoder_is_served_by_another_from_l3(cluster, images, vit) -> None:
     a, b = cluster.encoder_urls
     path, _ = _png(images, 1)
-    puts, hits = _metric(a, "epd_encoder_mm_cache_l3_puts_total"), _metric(b, "epd_encoder_mm_cache_l3_hits_total")
+    puts = metric(metrics(a), "epd_lab:encoder_mm_cache_l3_puts_total")
+    hits = metric(metrics(b), "epd_lab:encoder_mm_cache_l3_hits_total")
     from_a = _receive(a, [path])
-    wait_for(lambda: _metric(a, "epd_encoder_mm_cache_l3_puts_total") == puts + 1, 5, "A's L3 put")
+    wait_for(lambda: metric(metrics(a), "epd_lab:encoder_mm_cache_l3_puts_total") == puts + 1, 5, "A's L3 put")
     rid = uuid.uuid4().hex
     from_b = _receive(b, [path], rid)
     assert torch.equal(from_a, vit(path)) and torch.equal(from_b, from_a), "bit for bit the ViT's embedding"
-    assert _metric(b, "epd_encoder_mm_cache_l3_hits_total") == hits + 1
+    assert metric(metrics(b), "epd_lab:encoder_mm_cache_l3_hits_total") == hits + 1
     spans = cluster.spans(rid)
     stages = set(spans[spans["node"].str.startswith("encoder")]["stage"])
     assert "store_get" in stages and not stages & {"vit", "decode"}, stages
@@ -262,7 +257,7 @@ def test_answers_through_the_proxy_equal_the_model_s_with_the_cache_hit(cluster,
                                              {"type": "text", "text": "what differs?"}]}]
     want = monolithic_chat(model, messages, 8)
     def total(name: str) -> float:
-        return sum(_metric(url, f"epd_encoder_mm_cache_l3_{name}_total") for url in cluster.encoder_urls)
+        return sum(metric(metrics(url), f"epd_lab:encoder_mm_cache_l3_{name}_total") for url in cluster.encoder_urls)
 
     hits, puts = total("hits"), total("puts")
     client = openai.OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
@@ -271,17 +266,17 @@ def test_answers_through_the_proxy_equal_the_model_s_with_the_cache_hit(cluster,
         assert got.choices[0].message.content == want
         if i == 0:  # the puts run behind the answer
             wait_for(lambda: total("puts") == puts + 2, 5, "both embeddings put into L3")
-    assert sum(_metric(url, "epd_encoder_mm_cache_l3_hits_total") for url in cluster.encoder_urls) == hits + 4
+    assert total("hits") == hits + 4
 
 
 def test_a_changed_object_is_refused_and_the_vit_answers(cluster, images, vit) -> None:
     a, b = cluster.encoder_urls
     path, raw = _png(images, 2)
-    puts = _metric(a, "epd_encoder_mm_cache_l3_puts_total")
+    puts = metric(metrics(a), "epd_lab:encoder_mm_cache_l3_puts_total")
     _receive(a, [path])
-    wait_for(lambda: _metric(a, "epd_encoder_mm_cache_l3_puts_total") == puts + 1, 5, "A's L3 put")
+    wait_for(lambda: metric(metrics(a), "epd_lab:encoder_mm_cache_l3_puts_total") == puts + 1, 5, "A's L3 put")
     key = item_key(raw, "tiny-qwen2-vl", "float32", vit.vision_config)
-    refused = _metric(b, "epd_encoder_mm_cache_l3_integrity_failures_total")
+    refused = metric(metrics(b), "epd_lab:encoder_mm_cache_l3_integrity_failures_total")
     with store.StoreClient(cluster.store_master.address, segment_bytes=store.MIN_SEGMENT_BYTES) as writer:
         obj = bytearray(writer.get_raw(key))
         assert obj, "the object A put is in the store under the key this test computes"
@@ -289,7 +284,7 @@ def test_a_changed_object_is_refused_and_the_vit_answers(cluster, images, vit) -
         assert writer.put_raw(key, bytes(obj), replace=True) == 0
         rid = uuid.uuid4().hex
         assert torch.equal(_receive(b, [path], rid), vit(path))
-    assert _metric(b, "epd_encoder_mm_cache_l3_integrity_failures_total") == refused + 1
+    assert metric(metrics(b), "epd_lab:encoder_mm_cache_l3_integrity_failures_total") == refused + 1
     assert "vit" in set(cluster.spans(rid)["stage"])
 
 
@@ -301,9 +296,10 @@ def test_the_master_killed_under_load_every_request_is_answered_right(cluster, i
     expected = {p: vit(p) for p in pool}
     master = cluster.store_master
     a, b = cluster.encoder_urls
-    failed = ("epd_encoder_mm_cache_l3_lookup_errors_total", "epd_encoder_mm_cache_l3_fallbacks_total")
-    before = {url: (_metric(url, "epd_encoder_mm_cache_l3_hits_total"), sum(_metric(url, m) for m in failed))
-              for url in (a, b)}
+    failed = ("epd_lab:encoder_mm_cache_l3_lookup_errors_total", "epd_lab:encoder_mm_cache_l3_fallbacks_total")
+    texts = {url: metrics(url) for url in (a, b)}
+    before = {url: (metric(text, "epd_lab:encoder_mm_cache_l3_hits_total"), sum(metric(text, m) for m in failed))
+              for url, text in texts.items()}
     done = []
 
     def one(i: int) -> tuple[bool, float]:
@@ -324,22 +320,23 @@ def test_the_master_killed_under_load_every_request_is_answered_right(cluster, i
     right = [ok for ok, _ in results]
     assert sum(right) == len(results), f"{len(results) - sum(right)} answers differ from the ViT's"
     assert max(t for _, t in results) < TIMEOUT
-    hits = sum(_metric(url, "epd_encoder_mm_cache_l3_hits_total") - before[url][0] for url in (a, b))
-    misses = sum(sum(_metric(url, m) for m in failed) - before[url][1] for url in (a, b))
+    hits = sum(metric(metrics(url), "epd_lab:encoder_mm_cache_l3_hits_total") - before[url][0] for url in (a, b))
+    misses = sum(sum(metric(metrics(url), m) for m in failed) - before[url][1] for url in (a, b))
     assert hits > 0 and misses > 0, "repeats came from L3 while the master ran, and fell back to the ViT without it"
     path = _png(images, 7)[0]
-    puts = _metric(a, "epd_encoder_mm_cache_l3_puts_total")
+    puts = metric(metrics(a), "epd_lab:encoder_mm_cache_l3_puts_total")
 
     def put_again() -> bool:  # the encoder finds the restarted master by itself (its client reconnects)
         _receive(a, [_png(images, int(time.monotonic_ns() % 100000) + 1000)[0]])
-        return _metric(a, "epd_encoder_mm_cache_l3_puts_total") > puts
+        return metric(metrics(a), "epd_lab:encoder_mm_cache_l3_puts_total") > puts
 
     wait_for(put_again, 30, "encoder A putting into the restarted master", interval=0.5)
     _receive(a, [path])
-    wait_for(lambda: _metric(a, "epd_encoder_mm_cache_l3_puts_total") > puts + 1, 5, "the put of the probe image")
-    hits = _metric(b, "epd_encoder_mm_cache_l3_hits_total")
+    wait_for(lambda: metric(metrics(a), "epd_lab:encoder_mm_cache_l3_puts_total") > puts + 1, 5,
+             "the put of the probe image")
+    hits = metric(metrics(b), "epd_lab:encoder_mm_cache_l3_hits_total")
     assert torch.equal(_receive(b, [path]), vit(path))
-    assert _metric(b, "epd_encoder_mm_cache_l3_hits_total") == hits + 1
+    assert metric(metrics(b), "epd_lab:encoder_mm_cache_l3_hits_total") == hits + 1
 
 
 def test_a_tp_encoder_s_other_ranks_run_only_the_misses() -> None:
@@ -352,7 +349,7 @@ def test_a_tp_encoder_s_other_ranks_run_only_the_misses() -> None:
         path, _ = _png(Path(tmp), 70)
         rids = [uuid.uuid4().hex, uuid.uuid4().hex]
         first = _receive(url, [path], rids[0])
-        wait_for(lambda: _metric(url, "epd_encoder_mm_cache_l3_puts_total") == 1, 5, "the L3 put")
+        wait_for(lambda: metric(metrics(url), "epd_lab:encoder_mm_cache_l3_puts_total") == 1, 5, "the L3 put")
         again = _receive(url, [path], rids[1])
         assert torch.equal(first, again)
         on_rank1 = [set(c.spans(rid).query("node.str.endswith('/rank1')", engine="python")["stage"]) for rid in rids]
@@ -364,7 +361,7 @@ def test_an_unreachable_master_at_start_warns_and_serves(images, vit) -> None:
     with Cluster(Topology(encoders=1, mm_global_cache=True, store_master=f"127.0.0.1:{free_port()}",
                           timeout=TIMEOUT)) as c:
         (url,) = c.encoder_urls
-        assert _metric(url, "epd_encoder_mm_cache_l3_enabled") == 0
+        assert metric(metrics(url), "epd_lab:encoder_mm_cache_l3_enabled") == 0
         path, _ = _png(images, 3)
         assert torch.equal(_receive(url, [path]), vit(path))
         log = c.logs[0].read_text()

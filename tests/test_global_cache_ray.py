@@ -22,7 +22,7 @@ from epd_lab.ep import store  # noqa: E402
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig  # noqa: E402
 from epd_lab.launch import Cluster, Topology  # noqa: E402
 from epd_lab.noise import random_png  # noqa: E402
-from helpers import wait_for  # noqa: E402
+from helpers import plain_metrics, wait_for  # noqa: E402
 
 REASON = store.unavailable_reason()
 if REASON:
@@ -34,9 +34,9 @@ TIMEOUT = 20.0
 
 
 def _l3(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = plain_metrics(httpx.get(url + "/metrics", timeout=10).text)
     return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith(f"epd_encoder_mm_cache_l3_{name}_total"))
+               if line.startswith(f"epd_lab:encoder_mm_cache_l3_{name}_total"))
 
 
 def test_encoders_on_two_nodes_share_the_head_s_master_over_tcp() -> None:

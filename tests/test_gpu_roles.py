@@ -150,8 +150,8 @@ def test_every_role_on_the_gpu_answers_as_the_monolithic_model(reference, recv_b
         # a seeded draw: token 0 on the prefill's GPU, the rest on decode's, as the monolithic use draws them
         assert chat(cluster.proxy_url, messages, 12, stream=True, timeout=120, temperature=1.0, seed=11)[1] == reference(messages, 12, 1.0, 11)
         # the KV went GPU to GPU; the embeddings too into a GPU buffer, else through pinned staging
-        assert metric(metrics(cluster.prefill_urls[0]), "epd_prefill_engine_cuda_writes_out_total") > 0
-        encoders = {name: sum(metric(metrics(url), f"epd_encoder_{name}") for url in cluster.encoder_urls)
+        assert metric(metrics(cluster.prefill_urls[0]), "epd_lab:prefill_engine_cuda_writes_out_total") > 0
+        encoders = {name: sum(metric(metrics(url), f"epd_lab:encoder_{name}") for url in cluster.encoder_urls)
                     for name in ("engine_cuda_writes_out_total", "engine_cuda_staged_bytes_total")}
         assert (encoders["engine_cuda_writes_out_total"] > 0) == (recv_buffer == "device"), encoders
         assert (encoders["engine_cuda_staged_bytes_total"] > 0) == (recv_buffer != "device"), encoders

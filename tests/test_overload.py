@@ -28,6 +28,7 @@ from epd_lab.campaign.prompts import Prompts
 from epd_lab.launch import Cluster, Topology
 from epd_lab.servers.proxy import PRIOR_RATE_SHARE
 from epd_lab.serving import DEADLINE_HEADER
+from helpers import plain_metrics
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,7 +65,7 @@ def test_a_50_mb_prompt_is_refused_before_it_travels_and_stalls_nobody(tmp_path)
         health = httpx.get(proxy + "/health", timeout=10).json()  # the proxy learns the prefills' limit
         limit = health["prefill"][0]["health"]["max_prompt_tokens"]
         assert limit == 4095  # the tiny model's max_position_embeddings, less the token to generate
-        before = httpx.get(prefill + "/metrics", timeout=10).text
+        before = plain_metrics(httpx.get(prefill + "/metrics", timeout=10).text)
 
         stop, outcomes, errors = threading.Event(), [], []
 
@@ -106,12 +107,12 @@ def test_a_50_mb_prompt_is_refused_before_it_travels_and_stalls_nobody(tmp_path)
         assert not errors
         judge(outcomes, prompts.solo)
         assert outcomes and all(o.kind == "ok" and o.matches for o in outcomes), [o.record() for o in outcomes]
-        metrics = httpx.get(proxy + "/metrics", timeout=10).text
-        assert metric(metrics, "epd_proxy_backend_stalls_total{") == 0  # busy, never taken for frozen
-        assert metric(metrics, "epd_proxy_backend_up{") == 2  # its prefill and its decode
-        assert metric(metrics, 'epd_proxy_refused_total{reason="context_length_exceeded"}') == 1
-        after = httpx.get(prefill + "/metrics", timeout=10).text
-        key = 'epd_prefill_requests_total{route="/v1/prefill",status="400"}'
+        metrics = plain_metrics(httpx.get(proxy + "/metrics", timeout=10).text)
+        assert metric(metrics, "epd_lab:proxy_backend_stalls_total{") == 0  # busy, never taken for frozen
+        assert metric(metrics, "epd_lab:proxy_backend_up{") == 2  # its prefill and its decode
+        assert metric(metrics, 'epd_lab:proxy_refused_total{reason="context_length_exceeded"}') == 1
+        after = plain_metrics(httpx.get(prefill + "/metrics", timeout=10).text)
+        key = 'epd_lab:prefill_requests_total{route="/v1/prefill",status="400"}'
         assert metric(after, key) == metric(before, key) + 1  # only the direct one: the proxy forwarded nothing
 
 
@@ -128,7 +129,7 @@ def test_a_burst_far_past_its_deadline_is_refused_at_once_with_the_predicted_wai
         # served one at a time so far, the prefill's rate is its prior: the proxy plans below it, so that a host
         # slower than the guess has the proxy refuse at once, not the prefill seconds later
         assert told["loaded_measured"] is False
-        planned = metric(httpx.get(proxy + "/metrics", timeout=10).text, "epd_proxy_planned_rate_per_second ")
+        planned = metric(plain_metrics(httpx.get(proxy + "/metrics", timeout=10).text), "epd_lab:proxy_planned_rate_per_second ")
         assert planned == pytest.approx(PRIOR_RATE_SHARE * told["rate_per_s"], rel=1e-4)
         raws = [json.dumps(prompts.body(p)).encode() for p in range(prompts.count)]
         outcomes = asyncio.run(burst_with_deadline(proxy, prompts, count, deadline_s, 60.0))
@@ -152,8 +153,8 @@ def test_a_burst_far_past_its_deadline_is_refused_at_once_with_the_predicted_wai
             error = r.json()["error"]
             assert error["code"] == ("overloaded_deadline" if status == 503 else "invalid_request")
             assert ("predicted wait" if status == 503 else DEADLINE_HEADER) in error["message"]
-        metrics = httpx.get(proxy + "/metrics", timeout=10).text
-        assert metric(metrics, "epd_proxy_refused_total{") == len(refused) + 1
-        assert metric(metrics, "epd_proxy_pending ") == 0
-        prefill = httpx.get(cluster.prefill_urls[0] + "/metrics", timeout=10).text
-        assert metric(prefill, "epd_prefill_admitted ") == 0 and metric(prefill, "epd_prefill_queue_length ") == 0
+        metrics = plain_metrics(httpx.get(proxy + "/metrics", timeout=10).text)
+        assert metric(metrics, "epd_lab:proxy_refused_total{") == len(refused) + 1
+        assert metric(metrics, "epd_lab:proxy_pending ") == 0
+        prefill = plain_metrics(httpx.get(cluster.prefill_urls[0] + "/metrics", timeout=10).text)
+        assert metric(prefill, "epd_lab:prefill_admitted ") == 0 and metric(prefill, "epd_lab:prefill_queue_length ") == 0

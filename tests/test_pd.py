@@ -31,7 +31,7 @@ from epd_lab.launch import Cluster, Topology
 from epd_lab.procs import die_with_parent, tail
 from epd_lab.models import build_input_ids, monolithic_generate, preprocess
 from epd_lab.noise import data_uri, random_png
-from helpers import free_port, metric, wait_for
+from helpers import free_port, metric, plain_metrics, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -302,10 +302,10 @@ def test_bad_requests_are_4xx_or_503_with_detail(stack):
     assert r.status_code == 400 and "max_tokens" in r.json()["detail"]
     r = stack.http.post(d, json={"request_id": "x", "max_tokens": 1})
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["detail"]
-    metrics = stack.http.get(stack.main.url + "/metrics").text
-    assert 'epd_prefill_requests_total{route="/v1/prefill",status="400"}' in metrics
-    metrics = stack.http.get(stack.decode.url + "/metrics").text
-    assert f"epd_decode_kv_blocks_free {DECODE_KV_BLOCKS}" in metrics and "epd_decode_kv_blocks_reserved 0" in metrics
+    metrics = plain_metrics(stack.http.get(stack.main.url + "/metrics").text)
+    assert 'epd_lab:prefill_requests_total{route="/v1/prefill",status="400"}' in metrics
+    metrics = plain_metrics(stack.http.get(stack.decode.url + "/metrics").text)
+    assert f"epd_lab:decode_kv_blocks_free {DECODE_KV_BLOCKS}" in metrics and "epd_lab:decode_kv_blocks_reserved 0" in metrics
 
 
 def test_a_prefill_past_its_queue_bound_refuses_at_once_with_retry_after(tmp_path):
@@ -330,10 +330,10 @@ def test_a_prefill_past_its_queue_bound_refuses_at_once_with_retry_after(tmp_pat
         assert set(statuses) == {200, 503} and statuses.count(200) >= 2, answers
         refused = [(elapsed, retry, text) for status, elapsed, retry, text in answers if status == 503]
         assert all(int(retry) >= 1 and elapsed < 2.0 and "at capacity" in text for elapsed, retry, text in refused)
-        metrics = httpx.get(tight.url + "/metrics").text
-        assert f'epd_prefill_refused_total{{reason="queue_full"}} {len(refused)}' in metrics
-        assert "epd_prefill_max_queued 1" in metrics and "epd_prefill_admitted 0" in metrics
-        assert "epd_prefill_queue_length 0" in metrics
+        metrics = plain_metrics(httpx.get(tight.url + "/metrics").text)
+        assert f'epd_lab:prefill_refused_total{{reason="queue_full"}} {len(refused)}' in metrics
+        assert "epd_lab:prefill_max_queued 1" in metrics and "epd_lab:prefill_admitted 0" in metrics
+        assert "epd_lab:prefill_queue_length 0" in metrics
     finally:
         tight.close()
 
@@ -353,8 +353,8 @@ def test_a_prefill_queues_what_fits_the_deadline_and_refuses_what_does_not(tmp_p
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(post, range(8))) == [200] * 8
-        metrics = httpx.get(tight.url + "/metrics").text
-        assert "epd_prefill_queued_total 0" not in metrics  # some of them waited their turn
+        metrics = plain_metrics(httpx.get(tight.url + "/metrics").text)
+        assert "epd_lab:prefill_queued_total 0" not in metrics  # some of them waited their turn
         r = httpx.post(tight.url + "/v1/prefill", json={"request_id": "hurried", **body},
                        headers={"X-EPD-Deadline-Ms": "0.001"}, timeout=10)
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
@@ -362,9 +362,9 @@ def test_a_prefill_queues_what_fits_the_deadline_and_refuses_what_does_not(tmp_p
         r = httpx.post(tight.url + "/v1/prefill", json={"request_id": "garbled", **body},
                        headers={"X-EPD-Deadline-Ms": "soon"}, timeout=10)
         assert r.status_code == 400 and "X-EPD-Deadline-Ms" in r.json()["detail"]
-        metrics = httpx.get(tight.url + "/metrics").text
-        assert 'epd_prefill_refused_total{reason="deadline"} 1' in metrics
-        assert 'epd_prefill_refused_total{reason="queue_full"} 0' in metrics
+        metrics = plain_metrics(httpx.get(tight.url + "/metrics").text)
+        assert 'epd_lab:prefill_refused_total{reason="deadline"} 1' in metrics
+        assert 'epd_lab:prefill_refused_total{reason="queue_full"} 0' in metrics
         admission = tight.health()["admission"]
         assert admission["workers"] == 1 and admission["queued"] == 0 and admission["service_s"] > 0
     finally:
@@ -389,11 +389,11 @@ def test_a_decode_at_capacity_refuses_at_once_with_retry_after(stack, tmp_path):
             assert r.status_code == 503 and r.headers["retry-after"] == "1" and time.monotonic() - t0 < 2.0
             assert "at capacity" in r.json()["detail"]
         # the client hung up: decode drops the request and admits again
-        wait_for(lambda: "epd_decode_admitted 0" in httpx.get(tight.url + "/metrics").text, 10,
+        wait_for(lambda: "epd_lab:decode_admitted 0" in plain_metrics(httpx.get(tight.url + "/metrics").text), 10,
                  "the closed stream released")
         r = stack.http.post(tight.url + "/v1/decode", json=stack.decode_body("cap-b", kv["cap-b"], 2))
         assert r.status_code == 200 and len(r.json()["tokens"]) == 2
-        assert 'epd_decode_refused_total{reason="queue_full"} 1' in httpx.get(tight.url + "/metrics").text
+        assert 'epd_lab:decode_refused_total{reason="queue_full"} 1' in plain_metrics(httpx.get(tight.url + "/metrics").text)
     finally:
         tight.close()
 
@@ -413,13 +413,13 @@ def test_a_decode_request_waits_holding_no_kv_and_is_served_when_a_place_frees(s
                 next(lines)
                 second = pool.submit(httpx.post, tight.url + "/v1/decode",
                                      json=stack.decode_body("q-b", kv["q-b"], 2), timeout=30)
-                metrics = wait_for(lambda: _queued(second, tight.url, lambda m: "epd_decode_queue_length 1" in m), 10,
+                metrics = wait_for(lambda: _queued(second, tight.url, lambda m: "epd_lab:decode_queue_length 1" in m), 10,
                                    "the second request queued", interval=0.02)
-                assert "epd_decode_running 1" in metrics and not second.done()
+                assert "epd_lab:decode_running 1" in metrics and not second.done()
             r = second.result(30)  # the first stream closed: its place goes to the waiting one
         assert r.status_code == 200 and len(r.json()["tokens"]) == 2
-        metrics = httpx.get(tight.url + "/metrics").text
-        assert "epd_decode_queued_total 1" in metrics and 'epd_decode_refused_total{reason="expired"} 0' in metrics
+        metrics = plain_metrics(httpx.get(tight.url + "/metrics").text)
+        assert "epd_lab:decode_queued_total 1" in metrics and 'epd_lab:decode_refused_total{reason="expired"} 0' in metrics
     finally:
         tight.close()
 
@@ -428,7 +428,7 @@ def _queued(second: concurrent.futures.Future, url: str, queued: Callable[[str],
     """`url`'s /metrics once `queued` says the `second` request waits there, else ""; that request answered before
     it queued fails the test at once."""
     assert not second.done(), "the second request was answered before it queued"
-    metrics = httpx.get(url + "/metrics").text
+    metrics = plain_metrics(httpx.get(url + "/metrics").text)
     return metrics if queued(metrics) else ""
 
 
@@ -467,15 +467,15 @@ def test_decode_admits_a_request_only_when_its_whole_kv_fits_the_pool(stack, tmp
                 assert [ln["type"] for ln in lines] == ["token"] * n + ["done"], (rid, lines[-1])
             else:
                 assert status == 503 and retry_after is not None, (rid, status, lines)
-        metrics = httpx.get(tight.url + "/metrics").text
-        assert len(served) >= 2 and metric(metrics, "epd_decode_kv_admission_queued_total") >= 1
-        assert metric(metrics, "epd_decode_requests_failed_total") == 0
+        metrics = plain_metrics(httpx.get(tight.url + "/metrics").text)
+        assert len(served) >= 2 and metric(metrics, "epd_lab:decode_kv_admission_queued_total") >= 1
+        assert metric(metrics, "epd_lab:decode_requests_failed_total") == 0
         assert tight.health()["counters"].get("kv_pool_exhausted", 0) == 0
         wait_for(lambda: (h := tight.health())["free_blocks"] == 16 and h["reserved_blocks"] == 0, 10,
                  lambda: f"every block and reservation back: {tight.health()}")
-        metrics = httpx.get(tight.url + "/metrics").text
-        assert metric(metrics, "epd_decode_kv_blocks_reserved") == 0
-        assert metric(metrics, "epd_decode_kv_admission_admitted") == 0
+        metrics = plain_metrics(httpx.get(tight.url + "/metrics").text)
+        assert metric(metrics, "epd_lab:decode_kv_blocks_reserved") == 0
+        assert metric(metrics, "epd_lab:decode_kv_admission_admitted") == 0
     finally:
         for rid in [*rids, "kvb-big"]:  # the refused ones' KV, left with the prefill
             stack.http.post(stack.main.url + "/v1/abort", json={"request_id": rid})
@@ -501,8 +501,8 @@ def test_a_decode_kv_waiter_is_served_when_blocks_return_or_refused_by_its_deadl
                 second = pool.submit(httpx.post, tight.url + "/v1/decode", timeout=60, json=stack.decode_body(
                     "kvw-wait", kv["kvw-wait"], _max_tokens_for(3, kv["kvw-wait"]["prompt_len"])))
                 metrics = wait_for(lambda: _queued(second, tight.url, lambda m: metric(
-                    m, "epd_decode_kv_admission_queue_length") == 1), 10, "the second request queued", interval=0.02)
-                assert metric(metrics, "epd_decode_kv_blocks_reserved") == 255
+                    m, "epd_lab:decode_kv_admission_queue_length") == 1), 10, "the second request queued", interval=0.02)
+                assert metric(metrics, "epd_lab:decode_kv_blocks_reserved") == 255
                 assert tight.health()["counters"]["kv_bytes"] == received  # the waiter's KV stays with prefill
                 t0 = time.monotonic()
                 r = stack.http.post(tight.url + "/v1/decode", headers={"X-EPD-Deadline-Ms": "1500"},
@@ -512,9 +512,9 @@ def test_a_decode_kv_waiter_is_served_when_blocks_return_or_refused_by_its_deadl
                 assert not second.done()
             r = second.result(30)  # the first stream closed: its blocks and reservation come back
         assert r.status_code == 200 and len(r.json()["tokens"]) == _max_tokens_for(3, kv["kvw-wait"]["prompt_len"])
-        metrics = httpx.get(tight.url + "/metrics").text
-        assert metric(metrics, 'epd_decode_kv_admission_refused_total{reason="deadline"}') + metric(
-            metrics, 'epd_decode_kv_admission_refused_total{reason="expired"}') == 1
+        metrics = plain_metrics(httpx.get(tight.url + "/metrics").text)
+        assert metric(metrics, 'epd_lab:decode_kv_admission_refused_total{reason="deadline"}') + metric(
+            metrics, 'epd_lab:decode_kv_admission_refused_total{reason="expired"}') == 1
     finally:
         stack.http.post(stack.main.url + "/v1/abort", json={"request_id": "kvw-short"})
         tight.close()

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.proxy import ProxySettings, create_app
 from epd_lab.servers.text import Detokenizer, PromptError, completion_prompt, detokenize, messages_to_prompt
-from helpers import read_line, wait_for
+from helpers import plain_metrics, read_line, wait_for
 
 TAIL = [*"é ok".encode(), 1025]  # after the first token: a 2-byte character split over two tokens, a special id
 PNG_URI = "data:image/png;base64,iVBORw0KGgo="  # the proxy passes media through; the stand-in never decodes it
@@ -371,12 +371,18 @@ def test_models_health_metrics(basic: tuple) -> None:
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert health.json()["decode"] == [{"url": d.url, "healthy": True, "inflight": 0, "served": 1,
                                         "health": {"status": "ok", "active": 0}}]
-    metrics = httpx.get(base + "/metrics").text
-    assert 'epd_proxy_requests_total{route="/v1/chat/completions",status="200"} 1' in metrics
-    assert 'epd_proxy_requests_total{route="/v1/chat/completions",status="400"} 1' in metrics
-    assert 'epd_proxy_requests_total{route="/v1/models",status="200"} 1' in metrics
-    assert f'epd_proxy_backend_up{{role="decode",url="{d.url}"}} 1' in metrics
-    assert "epd_proxy_ttft_seconds_count 1" in metrics and 'epd_proxy_ttft_seconds{quantile="0.5"}' in metrics
+    metrics = plain_metrics(httpx.get(base + "/metrics").text)
+    assert 'epd_lab:proxy_requests_total{route="/v1/chat/completions",status="200"} 1' in metrics
+    assert 'epd_lab:proxy_requests_total{route="/v1/chat/completions",status="400"} 1' in metrics
+    assert 'epd_lab:proxy_requests_total{route="/v1/models",status="200"} 1' in metrics
+    assert f'epd_lab:proxy_backend_up{{role="decode",url="{d.url}"}} 1' in metrics
+    # one streamed answer of 2 tokens: vLLM's histograms with vLLM's buckets (TTFT's first bound 1 ms, last +Inf)
+    assert "vllm:time_to_first_token_seconds_count 1" in metrics and "vllm:e2e_request_latency_seconds_count 1" in metrics
+    assert 'vllm:time_to_first_token_seconds_bucket{le="0.001"}' in metrics
+    assert 'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 1' in metrics
+    assert "vllm:inter_token_latency_seconds_count 1" in metrics  # its one gap between two tokens
+    assert "vllm:request_time_per_output_token_seconds_count 1" in metrics
+    assert 'vllm:request_success_total{finished_reason="length"} 1' in metrics
     unknown = httpx.get(base + "/v2/nothing")
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
 
@@ -460,7 +466,7 @@ def test_backend_errors(rig: Rig) -> None:
     with pytest.raises(openai.InternalServerError, match="broken failed on purpose") as info:
         rig.client(url).completions.create(model=MODEL_ID, prompt="x")
     assert info.value.status_code == 502 and spare.requests == []
-    assert "epd_proxy_retries_total{" not in httpx.get(url + "/metrics").text
+    assert "epd_lab:proxy_retries_total{" not in plain_metrics(httpx.get(url + "/metrics").text)
     with pytest.raises(openai.BadRequestError, match="picky failed on purpose"):
         rig.client(rig.proxy([picky.url], [d.url])[0]).completions.create(model=MODEL_ID, prompt="x")
     p = rig.prefill()
@@ -521,7 +527,7 @@ def test_refusing_backend_is_skipped(rig: Rig) -> None:
     for _ in range(3):
         client.completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
     assert len(d.requests) == 3
-    assert f'epd_proxy_backend_up{{role="decode",url="{dead}"}} 0' in httpx.get(url + "/metrics").text
+    assert f'epd_lab:proxy_backend_up{{role="decode",url="{dead}"}} 0' in plain_metrics(httpx.get(url + "/metrics").text)
     health = httpx.get(url + "/health").json()
     assert health["status"] == "ok" and [e["healthy"] for e in health["decode"]] == [False, True]
 

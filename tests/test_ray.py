@@ -101,8 +101,8 @@ def test_answers_equal_the_monolithic_model_and_cross_nodes_over_tcp(cluster, mo
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
     # two requests in a row, each prefill and each decode taking one (ties go round-robin): prefill0 (host_b)
     # to decode0 (host_c), prefill1 (host_c) to decode1 (host_b). E→P and P→D all crossed nodes: tcp only
-    assert set(metric_samples(metrics(cluster.encoder_urls[0], headers=AUTH), "epd_encoder_engine_bytes_out_total")) == {'path="tcp"'}
-    kv = [set(metric_samples(metrics(url, headers=AUTH), "epd_prefill_engine_bytes_out_total")) for url in cluster.prefill_urls]
+    assert set(metric_samples(metrics(cluster.encoder_urls[0], headers=AUTH), "epd_lab:encoder_engine_bytes_out_total")) == {'path="tcp"'}
+    kv = [set(metric_samples(metrics(url, headers=AUTH), "epd_lab:prefill_engine_bytes_out_total")) for url in cluster.prefill_urls]
     assert kv == [{'path="tcp"'}, {'path="tcp"'}]
 
 
@@ -127,7 +127,7 @@ def test_a_killed_actor_takes_its_role_down_and_the_replica_serves(cluster, mode
     assert cluster.alive() == [True, False, True, True, True, True]
     # the proxy finds prefill0 down (a refused connection) and sends everything to prefill1
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
-    assert metric_samples(metrics(cluster.proxy_url, headers=AUTH), "epd_proxy_backend_up")[f'role="prefill",url="{url}"'] == 0
+    assert metric_samples(metrics(cluster.proxy_url, headers=AUTH), "epd_lab:proxy_backend_up")[f'role="prefill",url="{url}"'] == 0
 
 
 def test_a_lost_node_takes_its_roles_down_and_the_replicas_serve(cluster, ray_cluster, model):
@@ -136,7 +136,7 @@ def test_a_lost_node_takes_its_roles_down_and_the_replicas_serve(cluster, ray_cl
     _wait_gone([victim.actor_pid, victim.pid])
     assert cluster.alive() == [True, False, True, True, False, True]
     assert _answers(cluster) == [monolithic_chat(model, m, MAX_TOKENS) for m in MESSAGES]
-    assert metric_samples(metrics(cluster.proxy_url, headers=AUTH), "epd_proxy_backend_up")[f'role="decode",url="{url}"'] == 0
+    assert metric_samples(metrics(cluster.proxy_url, headers=AUTH), "epd_lab:proxy_backend_up")[f'role="decode",url="{url}"'] == 0
 
 
 def test_what_ray_cannot_place_is_refused_before_a_role_starts(ray_cluster):

@@ -77,8 +77,8 @@ def test_roles_on_three_network_hosts_answer_right_over_tcp_and_leave_nothing(ra
     # each role bound its own host's address: encoder and proxy on a, prefill on b, decode on c
     assert [u.split("//")[1].rsplit(":", 1)[0] for u in got["urls"]] == [hosts.address(n) for n in "abca"]
     encoder, prefill = got["urls"][:2]
-    assert [ln.split("{")[1].split("}")[0] for ln in got["paths"][encoder]] == ['path="tcp"']  # E→P: a to b
-    assert [ln.split("{")[1].split("}")[0] for ln in got["paths"][prefill]] == ['path="tcp"']  # P→D: b to c
+    assert [ln.split('path="')[1].split('"')[0] for ln in got["paths"][encoder]] == ["tcp"]  # E→P: a to b
+    assert [ln.split('path="')[1].split('"')[0] for ln in got["paths"][prefill]] == ["tcp"]  # P→D: b to c
     assert got["actors"] == [] and got["groups"] == 0
     left = [pid for pid in got["pids"] if os.path.exists(f"/proc/{pid}")]  # one PID namespace for all hosts
     assert left == []

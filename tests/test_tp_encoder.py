@@ -24,6 +24,7 @@ from epd_lab.models.runtime import open_runtime
 from epd_lab.models.runtime.tp import run_ranks
 from epd_lab.noise import noise_images
 from epd_lab.servers.encoder_tp import reference_encode
+from helpers import plain_metrics
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,8 +74,8 @@ def test_a_dead_rank_fails_health_and_the_next_part_and_closing_leaves_no_rank(i
         while httpx.get(cluster.encoder_urls[0] + "/health", timeout=10).status_code != 503:
             assert time.monotonic() < deadline, "/health still answers 200 with rank 1 dead"
             time.sleep(0.05)
-        metrics = httpx.get(cluster.encoder_urls[0] + "/metrics", timeout=10).text
-        assert "epd_encoder_tp_ranks 2" in metrics and "epd_encoder_tp_dead_ranks 1" in metrics
+        metrics = plain_metrics(httpx.get(cluster.encoder_urls[0] + "/metrics", timeout=10).text)
+        assert "epd_lab:encoder_tp_ranks 2" in metrics and "epd_lab:encoder_tp_dead_ranks 1" in metrics
         with EmbeddingReceiver(ReceiverConfig(cluster.encoder_urls, "mooncake", timeout=10.0)) as rx:
             start = time.monotonic()
             with pytest.raises(Exception, match="TP rank"):

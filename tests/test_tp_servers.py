@@ -19,7 +19,7 @@ import pytest
 from epd_lab.launch import Cluster, Topology
 from epd_lab.noise import noise_images
 from epd_lab.servers.tp_groups import PDCase, run_pd
-from helpers import free_port, metric, wait_for
+from helpers import free_port, metric, plain_metrics, wait_for
 
 PROMPT, SIZES, N_TOKENS = "compare these", ((224, 224),), 6
 
@@ -161,7 +161,7 @@ def test_a_dead_rank_takes_its_role_out_of_service(image):
             os.kill(_rank1(c, index, module).pid, signal.SIGKILL)
             wait_for(lambda: http.get(url + "/health").status_code == 503, 10, f"{module}'s role's /health to fail")
             assert "TP rank(s) [1] dead" in http.get(url + "/health").text
-            assert metric(http.get(url + "/metrics").text, f"epd_{role}_tp_dead_ranks") == 1
+            assert metric(plain_metrics(http.get(url + "/metrics").text), f"epd_lab:{role}_tp_dead_ranks") == 1
         t0 = time.monotonic()
         r = _prefill(http, prefill, "after", image)
         assert r.status_code == 502 and "dead" in r.json()["detail"], r.text

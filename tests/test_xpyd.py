@@ -35,7 +35,7 @@ from epd_lab.noise import data_uri, random_png
 from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.servers.reference import monolithic_chat
 from epd_lab.transfer import TransferEngine
-from helpers import chat, metric, metrics, read_line, wait_for
+from helpers import chat, metric, metrics, plain_metrics, read_line, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -229,7 +229,7 @@ def test_no_reachable_decode_aborts_the_prefilled_request(cluster: Cluster) -> N
                 chat(url, _messages("nobody decodes me", [(224, 224)], seed=5), MAX_TOKENS, timeout=30)
             assert info.value.status_code == 503
             assert _aborts(cluster) == aborted_before + 1
-            assert 'epd_proxy_prefill_aborts_total{result="freed"} 1' in httpx.get(url + "/metrics").text
+            assert 'epd_lab:proxy_prefill_aborts_total{result="freed"} 1' in plain_metrics(httpx.get(url + "/metrics").text)
         finally:
             proc.terminate()
             proc.wait(10)
@@ -250,7 +250,7 @@ def test_streaming_client_disconnect_releases_prefill_and_decode(cluster: Cluste
     assert sum(_health(u)["active_requests"] for u in cluster.decode_urls) == 1
     stream.close()
     wait_for(lambda: cancelled() == before + 1, SLACK, "the decode did not drop the request")
-    wait_for(lambda: metric(metrics(cluster.proxy_url), 'epd_proxy_streams_aborted_total{reason="client_disconnect"}', None) == 1, SLACK,
+    wait_for(lambda: metric(metrics(cluster.proxy_url), 'epd_lab:proxy_streams_aborted_total{reason="client_disconnect"}', None) == 1, SLACK,
           "the proxy did not count the disconnect")
     # blocks_back: no blocks held and nothing generating on any prefill or decode
 
@@ -264,7 +264,7 @@ def _leave_while_prefills_are_frozen(cluster: Cluster, body: bytes) -> None:
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            wait_for(lambda: sum(metric(metrics(cluster.proxy_url), f'epd_proxy_backend_inflight{{role="prefill",url="{u}"}}', None)
+            wait_for(lambda: sum(metric(metrics(cluster.proxy_url), f'epd_lab:proxy_backend_inflight{{role="prefill",url="{u}"}}', None)
                               for u in cluster.prefill_urls) == 1, SLACK, "the request never reached a prefill")
     finally:  # thawed well within the proxy's idle timeout, which would otherwise fail the prefill call
         for proc in cluster.procs[PREFILLS]:
@@ -278,10 +278,10 @@ def test_client_gone_before_decode_began_is_aborted(cluster: Cluster) -> None:
     body = json.dumps({"model": MODEL_ID, "messages": _messages("leaving", [], seed=1), "max_tokens": MAX_TOKENS,
                        "stream": False}).encode()
     aborted_before, served_before = _aborts(cluster), _served(cluster)[1]
-    status_before = metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None) or 0
+    status_before = metric(metrics(cluster.proxy_url), 'epd_lab:proxy_requests_total{route="/v1/chat/completions",status="499"}', None) or 0
     _leave_while_prefills_are_frozen(cluster, body)
     wait_for(lambda: _aborts(cluster) == aborted_before + 1, SLACK, "the prefill never got the abort")
-    assert metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None) == status_before + 1
+    assert metric(metrics(cluster.proxy_url), 'epd_lab:proxy_requests_total{route="/v1/chat/completions",status="499"}', None) == status_before + 1
     assert _served(cluster)[1] == served_before  # no decode was asked
 
 
@@ -291,9 +291,9 @@ def test_streamed_client_gone_while_prefill_runs_releases_both(cluster: Cluster)
     moved to decode or still waited on the prefill, every block on both sides comes back (`blocks_back`)."""
     body = json.dumps({"model": MODEL_ID, "messages": _messages("leaving too", [], seed=2), "max_tokens": MAX_TOKENS,
                        "stream": True}).encode()
-    status_before = metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None) or 0
+    status_before = metric(metrics(cluster.proxy_url), 'epd_lab:proxy_requests_total{route="/v1/chat/completions",status="499"}', None) or 0
     _leave_while_prefills_are_frozen(cluster, body)
-    wait_for(lambda: metric(metrics(cluster.proxy_url), 'epd_proxy_requests_total{route="/v1/chat/completions",status="499"}', None)
+    wait_for(lambda: metric(metrics(cluster.proxy_url), 'epd_lab:proxy_requests_total{route="/v1/chat/completions",status="499"}', None)
           == status_before + 1, SLACK, "the proxy did not answer 499")
 
 
@@ -305,7 +305,7 @@ def _concurrently(client: openai.OpenAI, n: int, text: str) -> list[concurrent.f
 
 
 def _stalls(cluster: Cluster, role: str, url: str) -> float:
-    return metric(metrics(cluster.proxy_url), f'epd_proxy_backend_stalls_total{{role="{role}",url="{url}"}}', None) or 0
+    return metric(metrics(cluster.proxy_url), f'epd_lab:proxy_backend_stalls_total{{role="{role}",url="{url}"}}', None) or 0
 
 
 def test_frozen_then_killed_decode(cluster: Cluster, client: openai.OpenAI, model: Any) -> None:
@@ -324,7 +324,7 @@ def test_frozen_then_killed_decode(cluster: Cluster, client: openai.OpenAI, mode
         assert time.monotonic() - start < TIMEOUT + SLACK
         assert answers == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
         assert _stalls(cluster, "decode", victim_url) == stalls_before + 1
-        assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="decode",url="{victim_url}"}}', None) == 0
+        assert metric(metrics(cluster.proxy_url), f'epd_lab:proxy_backend_up{{role="decode",url="{victim_url}"}}', None) == 0
         assert _aborts(cluster) == aborted_before  # the KV went to decode 0: nothing to abort
     finally:
         victim.kill()  # SIGKILL ends a stopped process too
@@ -333,7 +333,7 @@ def test_frozen_then_killed_decode(cluster: Cluster, client: openai.OpenAI, mode
     assert [chat(cluster.proxy_url, m, MAX_TOKENS)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
     health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
     assert health["status"] == "ok" and [e["healthy"] for e in health["decode"]] == [True, False]
-    assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="decode",url="{victim_url}"}}', None) == 0
+    assert metric(metrics(cluster.proxy_url), f'epd_lab:proxy_backend_up{{role="decode",url="{victim_url}"}}', None) == 0
 
 
 def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: Cluster, client: openai.OpenAI,
@@ -342,7 +342,7 @@ def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: 
     as the monolithic model does, before the proxy's timeout) and keeps telling prefill 1 to drop it. Thawed,
     prefill 1 hears the abort (or finds the request's client gone) and holds no KV for it (`blocks_back`)."""
     victim, victim_url = cluster.procs[PREFILLS][1], cluster.prefill_urls[1]
-    inflight = f'epd_proxy_backend_inflight{{role="prefill",url="{victim_url}"}}'
+    inflight = f'epd_lab:proxy_backend_inflight{{role="prefill",url="{victim_url}"}}'
     stalls_before = _stalls(cluster, "prefill", victim_url)
     os.kill(victim.pid, signal.SIGSTOP)
     try:
@@ -358,7 +358,7 @@ def test_frozen_prefill_is_passed_over_and_drops_the_request_on_waking(cluster: 
         assert _stalls(cluster, "prefill", victim_url) == stalls_before + 1
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    wait_for(lambda: metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 1, SLACK,
+    wait_for(lambda: metric(metrics(cluster.proxy_url), f'epd_lab:proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 1, SLACK,
           "the thawed prefill was not taken back")
     # blocks_back: prefill 1 holds nothing for the request it was passed over for
 
@@ -372,8 +372,8 @@ def test_killed_prefill_passes_its_request_on_or_is_a_502_when_alone(cluster: Cl
     the serial way finds no other prefill either) gets a 502 naming the closed connection (not the timeout's
     504), and the abort it sends the dead prefill finds nobody."""
     victim, victim_url = cluster.procs[PREFILLS][1], cluster.prefill_urls[1]
-    inflight = f'epd_proxy_backend_inflight{{role="prefill",url="{victim_url}"}}'
-    retried = 'epd_proxy_retries_total{role="prefill",reason="disconnected"}'
+    inflight = f'epd_lab:proxy_backend_inflight{{role="prefill",url="{victim_url}"}}'
+    retried = 'epd_lab:proxy_retries_total{role="prefill",reason="disconnected"}'
     lone, lone_url = _start_proxy([victim_url], cluster.decode_urls, "--pipelined")
     try:
         retried_before = metric(metrics(cluster.proxy_url), retried, None) or 0
@@ -395,11 +395,11 @@ def test_killed_prefill_passes_its_request_on_or_is_a_502_when_alone(cluster: Cl
             error = alone.exception(TIMEOUT + SLACK)  # bounded: the proxy's own timeout would give a 504
         assert answers == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
         assert metric(metrics(cluster.proxy_url), retried, None) == retried_before + 1
-        assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 0
+        assert metric(metrics(cluster.proxy_url), f'epd_lab:proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 0
         assert isinstance(error, openai.InternalServerError) and error.status_code == 502, error
         assert f"prefill {victim_url} closed the connection before answering" in str(error)
         assert metric(metrics(lone_url), retried, None) == 1  # passed on, with no prefill left to take it
-        wait_for(lambda: metric(metrics(lone_url), 'epd_proxy_prefill_aborts_total{result="unreachable"}', None) == 1,
+        wait_for(lambda: metric(metrics(lone_url), 'epd_lab:proxy_prefill_aborts_total{result="unreachable"}', None) == 1,
                  SLACK, "the lone proxy sent the dead prefill no abort")
     finally:
         lone.terminate()
@@ -409,4 +409,4 @@ def test_killed_prefill_passes_its_request_on_or_is_a_502_when_alone(cluster: Cl
     assert [chat(cluster.proxy_url, m, MAX_TOKENS)[1] for m in messages] == [monolithic_chat(model, m, MAX_TOKENS) for m in messages]
     health = httpx.get(cluster.proxy_url + "/health", timeout=10).json()  # probes, so marks it down now
     assert health["status"] == "ok" and [e["healthy"] for e in health["prefill"]] == [True, False]
-    assert metric(metrics(cluster.proxy_url), f'epd_proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 0
+    assert metric(metrics(cluster.proxy_url), f'epd_lab:proxy_backend_up{{role="prefill",url="{victim_url}"}}', None) == 0

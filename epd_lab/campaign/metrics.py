@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd_lab.campaign.client import auth_headers
 from epd_lab.launch import Cluster
 
-# /metrics gauges (name suffixes after "epd_<role>_") that must be back at their idle value after the last answer
+# /metrics gauges (`short_name`s, after "epd_lab:<role>_") back at their idle value after the last answer
 LEAK_GAUGES = ("embeddings_held", "kv_blocks_used", "kv_blocks_quarantined", "inflight", "admitted",
                "kv_blocks_reserved", "kv_admission_admitted",  # decode's KV reservations
                "kv_requests_held", "active_requests", "backend_inflight", "engine_regions",
@@ -31,29 +32,33 @@ def role_urls(cluster: Cluster) -> dict[str, str]:
     return dict(zip(cluster.process_names(), cluster.urls()))
 
 
+def _samples(text: str) -> Iterator[tuple[str, Any]]:
+    """(family type, sample) of every sample of a Prometheus text exposition (prometheus-client's parser)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield family.type, sample
+
+
+def short_name(name: str) -> str:
+    """A role's family name without its namespace and role (``epd_lab:prefill_kv_blocks_used``: ``kv_blocks_used``)."""
+    return name.partition(":")[2].split("_", 1)[-1]
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """The gauges of a Prometheus text exposition: name → value (labelled samples of one name summed)."""
-    gauges: set[str] = set()
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(maxsplit=3)
-            if kind == "gauge":
-                gauges.add(name)
-        elif line and not line.startswith("#"):
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            if name in gauges:
-                values[name] = values.get(name, 0.0) + float(value)
+    for kind, sample in _samples(text):
+        if kind == "gauge":
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 
 def pool_levels(text: str) -> dict[str, float]:
-    """The pool gauges (`LEAK_GAUGES`, `INFO_GAUGES`) of one server's /metrics, by short name."""
+    """The pool gauges (`LEAK_GAUGES`, `INFO_GAUGES`) of one server's /metrics, by short name (`short_name`)."""
     out = {}
     for name, value in parse_metrics(text).items():
-        short = name.split("_", 2)[2] if name.count("_") >= 2 else name
-        if short in LEAK_GAUGES or short in INFO_GAUGES:
+        short = short_name(name)
+        if name.startswith("epd_lab:") and (short in LEAK_GAUGES or short in INFO_GAUGES):
             out[short] = value
     return out
 
@@ -63,20 +68,18 @@ def refusal_counts(text: str) -> dict[str, float]:
     by code; decode's KV admission's as ``kv_<reason>``) and the encoder's ``refused_held_bytes_total`` as
     ``held_bytes``; zeros left out."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or "_refused_" not in line:
+    for _, sample in _samples(text):
+        if not sample.value or not sample.name.startswith("epd_lab:"):
             continue
-        name_labels, _, value = line.rpartition(" ")
-        if name_labels.endswith("_refused_held_bytes_total"):
+        if sample.name.endswith("_refused_held_bytes_total"):
             reason = "held_bytes"
-        elif "_refused_total{" in name_labels:
-            reason = name_labels.split('reason="', 1)[1].split('"', 1)[0]
-            if "_kv_admission_refused_total{" in name_labels:  # decode's second admission: its KV pool
+        elif sample.name.endswith("_refused_total") and "reason" in sample.labels:
+            reason = sample.labels["reason"]
+            if sample.name.endswith("_kv_admission_refused_total"):  # decode's second admission: its KV pool
                 reason = "kv_" + reason
         else:
             continue
-        if float(value):
-            out[reason] = out.get(reason, 0.0) + float(value)
+        out[reason] = out.get(reason, 0.0) + sample.value
     return out
 
 

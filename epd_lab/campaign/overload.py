@@ -261,11 +261,11 @@ def big_prompt(others: int = 8) -> dict[str, Any]:
         metrics = parse_metrics(httpx.get(cluster.proxy_url + "/metrics", timeout=10).text)
         stalls = sum(float(line.rpartition(" ")[2]) for line in
                      httpx.get(cluster.proxy_url + "/metrics", timeout=10).text.splitlines()
-                     if line.startswith("epd_proxy_backend_stalls_total{"))
+                     if line.startswith("epd_lab:proxy_backend_stalls_total{"))
     judge(outcomes, prompts.solo)
     return {"topology": "1E1P1D", "big": big, "others": counts(outcomes),
             "others_right": sum(o.matches is True for o in outcomes), "backend_stalls": stalls,
-            "backends_up": metrics.get("epd_proxy_backend_up"),
+            "backends_up": metrics.get("epd_lab:proxy_backend_up"),
             "target_met": big["status"] == 400 and big["latency_s"] <= 1.0 and stalls == 0
             and all(o.kind == "ok" and o.matches for o in outcomes)}
 

@@ -38,7 +38,7 @@ import torch
 
 from epd_lab.ep.cache import EmbeddingCache
 from epd_lab.ep.store import IntegrityError, StoreClient
-from epd_lab.serving import Metric
+from epd_lab.serving import Metric, RoleMetrics
 
 MAX_PENDING_PUTS = 64  # L3 puts waiting at once: past it a new one is dropped, not queued behind a dead master
 
@@ -253,8 +253,9 @@ class GlobalEmbeddingCache:
             else:
                 self.counters.put_failures += 1
 
-    def metric_families(self) -> list[Metric]:
-        """``/metrics``: hits and misses per level, L3's fallbacks, refusals, timings and bytes, L2's bytes."""
+    def metric_families(self, metrics: RoleMetrics) -> list[Metric]:
+        """``/metrics`` (named by `metrics`): hits and misses per level, L3's fallbacks, refusals, timings and
+        bytes, L2's bytes."""
         c = self.counters
         with self._lock:
             rows = [
@@ -285,7 +286,8 @@ class GlobalEmbeddingCache:
                  f"L3 puts dropped: {MAX_PENDING_PUTS} were waiting already"),
                 ("mm_cache_l3_bytes_put_total", "counter", c.l3_bytes_put, "embedding bytes this encoder put into L3"),
             ]
-        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in rows]
+        return [(metrics.counter if kind == "counter" else metrics.gauge)(name.removesuffix("_total"), help_, value)
+                for name, kind, value, help_ in rows]
 
     def close(self) -> None:
         """Stop the puts waiting, close the L3 client (its segment leaves the pool)."""

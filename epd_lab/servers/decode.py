@@ -88,8 +88,10 @@ from epd_lab.servers.messages import (
 from epd_lab.servers.decode_tp import DecodeTPGroup
 from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.serving import (KV_DEADLINE_HEADER, Admission, BadGateway, BadRequest, Conflict, Forbidden,
-                             GatewayTimeout, Metric, NotFound, ServingError, Unavailable, deadline_budget,
-                             engine_metrics, option, read_struct, role_app, serve_main)
+                             GatewayTimeout, Metric, NotFound, RoleMetrics, ServingError, Unavailable,
+                             deadline_budget, engine_auth_failures, engine_metrics, option, read_struct, role_app,
+                             serve_main)
+from epd_lab.serving.metrics import REQUEST_BUCKETS, STAGE_BUCKETS
 from epd_lab.models.catalog import use_device
 from epd_lab.servers.model_settings import PagedKVSettings, check_transport, transport_option
 from epd_lab.serving.settings import check_at_least, check_positive
@@ -159,6 +161,13 @@ class DecodeServer:
         self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
         self.recorder = Recorder(node=f"decode:{settings.port}")
         self.node = self.recorder.node
+        self.metrics = RoleMetrics("decode", settings.model_name)
+        self.decode_time = self.metrics.histogram("vllm:request_decode_time_seconds", "Histogram of time spent in "
+                                                  "DECODE phase for request (token 0 emitted to the last).",
+                                                  REQUEST_BUCKETS)
+        self.kv_transfer_time = self.metrics.histogram("epd_lab:kv_transfer_seconds", "Histogram of the time a "
+                                                       "request's KV took to arrive from prefill (asked to "
+                                                       "TRANS_DONE).", STAGE_BUCKETS)
         self.engine = open_engine(settings.transport, settings.host, settings.timeout)
         self.tp_group = None
         try:
@@ -251,7 +260,9 @@ class DecodeServer:
                 p = msgspec.structs.replace(p, prompt_len=prompt_len, num_blocks=num_blocks,
                                             first_token=done.aux[0].first_token, rope_delta=done.aux[0].rope_delta)
             nbytes = self.cache.nbytes(num_blocks)
-            spans.append(Span(req.request_id, -1, "kv_transfer", self.node, t0, time.monotonic_ns(), nbytes))
+            t_done = time.monotonic_ns()
+            self.kv_transfer_time.observe((t_done - t0) / 1e9)
+            spans.append(Span(req.request_id, -1, "kv_transfer", self.node, t0, t_done, nbytes))
             self.recorder.extend(spans)
             self._count(kv_bytes=nbytes)
             kept = True
@@ -356,28 +367,52 @@ class DecodeServer:
                 "kv_admission": self.kv_admission.stats(), "counters": counters}
 
     def metric_families(self) -> list[Metric]:
-        """The decode's ``/metrics`` families: its KV blocks, requests and tokens, the consumer's counters."""
-        h = self.health()
+        """The decode's ``/metrics`` families: vLLM's decode time, requests running and waiting, KV usage and tokens;
+        the KV transfer's time and bytes; its KV blocks, requests and tokens, the consumer's counters, its two
+        admissions and its engine."""
+        h, m = self.health(), self.metrics
         c = collections.Counter(h["counters"])
-        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
-            ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
-            ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving, generating or quarantined)"),
-            ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
-            ("kv_blocks_reserved", "gauge", h["reserved_blocks"], "blocks the admitted requests may hold "
-             "(prompt + max_tokens - 1 tokens each; a quarantined request's until its blocks are back)"),
-            ("active_requests", "gauge", h["active_requests"], "requests generating"),
-            ("requests_finished_total", "counter", c["requests_finished"], "requests that got all their tokens"),
-            ("requests_cancelled_total", "counter", c["requests_cancelled"], "requests whose client went away"),
-            ("requests_failed_total", "counter", c["requests_failed"], "requests that failed while generating"),
-            ("tokens_generated_total", "counter", c["tokens_generated"], "tokens emitted"),
-            ("decode_forwards_total", "counter", c["decode_forwards"], "decode steps run (each one forward)"),
-            ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this decode (rank 0 serves)"),
-            ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
-             "ranks of this decode's TP group found dead"),
-            ("kv_errors_total", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
-            ("kv_timeouts_total", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
-            ("kv_bytes_total", "counter", c["kv_bytes"], "KV bytes received"),
-        )] + self.admission.metric_families() + self.kv_admission.metric_families() + engine_metrics(self.engine)
+        return [
+            *m.instruments(),
+            m.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    h["active_requests"]),
+            m.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed (either admission's "
+                    "queue).", self.admission.queued + self.kv_admission.queued),
+            m.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    h["used_blocks"] / h["num_blocks"]),
+            m.counter("vllm:generation_tokens", "Number of generation tokens processed.", c["tokens_generated"]),
+            m.counter("epd_lab:kv_transfer_bytes", "KV bytes received from prefill", c["kv_bytes"]),
+            *((m.counter if kind == "counter" else m.gauge)(name, help_, value) for name, kind, value, help_ in (
+                ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
+                ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving, generating or quarantined)"),
+                ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),
+                ("kv_blocks_reserved", "gauge", h["reserved_blocks"], "blocks the admitted requests may hold "
+                 "(prompt + max_tokens - 1 tokens each; a quarantined request's until its blocks are back)"),
+                ("active_requests", "gauge", h["active_requests"], "requests generating"),
+                ("requests_finished", "counter", c["requests_finished"], "requests that got all their tokens"),
+                ("requests_cancelled", "counter", c["requests_cancelled"], "requests whose client went away"),
+                ("requests_failed", "counter", c["requests_failed"], "requests that failed while generating"),
+                ("tokens_generated", "counter", c["tokens_generated"], "tokens emitted"),
+                ("decode_forwards", "counter", c["decode_forwards"], "decode steps run (each one forward)"),
+                ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this decode (rank 0 serves and "
+                 "reports for the group)"),
+                ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
+                 "ranks of this decode's TP group found dead"),
+                ("kv_errors", "counter", c["kv_errors"], "KV transfers answered TRANS_ERROR"),
+                ("kv_timeouts", "counter", c["kv_timeouts"], "KV transfers without an answer in time"),
+                ("kv_bytes", "counter", c["kv_bytes"], "KV bytes received"),
+            )),
+            *self.admission.metric_families(m), *self.kv_admission.metric_families(m),
+            *engine_metrics(m, self.engine),
+        ]
+
+    def refusals(self) -> dict[str, float]:
+        """Its two admissions' refusals (``admission_<reason>``, ``kv_admission_<reason>``), side channels it was
+        not told of (``kv_producers_refused``) and peers refused at its engine's port (``transfer_auth``)."""
+        return {**{f"admission_{reason}": n for reason, n in self.admission.refused.items()},
+                **{f"kv_admission_{reason}": n for reason, n in self.kv_admission.refused.items()},
+                "kv_producers_refused": self.counters["kv_producers_refused"],
+                "transfer_auth": engine_auth_failures(self.engine)}
 
     def close(self) -> None:
         """Fail the active requests, stop the scheduler, free quarantined blocks, close cache and engine."""
@@ -474,23 +509,25 @@ def create_app(settings: DecodeSettings) -> FastAPI:
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 pass
 
+        t_first = time.monotonic()  # token 0 is emitted at admission: decode's phase starts
         gen = server.admit(req, block_table, kv_spans, emit, give_back)
         if req.stream:
             async def ended() -> None:  # also when the client left before the body generator ever started
                 gen.cancelled = True
                 _stream_ended()
-            return ClosingStreamingResponse(_stream(gen, queue), ended, media_type="application/x-ndjson")
+            return ClosingStreamingResponse(_stream(gen, queue, t_first), ended, media_type="application/x-ndjson")
         try:
             while (item := await queue.get()) is not DONE:
                 if isinstance(item, Exception):
                     raise ServingError(f"decode failed: {type(item).__name__}: {item}")
         finally:
             gen.cancelled = True  # a no-op once it finished; stops it if this handler was cancelled
+        server.decode_time.observe(time.monotonic() - t_first)
         logits = [row.tolist() for row in gen.logits] if gen.logits is not None else None
         return Response(encode(DecodeResponse(req.request_id, list(gen.tokens), "length", gen.spans, logits)),
                         media_type="application/json")
 
-    async def _stream(gen: Generation, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    async def _stream(gen: Generation, queue: asyncio.Queue, t_first: float) -> AsyncIterator[bytes]:
         # A client that goes away cancels this generator (Starlette listens for http.disconnect): the finally
         # marks the request cancelled and the scheduler drops it before its next step.
         try:
@@ -502,6 +539,7 @@ def create_app(settings: DecodeSettings) -> FastAPI:
                 yield _line(StreamToken(item, index))
                 failpoint("decode.mid_stream")
                 index += 1
+            app.state.server.decode_time.observe(time.monotonic() - t_first)
             yield _line(StreamDone("length", gen.spans))
         finally:
             gen.cancelled = True

@@ -114,8 +114,10 @@ from epd_lab.ep.push import PushSockets
 from epd_lab.ep.store import MIN_SEGMENT_BYTES, SEGMENT_BYTES, StoreClient, StoreUnavailable, local_hostname_for
 from epd_lab.failpoints import failpoint
 from epd_lab.serving import (Admission, BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
-                             Metric, NotFound, ServingError, Ticket, Unavailable, client_gone, decode_body,
-                             engine_metrics, json_response, option, read_body, read_struct, role_app, serve_main)
+                             Metric, NotFound, RoleMetrics, ServingError, Ticket, Unavailable, client_gone,
+                             decode_body, engine_auth_failures, engine_metrics, json_response, option, read_body,
+                             read_struct, role_app, serve_main)
+from epd_lab.serving.metrics import STAGE_BUCKETS
 from epd_lab.models import processor
 from epd_lab.models.runtime import open_runtime
 from epd_lab.servers.encoder_tp import EncoderTPGroup
@@ -239,6 +241,14 @@ class MMEncoder:
         models.configure_torch(threads=1)  # the same kernels, hence the same bits, as every other role
         self.model = models.open_model(settings.model, dtype=self.dtype, device=self.device)
         self.recorder = Recorder(node=f"encoder:{settings.port}")
+        self.metrics = RoleMetrics("encoder", settings.model_name)
+        self.queue_time = self.metrics.histogram("epd_lab:encoder_queue_seconds", "Histogram of the time an /encode "
+                                                 "waited for admission (max_parts).", STAGE_BUCKETS)
+        self.vit_time = self.metrics.histogram("epd_lab:encoder_vit_seconds", "Histogram of the ViT's time per "
+                                               "part (the images' decode and the forward).", STAGE_BUCKETS)
+        self.transfer_time = self.metrics.histogram("epd_lab:ep_transfer_seconds", "Histogram of the time one "
+                                                    "part's embedding took to go E→P (one-sided write, or ZMQ send).",
+                                                    STAGE_BUCKETS)
         # TP > 1: rank 0's shard, the other ranks started and met here (seed 000's encoder TP)
         self.tp_group = EncoderTPGroup(self.model, settings, self.recorder.node) if settings.tp > 1 else None
         self.runtime = open_runtime(settings.runtime, self.model) if self.tp_group is None else None  # no KV cache
@@ -519,6 +529,7 @@ class MMEncoder:
             spans.append(Span(req_id, part_idx, "store_get", self.recorder.node, lookup.t_start_ns, t_end,
                               found.l3_bytes))
         if missing or "l3" not in found.levels:
+            self.vit_time.observe((t_end - t0) / 1e9)
             spans.append(Span(req_id, part_idx, "vit", self.recorder.node, t0, t_end, embedding.nbytes))
         self.recorder.extend(spans)
         return embedding, spans if self.recorder.enabled else []
@@ -689,6 +700,7 @@ class MMEncoder:
         except TransferError as exc:
             raise BadGateway(f"transfer to {req.session_id} failed: {exc}") from None
         span = Span(req.req_id, req.part_idx, "transfer", self.recorder.node, t0, time.monotonic_ns(), nbytes)
+        self.transfer_time.observe((span.t_end_ns - t0) / 1e9)
         self.recorder.add(span)
         if self.recorder.enabled:
             spans.append(span)
@@ -742,8 +754,10 @@ class MMEncoder:
             self.pushers.push(url, encode_zmq(msg))
         except zmq.ZMQError as exc:
             raise BadGateway(f"ZMQ send to {url} failed: {exc}") from None
-        self.recorder.add(Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, time.monotonic_ns(),
-                               nbytes))
+        t_end = time.monotonic_ns()
+        if nbytes:  # the embedding itself over ZMQ (zmq_to_* backends): its E→P transfer
+            self.transfer_time.observe((t_end - t0) / 1e9)
+        self.recorder.add(Span(msg.req_id, msg.part_idx, stage, self.recorder.node, t0, t_end, nbytes))
 
     # ---- lifetime ----
     async def _bounded(self, aw: Awaitable[T], what: str) -> T:
@@ -787,25 +801,35 @@ class MMEncoder:
                 "encoder_idx": self.encoder_idx}
 
     def metric_families(self) -> list[Metric]:
-        """The encoder's ``/metrics`` families: held embeddings, bytes sent, the embedding cache."""
-        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
+        """The encoder's ``/metrics`` families: its queue, ViT and E→P transfer times, held embeddings, bytes sent,
+        the embedding cache (each level), its admission and engine."""
+        m = self.metrics
+        return [*m.instruments(), *((m.counter if kind == "counter" else m.gauge)(name, help_, value)
+                                    for name, kind, value, help_ in (
             ("embeddings_held", "gauge", len(self.held), "embeddings waiting for /send"),
-            ("embeddings_expired_total", "counter", self.embeddings_expired, "embeddings released by the TTL"),
-            ("embeddings_released_total", "counter", self.embeddings_released, "embeddings dropped by /release"),
+            ("embeddings_expired", "counter", self.embeddings_expired, "embeddings released by the TTL"),
+            ("embeddings_released", "counter", self.embeddings_released, "embeddings dropped by /release"),
             ("held_bytes", "gauge", self.held_bytes, "embedding bytes held for /send"),
             ("max_held_bytes", "gauge", self.settings.max_held_bytes, "embedding bytes held for /send at most"),
-            ("refused_held_bytes_total", "counter", self.refused["held_bytes"],
+            ("refused_held_bytes", "counter", self.refused["held_bytes"],
              "/encode refused with 503: max_held_bytes reached"),
-            ("bytes_sent_total", "counter", self.bytes_sent, "embedding bytes written or sent over ZMQ"),
-            ("cache_hits_total", "counter", self.cache.hits, "images found in the embedding cache"),
-            ("cache_misses_total", "counter", self.cache.misses, "images the ViT had to encode"),
-            ("cache_evictions_total", "counter", self.cache.evictions, "cache entries evicted"),
+            ("bytes_sent", "counter", self.bytes_sent, "embedding bytes written or sent over ZMQ"),
+            ("cache_hits", "counter", self.cache.hits, "images found in the embedding cache"),
+            ("cache_misses", "counter", self.cache.misses, "images the ViT had to encode"),
+            ("cache_evictions", "counter", self.cache.evictions, "cache entries evicted"),
             ("cache_entries", "gauge", len(self.cache), "images in the cache"),
             ("cache_bytes", "gauge", self.cache.num_bytes, "bytes in the cache"),
-            ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this encoder (rank 0 serves)"),
+            ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this encoder (rank 0 serves and reports "
+             "for the group)"),
             ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
              "ranks of this encoder's TP group known dead (then /health answers 503)"),
-        )] + self.global_cache.metric_families() + self.admission.metric_families() + engine_metrics(self.engine)
+        )), *self.global_cache.metric_families(m), *self.admission.metric_families(m), *engine_metrics(m, self.engine)]
+
+    def refusals(self) -> dict[str, float]:
+        """Its admission's refusals (``admission_<reason>``), ``held_bytes`` (max_held_bytes reached) and peers
+        refused at its engine's port (``transfer_auth``)."""
+        return {**{f"admission_{reason}": n for reason, n in self.admission.refused.items()},
+                "held_bytes": self.refused["held_bytes"], "transfer_auth": engine_auth_failures(self.engine)}
 
     def close(self) -> None:
         """Stop the worker, close the sockets and the engine."""
@@ -904,6 +928,7 @@ def create_app(settings: EncoderSettings) -> FastAPI:
         t_in = time.monotonic_ns()
         server: MMEncoder = app.state.server
         ticket = await server.admission.enter()  # refused before its body is even read: it costs nothing more
+        server.queue_time.observe((time.monotonic_ns() - t_in) / 1e9)
 
         async def body() -> bytes:
             raw = await read_body(request)

@@ -42,8 +42,8 @@ from epd_lab.http.aio import Answer
 from epd_lab.servers.openai_api import MODEL_ID, error_body, model_list
 from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, backend_health,
                                      backend_metrics)
-from epd_lab.serving import (BadGateway, GatewayTimeout, Metric, ServingError, json_response, option, read_body,
-                             role_app, serve_main)
+from epd_lab.serving import (BadGateway, GatewayTimeout, Metric, RoleMetrics, ServingError, json_response, option,
+                             read_body, role_app, serve_main)
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder
@@ -94,6 +94,7 @@ class Front:
         self.pool = Pool("monolithic", settings.replicas, settings.policy, settings.retry_after)
         self.client = PoolClient((self.pool,), settings.timeout, failed=_failed, answered=_Answered, noun="replica")
         self.recorder = Recorder(node=f"front:{settings.port}")
+        self.metrics = RoleMetrics("front", settings.model)
 
     async def run(self) -> None:
         """For the server's life: probe every replica (`PoolClient.probe_forever`)."""
@@ -132,7 +133,11 @@ class Front:
 
     def metric_families(self) -> list[Metric]:
         """Per replica (labelled by its URL): requests in flight, requests it took, whether it is up, its stalls."""
-        return backend_metrics(self.pool.backends, "replica", ("url",))
+        return backend_metrics(self.metrics, self.pool.backends, "replica", ("url",))
+
+    def refusals(self) -> dict[str, float]:
+        """None of its own: a request no replica took is the replicas' refusal (the floor counts 401s and 413s)."""
+        return {}
 
 
 class _Relay:

@@ -17,6 +17,7 @@ Run: ``python -m epd_lab.servers.monolithic --port 0`` prints ``{"url": ..., "pi
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import sys
 import time
@@ -37,8 +38,9 @@ from epd_lab.models.sampling import request_seed, sample
 from epd_lab.servers.openai_api import MODEL_ID, Job, chunk, completion, error_body, model_list, parse_request, usage
 from epd_lab.servers.scheduler import DONE, DecodeScheduler, Generation
 from epd_lab.servers.text import Detokenizer, detokenize
-from epd_lab.serving import (BadRequest, Metric, ServingError, Unavailable, decode_body, json_response, option,
-                             read_body, role_app, serve_main)
+from epd_lab.serving import (BadRequest, Metric, RoleMetrics, ServingError, Unavailable, decode_body, json_response,
+                             option, read_body, role_app, serve_main)
+from epd_lab.serving.metrics import REQUEST_BUCKETS, request_histograms
 from epd_lab.models.catalog import use_device
 from epd_lab.servers.model_settings import PagedKVSettings
 from epd_lab.serving.settings import check_at_least, check_positive
@@ -70,6 +72,17 @@ class MonolithicServer:
         self.device = use_device(settings.device)
         self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
         self.recorder = Recorder(node=f"monolithic:{settings.port}")
+        self.metrics = RoleMetrics("monolithic", MODEL_ID)
+        self.latency = request_histograms(self.metrics)  # vLLM's, and the engine's phases below
+        self.queue_time = self.metrics.histogram("vllm:request_queue_time_seconds", "Histogram of time spent "
+                                                 "waiting for the prefill thread.", REQUEST_BUCKETS)
+        self.prefill_time = self.metrics.histogram("vllm:request_prefill_time_seconds", "Histogram of time spent "
+                                                   "in PREFILL phase for request (media, ViT, forward).",
+                                                   REQUEST_BUCKETS)
+        self.decode_time = self.metrics.histogram("vllm:request_decode_time_seconds", "Histogram of time spent in "
+                                                  "DECODE phase for request.", REQUEST_BUCKETS)
+        self.tokens: collections.Counter[str] = collections.Counter()  # prompt, generation
+        self.waiting = 0  # requests handed to the prefill thread and not started (touched on the event loop)
         self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
                                               block_size=settings.block_size, dtype=dtype, device=self.device)
         options = {"max_batch": settings.max_batch} if settings.runtime == "fast" else {}
@@ -85,6 +98,7 @@ class MonolithicServer:
         """In the prefill thread: read the images, encode, prefill, emit the first token and hand the rest to the
         scheduler. `BadRequest` for an unusable image, `Unavailable` when the KV pool is full."""
         node, t0 = self.recorder.node, time.monotonic_ns()
+        self.queue_time.observe((t0 - job.t0) / 1e9)
         try:
             images = [open_image(fetch_media(item, self.settings.timeout, MAX_MEDIA_BYTES, self.policy), item)
                       for item in items]
@@ -115,6 +129,10 @@ class MonolithicServer:
             raise
         t3 = time.monotonic_ns()
         job.prompt_len = prompt_len
+        self.prefill_time.observe((t3 - t0) / 1e9)
+        self.tokens["prompt"] += prompt_len
+        if not job.stream:  # a stream's first token is timed as it is sent
+            self.latency["ttft"].observe((t3 - job.t0) / 1e9)
         spans = [Span(job.rid, -1, "load", node, t0, t1), Span(job.rid, -1, "vit", node, t1, t2),
                  Span(job.rid, -1, "prefill", node, t2, t3), Span(job.rid, -1, "ttft", node, job.t0, t3)]
         self.recorder.extend(spans if images else spans[2:])
@@ -139,11 +157,35 @@ class MonolithicServer:
                 "free_blocks": self.blocks.num_free_blocks,
                 "active_requests": self.scheduler.num_active, "served": self.served}
 
+    def finished(self, job: Job, tokens: int, t_first: int | None, t_last: int) -> None:
+        """A request answered whole (on the event loop): its tokens, its decode time and its end to end."""
+        self.served += 1
+        self.tokens["generation"] += tokens
+        if t_first is not None:
+            self.decode_time.observe((t_last - t_first) / 1e9)
+        self.latency["e2e"].observe((time.monotonic_ns() - job.t0) / 1e9)
+
     def metric_families(self) -> list[Metric]:
-        """``/metrics``: the free KV blocks and the requests generating."""
-        h = self.health()
-        return [Metric.of("kv_blocks_free", "gauge", "KV blocks free", h["free_blocks"]),
-                Metric.of("active_requests", "gauge", "requests generating", h["active_requests"])]
+        """``/metrics``: vLLM's latency histograms, requests running and waiting, KV usage, tokens; the free KV
+        blocks and the requests generating."""
+        h, m = self.health(), self.metrics
+        return [*m.instruments(),
+                m.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                        h["active_requests"]),
+                m.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", self.waiting),
+                m.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                        self.blocks.num_used_blocks / self.blocks.num_blocks),
+                m.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.tokens["prompt"]),
+                m.counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                          self.tokens["generation"]),
+                m.counter("vllm:request_success", "Count of successfully processed requests.",
+                          {"length": self.served}, "finished_reason"),
+                m.gauge("kv_blocks_free", "KV blocks free", h["free_blocks"]),
+                m.gauge("active_requests", "requests generating", h["active_requests"])]
+
+    def refusals(self) -> dict[str, float]:
+        """None of its own beyond the floor's (a full KV pool is a 503 counted among the answers)."""
+        return {}
 
     def close(self) -> None:
         """Stop the prefill thread and the scheduler (failing what it holds), then the runtime and the cache."""
@@ -176,16 +218,21 @@ def create_app(settings: MonolithicSettings) -> FastAPI:
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 pass
 
-        gen = await asyncio.wrap_future(server.prefills.submit(server.start, job, prompt, items, emit))
+        server.waiting += 1
+        try:
+            gen = await asyncio.wrap_future(server.prefills.submit(server.start, job, prompt, items, emit))
+        finally:
+            server.waiting -= 1
         if job.stream:
             return StreamingResponse(_events(server, job, gen, queue), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        t_first = time.monotonic_ns()  # its first token is made: the rest is decode
         try:
             tokens = [item async for item in _tokens(queue)]
         finally:
             gen.cancelled = True
         server.recorder.add(Span(job.rid, -1, "e2e", server.recorder.node, job.t0, time.monotonic_ns()))
-        server.served += 1
+        server.finished(job, len(tokens), t_first, time.monotonic_ns())
         return json_response(completion(job, MODEL_ID, detokenize(tokens), "length", len(tokens)))
 
     @app.post("/v1/chat/completions")
@@ -209,13 +256,20 @@ async def _tokens(queue: asyncio.Queue) -> AsyncIterator[int]:
 
 async def _events(server: MonolithicServer, job: Job, gen: Generation, queue: asyncio.Queue) -> AsyncIterator[bytes]:
     """OpenAI's SSE events of a streamed request: the role chunk, text deltas, the finish chunk, usage, [DONE]."""
-    detok, count = Detokenizer(), 0
+    detok, count, latency = Detokenizer(), 0, server.latency
+    t_first = t_last = 0
     try:
         if job.kind == "chat":  # the role chunk is chat's only
             yield chunk(job, MODEL_ID, "", role=True)
         try:
             async for token in _tokens(queue):
-                count += 1
+                now = time.monotonic_ns()
+                if count:
+                    latency["itl"].observe((now - t_last) / 1e9)
+                else:
+                    t_first = now
+                    latency["ttft"].observe((now - job.t0) / 1e9)
+                count, t_last = count + 1, now
                 if text := detok.feed(token):
                     yield chunk(job, MODEL_ID, text)
         except ServingError as exc:  # after the stream began: an error event, as the proxy sends
@@ -228,7 +282,9 @@ async def _events(server: MonolithicServer, job: Job, gen: Generation, queue: as
         if job.include_usage:
             yield chunk(job, MODEL_ID, None, usage=usage(job, count))
         yield b"data: [DONE]\n\n"
-        server.served += 1
+        if count >= 2:
+            latency["tpot"].observe((t_last - t_first) / (count - 1) / 1e9)
+        server.finished(job, count, t_first or None, t_last)
     finally:
         gen.cancelled = True  # a client gone mid-stream: the scheduler drops it before its next step
         server.recorder.add(Span(job.rid, -1, "e2e", server.recorder.node, job.t0, time.monotonic_ns()))

@@ -70,9 +70,10 @@ from epd_lab.servers.messages import (
 )
 from epd_lab.servers.prefill_tp import PrefillTPGroup
 from epd_lab.servers.text import prompt_tokens
-from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, Unavailable, client_gone,
-                             deadline_budget, decode_body, engine_metrics, error_for_status, option, read_body,
-                             read_struct, role_app, serve_main)
+from epd_lab.serving import (Admission, BadRequest, ClientClosed, Conflict, Metric, RoleMetrics, Unavailable,
+                             client_gone, deadline_budget, decode_body, engine_auth_failures, engine_metrics,
+                             error_for_status, option, read_body, read_struct, role_app, serve_main)
+from epd_lab.serving.metrics import REQUEST_BUCKETS
 from epd_lab.models.catalog import synchronize, use_device
 from epd_lab.servers.model_settings import PagedKVSettings, check_transport, transport_option
 from epd_lab.serving.settings import check_at_least, check_choice, check_positive, check_urls
@@ -211,6 +212,12 @@ class PrefillServer:
         self.model = models.open_model(settings.model, dtype=dtype, device=self.device)
         self.max_positions = self.model.config.text_config.max_position_embeddings
         self.recorder = Recorder(node=f"prefill:{settings.port}")
+        self.metrics = RoleMetrics("prefill", settings.model_name)
+        self.queue_time = self.metrics.histogram("vllm:request_queue_time_seconds", "Histogram of time spent "
+                                                 "waiting for a prefill worker (admission's queue).", REQUEST_BUCKETS)
+        self.prefill_time = self.metrics.histogram("vllm:request_prefill_time_seconds", "Histogram of time spent "
+                                                   "in PREFILL phase for request (the forward, once the embeddings "
+                                                   "are in).", REQUEST_BUCKETS)
         self.counters: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
@@ -281,14 +288,18 @@ class PrefillServer:
                 result, gate = queued
                 result.wait()
                 first_token = self._first_token(req, result)
-                self.recorder.add(Span(rid, -1, "prefill", self.recorder.node, gate.opened_ns, time.monotonic_ns()))
+                t_done = time.monotonic_ns()
+                self.prefill_time.observe((t_done - gate.opened_ns) / 1e9)
+                self.recorder.add(Span(rid, -1, "prefill", self.recorder.node, gate.opened_ns, t_done))
             else:
+                t_forward = time.monotonic()
                 with self.recorder.span("prefill", rid):
                     try:
                         result = self._forward(rid, input_ids, embeds, grid, kv, plan, deadline)
                     except ValueError as exc:  # the prompt and the embeddings disagree
                         raise BadRequest(f"prefill failed: {exc}") from None
                     first_token = self._first_token(req, result)  # read back: the span ends when the GPU's did
+                self.prefill_time.observe(time.monotonic() - t_forward)
             params = kv.keep(result, first_token) if kv.remote else None
         finally:
             kv.drop()  # a no-op once the producer holds the blocks
@@ -409,25 +420,51 @@ class PrefillServer:
         return min(self.max_positions - 1, self.blocks.num_blocks * self.cache.block_size)
 
     def metric_families(self) -> list[Metric]:
-        """The prefill's ``/metrics`` families: its KV blocks, prefills running, the producer's counters."""
+        """The prefill's ``/metrics`` families: vLLM's queue and prefill times, prompt tokens, requests running and
+        waiting; its KV blocks, the producer's counters, its admission and engines."""
+        p, m = self.producer.stats(), self.metrics
+        return [
+            *m.instruments(),
+            m.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.counters["prompt_tokens"]),
+            m.gauge("vllm:num_requests_running", "Number of requests in model execution batches (prefills "
+                    "running).", len(self._inflight)),
+            m.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed (admission's queue).",
+                    self.admission.queued),
+            m.gauge("vllm:kv_cache_usage_perc", "KV-cache usage (blocks held until decode takes them). 1 means 100 "
+                    "percent usage.", self.blocks.num_used_blocks / self.blocks.num_blocks),
+            *((m.counter if kind == "counter" else m.gauge)(name, help_, value) for name, kind, value, help_ in (
+                ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
+                ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
+                ("inflight", "gauge", len(self._inflight), "prefills running"),
+                ("prompt_tokens", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
+                ("kv_pool_exhausted", "counter", self.counters["kv_pool_exhausted"], "requests refused with 503"),
+                ("kv_requests_held", "gauge", p["requests_held"], "requests whose KV waits for decode"),
+                ("kv_transfers_done", "counter", p["transfers_done"], "side-channel asks answered TRANS_DONE"),
+                ("kv_transfers_failed", "counter", p["transfers_failed"], "side-channel asks answered TRANS_ERROR"),
+                ("kv_requests_expired", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
+                ("kv_requests_aborted", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
+                ("kv_bytes_sent", "counter", p["bytes_sent"], "KV bytes written to decode"),
+                ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this prefill (rank 0 serves and "
+                 "reports for the group)"),
+                ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
+                 "ranks of this prefill's TP group found dead"),
+            )),
+            *self.admission.metric_families(m),
+            *engine_metrics(m, self.engine, self.receiver.engine if self.receiver is not None else None),
+        ]
+
+    def refusals(self) -> dict[str, float]:
+        """Its admission's refusals (``admission_<reason>``), a full KV pool, and every unauthenticated peer: at
+        the engines' port (``transfer_auth``), the E→P receiver's ZMQ socket (``ep_unauthenticated``) and the KV
+        side channel (``kv_unauthenticated``)."""
         p = self.producer.stats()
-        return [Metric.of(name, kind, help_, value) for name, kind, value, help_ in (
-            ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
-            ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
-            ("inflight", "gauge", len(self._inflight), "prefills running"),
-            ("prompt_tokens_total", "counter", self.counters["prompt_tokens"], "prompt tokens prefilled"),
-            ("kv_pool_exhausted_total", "counter", self.counters["kv_pool_exhausted"], "requests refused with 503"),
-            ("kv_requests_held", "gauge", p["requests_held"], "requests whose KV waits for decode"),
-            ("kv_transfers_done_total", "counter", p["transfers_done"], "side-channel asks answered TRANS_DONE"),
-            ("kv_transfers_failed_total", "counter", p["transfers_failed"], "side-channel asks answered TRANS_ERROR"),
-            ("kv_requests_expired_total", "counter", p["requests_expired"], "KV freed unasked after the free timeout"),
-            ("kv_requests_aborted_total", "counter", p["requests_aborted"], "KV freed unasked by /v1/abort"),
-            ("kv_bytes_sent_total", "counter", p["bytes_sent"], "KV bytes written to decode"),
-            ("tp_ranks", "gauge", self.settings.tp, "tensor-parallel ranks of this prefill (rank 0 serves)"),
-            ("tp_dead_ranks", "gauge", len(self.tp_group.dead_ranks) if self.tp_group else 0,
-             "ranks of this prefill's TP group found dead"),
-        )] + self.admission.metric_families() + engine_metrics(
-            self.engine, self.receiver.engine if self.receiver is not None else None)
+        return {**{f"admission_{reason}": n for reason, n in self.admission.refused.items()},
+                "kv_pool_exhausted": self.counters["kv_pool_exhausted"],
+                "kv_asks_refused": p["asks_refused"],
+                "transfer_auth": engine_auth_failures(self.engine,
+                                                      self.receiver.engine if self.receiver is not None else None),
+                "ep_unauthenticated": self.receiver.counters["unauthenticated_messages"] if self.receiver else 0,
+                "kv_unauthenticated": p["unauthenticated"]}
 
     def close(self) -> None:
         """Stop the workers, answer waiting asks, free and deregister the cache, close the engines."""
@@ -455,6 +492,7 @@ def create_app(settings: PrefillSettings) -> FastAPI:
         # queued, or refused, before its body is read: a waiting request holds no body, KV or embedding
         t0, budget = time.monotonic(), deadline_budget(request.headers, server.settings.timeout)
         ticket = await server.admission.enter(budget)
+        server.queue_time.observe(time.monotonic() - t0)
         try:
             return await _prefill(server, request, t0 + budget, t_in)
         finally:

@@ -97,11 +97,12 @@ from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, P
                                      backend_metrics, progressing)
 from epd_lab.servers.text import Detokenizer, detokenize, prompt_tokens
 from epd_lab.serving import (DEADLINE_HEADER, KV_DEADLINE_HEADER, PROBE_INTERVAL, STALL_MISSES, BadGateway,
-                             BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, ServingError,
-                             Unavailable, client_gone, deadline_budget, decode_body, json_response, option, read_body,
-                             role_app, serve_main)
+                             BadRequest, ClientClosed, GatewayTimeout, Metric, PayloadTooLarge, RoleMetrics,
+                             ServingError, Unavailable, client_gone, deadline_budget, decode_body, json_response,
+                             option, read_body, role_app, serve_main)
 from epd_lab.serving.admission import EWMA_WEIGHT, Drain, RecentLow
 from epd_lab.serving.body import SMALL_BODY_BYTES
+from epd_lab.serving.metrics import request_histograms
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder, Span
@@ -109,7 +110,6 @@ from epd_lab.trace import Recorder, Span
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 COMPLETION_ROUTES = frozenset(ROUTES[:2])  # admitted before routing (`Proxy.gate`)
 DEADLINE_HEADER_BYTES = DEADLINE_HEADER.lower().encode()  # ASGI gives header names lower-cased, as bytes
-QUANTILES = (0.5, 0.9, 0.99)
 # the ASGI scope's key for (when, behind how many pending) `Proxy.gate` admitted the request
 ADMITTED = "epd.admitted"
 # decode gives up on a request's KV this long before the request's deadline (`_kv_deadline`), so that its 504
@@ -219,8 +219,10 @@ class Proxy:
         self.streams_aborted: collections.Counter[str] = collections.Counter()  # by reason
         self.prefill_aborts: collections.Counter[str] = collections.Counter()  # by result
         self.retries = self.client.retries  # passed on to the next backend, by (role, reason)
-        self.latency_sum: collections.Counter[str] = collections.Counter()  # seconds, by span stage
-        self.latency_count: collections.Counter[str] = collections.Counter()
+        self.metrics = RoleMetrics("proxy", settings.model)
+        self.latency = request_histograms(self.metrics)  # vLLM's, as the client sees them: the proxy is its door
+        # answered whole, by finish reason (both from the start, as vLLM's)
+        self.successes: collections.Counter[str] = collections.Counter({"stop": 0, "length": 0})
         self.started = int(time.time())
         self._background: set[asyncio.Task] = set()  # aborts sent without waiting (held here against the GC)
         self.refused: collections.Counter[str] = collections.Counter()  # answers refused: 503s by code, too long
@@ -536,6 +538,8 @@ class Proxy:
                 stream = _TokenStream(self, job, prefill_backend, prefill, decode)
                 return ClosingStreamingResponse(stream.events(), stream.close, media_type="text/event-stream",
                                                 headers={"Cache-Control": "no-cache"})
+            # not streamed: the first token is prefill's answer (no span: the client sees the whole answer)
+            self.latency["ttft"].observe((time.monotonic_ns() - job.t0) / 1e9)
             backend, response = await self._post(self.decodes, "/v1/decode",
                                                  self._decode_body(job, prefill.kv_transfer_params),
                                                  headers=self._kv_deadline(job))
@@ -559,13 +563,15 @@ class Proxy:
         finally:
             backend.finish(response, reuse=done)
         self.observe_decode(time.monotonic() - t_decode, len(tokens) - 1)
+        self.successes[finish_reason] += 1
         self.record(Span(job.rid, -1, "e2e", self.recorder.node, job.t0, time.monotonic_ns()))
         return json_response(completion(job, self.settings.model, detokenize(tokens), finish_reason, len(tokens)))
 
     def record(self, span: Span) -> None:
+        """`span` to the recorder (when tracing); a ttft, tpot or e2e span's duration to its histogram too."""
         self.recorder.add(span)
-        self.latency_sum[span.stage] += (span.t_end_ns - span.t_start_ns) / 1e9
-        self.latency_count[span.stage] += 1
+        if span.stage in self.latency:
+            self.latency[span.stage].observe((span.t_end_ns - span.t_start_ns) / 1e9)
 
     # ---- observability ----
     async def health(self) -> dict[str, Any]:
@@ -581,42 +587,36 @@ class Proxy:
                 "model": self.settings.model, "policy": self.settings.policy}
 
     def metric_families(self) -> list[Metric]:
-        """The proxy's ``/metrics`` families: aborted streams, prefill aborts, retries, backends, latency
-        summaries."""
-        families = [
-            Metric.of("streams_aborted_total", "counter", "streams that ended early, by reason",
-                      self.streams_aborted, "reason"),
-            Metric.of("prefill_aborts_total", "counter", "/v1/abort calls to prefills, by result",
-                      self.prefill_aborts, "result"),
-            Metric("retries_total", "counter", "requests passed on from a backend that did not take them, to the next "
-                   "one if any is left, by role and reason (refused: connection refused; busy: 503; stalled; "
-                   "disconnected: closed the connection before answering, prefill only)",
-                   tuple(("", {"role": role, "reason": reason}, n)
-                         for (role, reason), n in sorted(self.retries.items()))),
-            Metric.of("refused_total", "counter", "requests refused: 503s by their code (backend_unavailable: every "
-                      "backend refused, its deadline not met), context_length_exceeded (400, before forwarding)",
-                      self.refused, "reason"),
-            Metric.of("pending", "gauge", "requests admitted here and not yet answered by a prefill", self.pending),
-            Metric.of("predicted_wait_seconds", "gauge", "the wait at the prefills a request arriving now is predicted",
-                      round((self.predicted_wait() or (0.0, 0.0))[0], 6)),
-            Metric.of("planned_rate_per_second", "gauge", "the prefills' summed rate the prediction is made with: "
-                      "the lowest told lately, a share of a prior (0 before any told one)",
-                      round(self.planned_rate(self._admitting()) if self._admitting() else 0.0, 6)),
-            Metric.of("decode_token_seconds", "gauge", "decode's time per token as the proxy sees it (weighted "
-                      "mean): the part of a deadline kept back from prefill", round(self.decode_token_s, 6)),
-            *backend_metrics(self.prefills.backends + self.decodes.backends, "backend", ("role", "url")),
+        """The proxy's ``/metrics`` families: vLLM's latency histograms and finished requests, aborted streams,
+        prefill aborts, retries, the admission's prediction, backends."""
+        m = self.metrics
+        return [
+            *m.instruments(),
+            m.counter("vllm:request_success", "Count of successfully processed requests.", dict(self.successes),
+                      "finished_reason"),
+            m.counter("streams_aborted", "streams that ended early, by reason", self.streams_aborted, "reason"),
+            m.counter("prefill_aborts", "/v1/abort calls to prefills, by result", self.prefill_aborts, "result"),
+            m.family("retries", "counter", "requests passed on from a backend that did not take them, to the next "
+                     "one if any is left, by role and reason (refused: connection refused; busy: 503; stalled; "
+                     "disconnected: closed the connection before answering, prefill only)", ("role", "reason"),
+                     sorted(self.retries.items())),
+            m.counter("refused", "requests refused: 503s by their code (backend_unavailable: every backend refused, "
+                      "its deadline not met), context_length_exceeded (400, before forwarding)", self.refused,
+                      "reason"),
+            m.gauge("pending", "requests admitted here and not yet answered by a prefill", self.pending),
+            m.gauge("predicted_wait_seconds", "the wait at the prefills a request arriving now is predicted",
+                    round((self.predicted_wait() or (0.0, 0.0))[0], 6)),
+            m.gauge("planned_rate_per_second", "the prefills' summed rate the prediction is made with: the lowest "
+                    "told lately, a share of a prior (0 before any told one)",
+                    round(self.planned_rate(self._admitting()) if self._admitting() else 0.0, 6)),
+            m.gauge("decode_token_seconds", "decode's time per token as the proxy sees it (weighted mean): the part "
+                    "of a deadline kept back from prefill", round(self.decode_token_s, 6)),
+            *backend_metrics(m, self.prefills.backends + self.decodes.backends, "backend", ("role", "url")),
         ]
-        spans = self.recorder.spans()
-        for stage, help_ in (("ttft", "time to first token (streamed requests)"),
-                             ("tpot", "mean time per output token after the first (streamed requests)"),
-                             ("e2e", "request received to its last byte prepared")):
-            durations = sorted((s.t_end_ns - s.t_start_ns) / 1e9 for s in spans if s.stage == stage)
-            quantiles = [("", {"quantile": q}, round(durations[min(len(durations) - 1, int(q * len(durations)))], 6))
-                         for q in QUANTILES] if durations else []
-            families.append(Metric(f"{stage}_seconds", "summary", f"{help_}; quantiles over the recorder's window",
-                                   (*quantiles, ("_sum", {}, round(self.latency_sum[stage], 6)),
-                                    ("_count", {}, self.latency_count[stage]))))
-        return families
+
+    def refusals(self) -> dict[str, float]:
+        """The proxy's refusals by code: its admission's 503s, every backend's refusal passed on, prompts too long."""
+        return dict(self.refused)
 
 
 class _TokenStream:
@@ -666,7 +666,9 @@ class _TokenStream:
             async for msg in _decode_stream(self.backend, self.response, self.prefill.first_token,
                                             self.proxy.recorder):
                 if isinstance(msg, StreamToken):
-                    self.t_last = time.monotonic_ns()
+                    now = time.monotonic_ns()
+                    self.proxy.latency["itl"].observe((now - self.t_last) / 1e9)
+                    self.t_last = now
                     self.tokens += 1
                     text = detok.feed(msg.token)
                     if text:
@@ -681,6 +683,7 @@ class _TokenStream:
                 yield self._event(None, usage=usage(job, self.tokens))
             yield b"data: [DONE]\n\n"
             self.outcome = "ok"
+            self.proxy.successes[finish_reason] += 1
         except ServingError as exc:
             self.outcome = exc.code
             yield b"data: " + msgspec.json.encode(error_body(exc)) + b"\n\n"

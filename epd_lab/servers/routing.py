@@ -24,7 +24,7 @@ import msgspec
 from epd_lab import security
 from epd_lab.http.aio import Answer, AsyncHTTPClient, ClientError, ConnectError, Disconnected
 from epd_lab.serving import (CLIENT_KEEPALIVE_S, PROBE_INTERVAL, PROBE_TIMEOUT, Circuits, Liveness, Metric,
-                             ServingError, Unavailable)
+                             RoleMetrics, ServingError, Unavailable)
 
 __all__ = ["EXCHANGE_ERRORS", "JSON_HEADERS", "POLICIES", "UNANSWERED_ERRORS", "Backend", "Pool", "PoolClient",
            "Stalled", "backend_health", "backend_metrics", "progressing"]
@@ -341,17 +341,18 @@ async def backend_health(client: PoolClient, backends: Sequence[Backend]) -> lis
              "health": answer} for b, answer in zip(backends, answers, strict=True)]
 
 
-def backend_metrics(backends: Sequence[Backend], noun: str, labels: tuple[str, ...]) -> list[Metric]:
-    """The per-backend ``/metrics`` families (``backend_inflight``, ``backend_served_total``, ``backend_up``,
-    ``backend_stalls_total``), each sample labelled by the `Backend` fields named in `labels`; `noun` names a
-    backend in the help text."""
+def backend_metrics(metrics: RoleMetrics, backends: Sequence[Backend], noun: str,
+                    labels: tuple[str, ...]) -> list[Metric]:
+    """The per-backend ``/metrics`` families, named by `metrics` (``backend_inflight``, ``backend_served_total``,
+    ``backend_up``, ``backend_stalls_total``), each sample labelled by the `Backend` fields named in `labels`;
+    `noun` names a backend in the help text."""
     now = time.monotonic()
-    return [Metric(f"backend_{name}", kind, help_, tuple(("", {k: getattr(b, k) for k in labels}, value(b))
-                                                         for b in backends))
+    return [metrics.family(f"backend_{name}", kind, help_, labels,
+                           ((tuple(getattr(b, k) for k in labels), value(b)) for b in backends))
             for name, kind, help_, value in (
                 ("inflight", "gauge", f"requests in flight per {noun}", lambda b: b.inflight),
-                ("served_total", "counter", f"requests each {noun} accepted", lambda b: b.served),
+                ("served", "counter", f"requests each {noun} accepted", lambda b: b.served),
                 ("up", "gauge", f"1 unless the {noun} is skipped (a refused connection, or stalled)",
                  lambda b: int(b.up(now))),
-                ("stalls_total", "counter", f"times the {noun} was found stalled (probes unanswered)",
+                ("stalls", "counter", f"times the {noun} was found stalled (probes unanswered)",
                  lambda b: b.stalls))]

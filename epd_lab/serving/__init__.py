@@ -7,7 +7,8 @@
 - `app`: one lifespan, one error answer, one request counter, ``/health``, ``/metrics``, the trace routes.
 - `errors`: typed errors that carry their HTTP status.
 - `body`: one body reader under one limit, one JSON decoder.
-- `metrics`: the request counter and the Prometheus text writer.
+- `metrics`: the request counter and the role's Prometheus families (prometheus-client), vLLM's where they mean
+  the same.
 - `settings`: a role's settings dataclass as its command line (`parser`, `from_argv`) and back (`to_argv`);
   `ServerSettings`, every role's base.
 - `stream`: `ClosingStreamingResponse`, a streamed answer that cleans up however it ends; needs Starlette, so it
@@ -19,16 +20,16 @@ from epd_lab.serving.body import MAX_BODY_BYTES, client_gone, decode_body, read_
 from epd_lab.serving.errors import (BadGateway, BadRequest, ClientClosed, Conflict, Forbidden, GatewayTimeout,
                                     NotFound, PayloadTooLarge, ServingError, Unavailable, error_for_status)
 from epd_lab.serving.liveness import PROBE_INTERVAL, PROBE_TIMEOUT, STALL_MISSES, STALL_SILENCE, Circuits, Liveness
-from epd_lab.serving.metrics import Metric, engine_metrics, metrics_text
+from epd_lab.serving.metrics import Metric, RoleMetrics, engine_auth_failures, engine_metrics
 from epd_lab.serving.settings import from_argv, option, parser, to_argv
 from epd_lab.serving.stack import (CLIENT_KEEPALIVE_S, KEEPALIVE_S, LOOPS, PARSERS, bind_tcp, http_info, http_stack,
                                    run_server, serve_and_announce, serve_main, url_of)
 
 __all__ = ["CLIENT_KEEPALIVE_S", "DEADLINE_HEADER", "KEEPALIVE_S", "KV_DEADLINE_HEADER", "LOOPS", "MAX_BODY_BYTES",
-           "PARSERS", "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE",
-           "Admission", "BadGateway", "BadRequest", "Circuits", "ClientClosed",
-           "Conflict", "Forbidden", "GatewayTimeout", "Liveness", "Metric", "NotFound", "PayloadTooLarge", "Role",
-           "ServingError", "Ticket", "Unavailable", "bind_tcp", "client_gone", "deadline_budget", "decode_body",
-           "engine_metrics", "error_for_status", "from_argv", "http_info", "http_stack", "json_response",
-           "metrics_text", "option", "parser", "read_body", "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main",
-           "to_argv", "url_of"]
+           "PARSERS", "PROBE_INTERVAL", "PROBE_TIMEOUT", "STALL_MISSES", "STALL_SILENCE", "Admission", "BadGateway",
+           "BadRequest", "Circuits", "ClientClosed", "Conflict", "Forbidden", "GatewayTimeout", "Liveness", "Metric",
+           "NotFound", "PayloadTooLarge", "Role", "RoleMetrics", "ServingError", "Ticket", "Unavailable", "bind_tcp",
+           "client_gone", "deadline_budget", "decode_body", "engine_auth_failures", "engine_metrics",
+           "error_for_status", "from_argv", "http_info", "http_stack", "json_response", "option", "parser",
+           "read_body", "read_struct", "role_app", "run_server", "serve_and_announce", "serve_main", "to_argv",
+           "url_of"]

@@ -63,7 +63,7 @@ import time
 from typing import Any, Mapping
 
 from epd_lab.serving.errors import BadRequest, Unavailable
-from epd_lab.serving.metrics import Metric
+from epd_lab.serving.metrics import Metric, RoleMetrics
 
 __all__ = ["DEADLINE_HEADER", "KV_DEADLINE_HEADER", "Admission", "Drain", "RecentLow", "Ticket", "deadline_budget"]
 
@@ -292,10 +292,13 @@ class Admission:
                 "rate_per_s": round(self.rate, 3),
                 "predicted_wait_s": round(self.predicted_wait(), 4), "refused": dict(self.refused)}
 
-    def metric_families(self) -> list[Metric]:
-        """``admitted``, ``running``, ``queue_length``, ``workers``, ``max_queued``, ``service_seconds``,
-        ``predicted_wait_seconds``, ``queued_total``, ``queue_wait_seconds_total`` and ``refused_total{reason}``."""
-        return [Metric.of(self.prefix + name, kind, help_, value) for name, kind, value, help_ in (
+    def metric_families(self, metrics: RoleMetrics) -> list[Metric]:
+        """Named by `metrics` after `prefix`: ``admitted``, ``running``, ``queue_length``, ``workers``,
+        ``max_queued``, ``service_seconds``, ``predicted_wait_seconds``, ``queued_total``,
+        ``queue_wait_seconds_total`` and ``refused_total{reason}``."""
+        return [(metrics.counter if kind == "counter" else metrics.gauge)(self.prefix + name.removesuffix("_total"),
+                                                                            help_, value)
+                for name, kind, value, help_ in (
             ("admitted", "gauge", self.admitted, "requests running or waiting for a worker"),
             ("running", "gauge", self.running, "requests running (at most workers)"),
             ("queue_length", "gauge", len(self._queue), "requests waiting for a worker"),
@@ -311,9 +314,9 @@ class Admission:
              "the wait a request arriving now is predicted"),
             ("queued_total", "counter", self.queued_total, "requests that waited in the queue"),
             ("queue_wait_seconds_total", "counter", round(self.waited_s, 6), "seconds they waited, summed"),
-        )] + [Metric.of(self.prefix + "refused_total", "counter", "requests refused with 503 at once, by reason: deadline (the "
-                        "predicted wait does not fit), queue_full (max_queued), expired (the deadline passed in "
-                        "the queue)", dict(self.refused), "reason")]
+        )] + [metrics.counter(self.prefix + "refused", "requests refused with 503 at once, by reason: deadline (the "
+                              "predicted wait does not fit), queue_full (max_queued), expired (the deadline passed "
+                              "in the queue)", dict(self.refused), "reason")]
 
 
 class Drain:

@@ -18,13 +18,13 @@ import contextlib
 import functools
 import inspect
 import math
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Protocol
 
 import msgspec
 
 from epd_lab import security
 from epd_lab.serving.errors import ServingError, error_for_status
-from epd_lab.serving.metrics import CountRequests, Metric, metrics_text
+from epd_lab.serving.metrics import CountRequests, Metric, RoleMetrics, refusal_family
 from epd_lab.serving.stack import http_info
 
 __all__ = ["DirectPosts", "Gate", "RequireBearer", "Role", "error_response", "json_response", "role_app"]
@@ -48,12 +48,17 @@ class Role(Protocol):
     life, run as a task and cancelled at shutdown, such as the encoder's TTL sweep)."""
 
     recorder: Any  # its `epd_lab.trace.Recorder`
+    metrics: RoleMetrics  # names its ``/metrics`` families and owns its histograms
 
     def health(self) -> dict[str, Any]:
         """``/health``'s JSON (may be a coroutine); ``"status"`` other than ``"ok"`` answers 503."""
 
     def metric_families(self) -> Iterable[Metric]:
-        """The role's own ``/metrics`` families (the request counter is the floor's)."""
+        """The role's own ``/metrics`` families (the request counter and the refusals are the floor's)."""
+
+    def refusals(self) -> dict[str, float]:
+        """What the role refused, by reason (``epd_lab:refusals_total``; the floor adds ``unauthorized`` and
+        ``body_too_large``)."""
 
     def close(self) -> None:
         """Release everything (may be a coroutine); called once, at shutdown."""
@@ -80,8 +85,10 @@ class RequireBearer:
 
     OPEN_ROUTES = frozenset({"/health"})  # probes (load balancers) carry no secret: the route then shows status only
 
-    def __init__(self, app: Any, secret: bytes, error_body: Callable[[ServingError], Any]) -> None:
+    def __init__(self, app: Any, secret: bytes, error_body: Callable[[ServingError], Any],
+                 refusals: collections.Counter[str] | None = None) -> None:
         self.app, self.secret, self.error_body = app, secret, error_body
+        self.refusals = collections.Counter() if refusals is None else refusals  # ``unauthorized``
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN_ROUTES:
@@ -91,6 +98,7 @@ class RequireBearer:
         if security.check_bearer(self.secret, header):
             await self.app(scope, receive, send)
             return
+        self.refusals["unauthorized"] += 1
         exc = ServingError("missing or wrong bearer token: this deployment needs its shared secret (EPD_SECRET) "
                            "in 'Authorization: Bearer ...'", status=401, code="unauthorized")
         response = json_response(self.error_body(exc), 401)
@@ -188,10 +196,12 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
     a bearer token (`RequireBearer`), and ``/health`` shows only ``status`` without it. `gate(server, scope)`: a
     refusal before routing (`Gate`), inside the secret's check and the request counter."""
     from fastapi import FastAPI, Header, Request
-    from fastapi.responses import PlainTextResponse
+    from fastapi.responses import PlainTextResponse, Response
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     requests: collections.Counter[tuple[str, int]] = collections.Counter()
+    refusals: collections.Counter[str] = collections.Counter()  # the floor's own: 401s, bodies over the limit
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -210,13 +220,13 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
                 await asyncio.to_thread(server.close)
 
     app = FastAPI(title=f"epd_lab {role}", lifespan=lifespan, **_no_telemetry())
-    app.state.requests = requests
+    app.state.requests, app.state.refusals = requests, refusals
     app.add_middleware(DirectPosts, routes=lambda: app.router.routes, error_body=error_body)  # innermost
     if gate is not None:  # inside the secret's check and the counter: only a request with the secret is judged
         app.add_middleware(Gate, check=gate, error_body=error_body)
     secret = security.resolve(secret)
     if secret is not None:  # inside the counter (added later is outer), so refusals are counted as 401s
-        app.add_middleware(RequireBearer, secret=secret, error_body=error_body)
+        app.add_middleware(RequireBearer, secret=secret, error_body=error_body, refusals=refusals)
     app.add_middleware(CountRequests, routes=(*routes, *STATUS_ROUTES), counts=requests)
 
     @app.exception_handler(ServingError)
@@ -243,13 +253,34 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
 
     # routes are annotated `Any` (a module-level name): an annotation naming a class imported inside this
     # function cannot be resolved by FastAPI, and /openapi.json would answer 500
+    registry = CollectorRegistry()  # this server's own: several servers may share a process (tests)
+    registry.register(_FloorCollector(app, role))
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Any:
-        text = metrics_text(f"epd_{role}", requests, app.state.server.metric_families())
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     _add_trace_routes(app, lambda: app.state.server.recorder)
     return app
+
+
+class _FloorCollector:
+    """The collector of a server's registry: at each scrape, the request counter, every refusal (the role's and
+    the floor's) and the role's own families, read from the role's object as it stands."""
+
+    def __init__(self, app: Any, role: str) -> None:
+        self.app, self.role = app, role
+
+    def collect(self) -> Iterator[Metric]:
+        server = getattr(self.app.state, "server", None)
+        if server is None:  # not started (or failed to): only the floor's counts
+            metrics, own, refused = RoleMetrics(self.role, ""), [], {}
+        else:
+            metrics, own, refused = server.metrics, server.metric_families(), server.refusals()
+        yield metrics.family("requests", "counter", "HTTP requests by route and status", ("route", "status"),
+                             (((route, status), n) for (route, status), n in sorted(self.app.state.requests.items())))
+        yield refusal_family(metrics, {"unauthorized": 0, "body_too_large": 0, **self.app.state.refusals, **refused})
+        yield from own
 
 
 def _add_trace_routes(app: Any, recorder: Callable[[], Any]) -> None:

@@ -27,6 +27,7 @@ async def read_body(request: Any, limit: int = MAX_BODY_BYTES) -> bytearray:
     length = request.headers.get("content-length", "")
     too_large = PayloadTooLarge(f"request body larger than {limit} bytes")
     if length.isdigit() and int(length) > 2 * limit:
+        _count_refusal(request)
         raise too_large
     body = bytearray()
     async for chunk in request.stream():
@@ -34,8 +35,16 @@ async def read_body(request: Any, limit: int = MAX_BODY_BYTES) -> bytearray:
         if len(body) > 2 * limit:
             break
     if len(body) > limit:
+        _count_refusal(request)
         raise too_large
     return body
+
+
+def _count_refusal(request: Any) -> None:
+    """``body_too_large`` in the refusals of the server's floor (`role_app` keeps them in the app's state)."""
+    refusals = getattr(getattr(request.scope.get("app"), "state", None), "refusals", None)
+    if refusals is not None:
+        refusals["body_too_large"] += 1
 
 
 def client_gone(request: Any) -> bool:

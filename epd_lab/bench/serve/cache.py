@@ -23,15 +23,16 @@ COUNTERS = ("l1_hits", "l1_misses", "l2_hits", "l3_hits", "l3_misses", "l3_fallb
 
 
 def cache_counts(encoder_urls: Sequence[str], timeout: float = 10.0) -> dict[str, float]:
-    """The `COUNTERS` summed over the encoders (``epd_encoder_mm_cache_<name>_total``)."""
+    """The `COUNTERS` summed over the encoders (``epd_lab:encoder_mm_cache_<name>_total``)."""
     headers = security.bearer_header(security.load_secret())
     totals = dict.fromkeys(COUNTERS, 0.0)
     for url in encoder_urls:
         text = httpx.get(url + "/metrics", headers=headers, timeout=timeout).text
         for line in text.splitlines():
             name, _, value = line.rpartition(" ")
-            short = name.removeprefix("epd_encoder_mm_cache_").removesuffix("_total")
-            if name.startswith("epd_encoder_mm_cache_") and short in totals:
+            name = name.split("{", 1)[0]  # its labels: the model's name
+            short = name.removeprefix("epd_lab:encoder_mm_cache_").removesuffix("_total")
+            if name.startswith("epd_lab:encoder_mm_cache_") and short in totals:
                 totals[short] += float(value)
     return totals
 
