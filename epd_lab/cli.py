@@ -68,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     add("proxy", "the OpenAI-compatible proxy in front of prefills and decodes", add_help=False)
     add("monolithic", "the whole model in one process behind OpenAI's chat API (the floor)", add_help=False)
     add("front", "round-robin over monolithic replicas: each request passed whole to one", add_help=False)
+    add("status", "the processes of a running `epd-lab launch`: state, node, restarts", add_help=False)
     add("sweep", "run a papermill notebook over a parameter grid, collect sweep.csv", add_help=False)
     add("whatif", "the calibrated model of serving: calibrate, predict a rate sweep, compare", add_help=False)
     add("demo", "transfer engine, E→P, E→P→D on loopback; ends with an HTML report", add_help=False)
@@ -105,6 +106,10 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace, rest: list[
         from epd_lab import supervisor
 
         return supervisor.main(rest)
+    if args.cmd == "status":
+        from epd_lab import supervisor
+
+        return supervisor.status_main(rest)
     if args.cmd == "sweep":
         from epd_lab import sweep
 

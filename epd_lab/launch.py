@@ -148,6 +148,8 @@ class Topology:
                                             "--mm-global-cache (none: the cluster starts its own)")
     restarts: int = option(3, "epd-lab launch: times a dead role is started again within a minute, with backoff, "
                               "on its old port and KV side channels; then it stays down (0: never)")
+    status_port: int = option(0, "epd-lab launch: the port of its /status and /metrics (127.0.0.1; 0: the OS picks; "
+                                 "the URL is in its first line; epd-lab status URL reads it)")
     tp: int = option(1, "tensor-parallel ranks of every encoder and prefill, each rank a process its server starts "
                         "(on its node: on Ray, its actor's); prefill i is DP rank i (its side channels' ports)")
     trace: bool = option(True, "record spans in every process (EPD_TRACE=0 in their environment when off)")
@@ -202,6 +204,8 @@ class Topology:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.restarts < 0:
             raise ValueError(f"restarts must be >= 0, got {self.restarts}")
+        if not 0 <= self.status_port < 65536:
+            raise ValueError(f"status_port must be a port (0: the OS picks), got {self.status_port}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.replicas > 1 and not self.monolithic:
@@ -257,6 +261,11 @@ class RestartRefused(RuntimeError):
     """A role that cannot be started again as it was (`Cluster.restart`)."""
 
 
+class RestartDeferred(RestartRefused):
+    """A role that can come back only where it was, and that place is not there now: on Ray, no alive node has the
+    address its peers know it by (`Cluster.restart`); another try may find the node returned."""
+
+
 class Cluster:
     """The running processes of a `Topology`; a context manager. `close()` kills them all (and, on Ray, their
     actors and placement group)."""
@@ -275,6 +284,7 @@ class Cluster:
         # per process, in `procs` order: its name, role, wiring and URL, so that `restart` starts it again as it was
         self.specs: list[tuple[str, str, dict[str, Any]]] = []
         self.proc_urls: list[str] = []
+        self.proc_logs: list[Path] = []  # each process's current log (`logs` also keeps those of the ones replaced)
         self.side_channels: dict[str, list[str]] = {}  # a prefill's KV side channels, by process name
         self._ray: Any = None  # launch_ray.RayRoles
         self.store_master: MooncakeMaster | None = None  # the global cache's master, when this cluster started it
@@ -355,46 +365,63 @@ class Cluster:
         self.proc_urls[-1] = url
         return url
 
-    def _spawn(self, index: int, log: Path, wiring: dict[str, Any]) -> str:
-        """Start process `index` of `specs` with `wiring`, as `procs[index]` (appended the first time); its URL."""
+    def _spawn(self, index: int, log: Path, wiring: dict[str, Any], node_address: str | None = None) -> str:
+        """Start process `index` of `specs` with `wiring`, as `procs[index]` (appended the first time); its URL.
+        On Ray, `node_address` pins it to the alive node of that address."""
         name, role, _ = self.specs[index]
         self.logs.append(log)
         timeout = 6 * self.topology.timeout
         trace = {"EPD_TRACE": "1" if self.topology.trace else "0"}
         if self._ray is not None:
             device = getattr(self.topology.role_settings(role, name, **wiring), "device", "cpu")
-            proc = self._ray.spawn(name, role, self.command(role, name, **wiring), trace, device)
-            self._place(index, proc)
+            proc = self._ray.spawn(name, role, self.command(role, name, **wiring), trace, device, node_address)
+            self._place(index, proc, log)
             return proc.await_url(timeout)
         netns, host = self.topology.hosts.get(name, ("", None))
         cmd = self.command(role, name, **wiring, **({"host": host} if host else {}))
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         proc = procs.spawn(cmd, log, {**self._environment(), **trace})
-        self._place(index, proc)
+        self._place(index, proc, log)
         return procs.await_url(proc, name, log, timeout)
 
-    def _place(self, index: int, proc: Any) -> None:
+    def _place(self, index: int, proc: Any, log: Path) -> None:
         if index < len(self.procs):
-            self.procs[index] = proc
+            self.procs[index], self.proc_logs[index] = proc, log
         else:
             self.procs.append(proc)
+            self.proc_logs.append(log)
+
+    def node_of(self, index: int) -> str:
+        """Where process `index` runs: its Ray node's address, its emulated host's, or ``local``."""
+        proc = self.procs[index]
+        if self._ray is not None:
+            return proc.node_address or "(placing)"
+        return self.topology.hosts.get(self.specs[index][0], ("", "local"))[1]
 
     def restart(self, index: int, attempt: int) -> str:
         """Start process `index` again as it was: the same wiring, its old port, and for a prefill its old KV
-        side channels (the decodes accept KV only from those); waits for its /health. Local processes only (on Ray
-        a lost actor's node may be gone). Returns its URL; `RestartRefused` when it cannot come back as it was,
-        another error when this start failed."""
-        if self._ray is not None:
-            raise RestartRefused("restarting a role is built for local processes; on Ray it stays down")
+        side channels (the decodes accept KV only from those), so that its peers take it back untold; waits for its
+        /health. On Ray, a new actor on a node that satisfies the role's options; where roles bind their node's
+        address (``ray_bind="node"``), a node of the old address only: `RestartDeferred` while none is alive.
+        Returns its URL; `RestartRefused` when it cannot come back as it was, another error when this start
+        failed."""
         name, role, wiring = self.specs[index]
         old = urllib.parse.urlsplit(self.proc_urls[index])
         again = {**wiring, "port": old.port}
         if role == "prefill":
             again["side_channel_base"] = _side_channel_base(self.side_channels[name], wiring.get("dp_rank", 0))
-        if self.procs[index].poll() is None:
+        node_address = None
+        if self._ray is not None:
+            self.procs[index].kill()  # its actor, if it still answers: a role is never run twice
+            if self.topology.ray_bind == "node":
+                node_address = old.hostname
+                if not self._ray.node_alive(node_address):
+                    raise RestartDeferred(f"no Ray node at {node_address} is alive, and {name} can come back only "
+                                          f"at its address {self.proc_urls[index]} (its peers know it by it)")
+        elif self.procs[index].poll() is None:
             procs.stop_all([self.procs[index]])
-        url = self._spawn(index, self.log_dir / f"{name}.restart{attempt}.log", again)
+        url = self._spawn(index, self.log_dir / f"{name}.restart{attempt}.log", again, node_address)
         self._wait_healthy(url)
         return url
 
@@ -443,7 +470,7 @@ class Cluster:
         log into `log_dir`, kill the actors and remove the placement group. Idempotent."""
         if self._ray is not None:
             ray_roles, self._ray = self._ray, None
-            ray_roles.close(self.procs, self.logs)
+            ray_roles.close(self.procs, self.proc_logs)
             self.procs = []
         if self.procs:  # else closed already (at exit, `__del__` comes after the modules it would need are gone)
             procs.stop_all(self.procs)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from epd_lab import procs, security
 from epd_lab.transfer.engine import ENV_HOST_ID
@@ -49,6 +49,9 @@ __all__ = ["LOST", "RayProcess", "RayRoles", "RoleActor", "actor_options"]
 LOST = -signal.SIGKILL  # the returncode of a role whose actor is gone: PR_SET_PDEATHSIG killed it
 CALL_TIMEOUT = 5.0  # seconds a status call to an actor may take before the role counts as lost
 LOG_BYTES = 4 << 20  # the tail of a role's log that `close` fetches from its node
+# what an actor's environment may hold that its role's must not: the secret's file form (the actor hands the
+# secret itself), and Ray's authentication token where the cluster runs with RAY_AUTH_MODE=token
+HIDDEN_FROM_ROLES = (security.ENV_SECRET, security.ENV_SECRET_FILE, "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 @ray.remote(max_restarts=0)
@@ -66,7 +69,8 @@ class RoleActor:
         """Start ``python argv...`` (this node's Python) and wait for its URL; returns url, pid (the role's),
         actor_pid (this actor's process), node_id and log (its path on this node)."""
         node_id = ray.get_runtime_context().get_node_id()
-        child_env = {k: v for k, v in os.environ.items() if k not in (security.ENV_SECRET, security.ENV_SECRET_FILE)}
+        # a role needs neither the shared secret's other forms nor Ray's token (it never calls Ray)
+        child_env = {k: v for k, v in os.environ.items() if k not in HIDDEN_FROM_ROLES}
         child_env.update(env)
         child_env[ENV_HOST_ID] = node_id
         if secret is not None:
@@ -75,7 +79,8 @@ class RoleActor:
         host = ["--host", ray.util.get_node_ip_address()] if bind_node else []
         self.proc = procs.spawn([sys.executable, *argv, *host], self.log, child_env)
         url = procs.await_url(self.proc, name, self.log, timeout)
-        return {"url": url, "pid": self.proc.pid, "actor_pid": os.getpid(), "node_id": node_id, "log": str(self.log)}
+        return {"url": url, "pid": self.proc.pid, "actor_pid": os.getpid(), "node_id": node_id,
+                "node_address": ray.util.get_node_ip_address(), "log": str(self.log)}
 
     def poll(self) -> int | None:
         """The role's returncode, None while it runs."""
@@ -99,13 +104,13 @@ class RoleActor:
 class RayProcess:
     """A role process owned by a `RoleActor`, shaped as the `subprocess.Popen` the local launcher keeps
     (``pid``, `poll`, `kill`, `wait`), so that `Cluster.alive` and the fault campaign read both alike.
-    ``pid`` is the role's on its node, ``actor_pid`` its actor's, ``node_id`` the Ray node they run on,
-    ``node_log`` the role's log there (what is left of a killed actor's role)."""
+    ``pid`` is the role's on its node, ``actor_pid`` its actor's, ``node_id`` the Ray node they run on and
+    ``node_address`` its address, ``node_log`` the role's log there (what is left of a killed actor's role)."""
 
     def __init__(self, name: str, actor: Any, started: Any) -> None:
         self.name, self.actor, self._started = name, actor, started
         self.pid = self.actor_pid = 0
-        self.node_id = self.node_log = ""
+        self.node_id = self.node_address = self.node_log = ""
         self.returncode: int | None = None
 
     def await_url(self, timeout: float) -> str:
@@ -115,8 +120,8 @@ class RayProcess:
         except GetTimeoutError:
             raise TimeoutError(f"{self.name}: its Ray actor was not placed and started within {timeout} s (are "
                                f"the resources it asks for in the cluster? ray status)") from None
-        self.pid, self.actor_pid, self.node_id, self.node_log = (info["pid"], info["actor_pid"], info["node_id"],
-                                                                 info["log"])
+        self.pid, self.actor_pid, self.node_log = info["pid"], info["actor_pid"], info["log"]
+        self.node_id, self.node_address = info["node_id"], info["node_address"]
         return info["url"]
 
     def poll(self) -> int | None:
@@ -130,8 +135,12 @@ class RayProcess:
         return self.returncode
 
     def kill(self) -> None:
-        """Kill the actor; the role dies with it (``PR_SET_PDEATHSIG``), as a node loss would kill both."""
-        ray.kill(self.actor, no_restart=True)
+        """Kill the actor; the role dies with it (``PR_SET_PDEATHSIG``), as a node loss would kill both. An actor
+        that is gone already (its node lost) is left as it is."""
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except RayError:
+            pass
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait until the role is gone; returns its returncode."""
@@ -195,16 +204,30 @@ class RayRoles:
                              f"num_cpus > 0 or a custom resource in ray_options")
         return bundle
 
-    def spawn(self, name: str, role: str, cmd: Sequence[str], env: Mapping[str, str], device: str) -> RayProcess:
+    def node_alive(self, address: str) -> bool:
+        """Whether an alive Ray node has `address`."""
+        return self._node_at(address) is not None
+
+    def _node_at(self, address: str) -> str | None:
+        return next((n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == address), None)
+
+    def spawn(self, name: str, role: str, cmd: Sequence[str], env: Mapping[str, str], device: str,
+              node_address: str | None = None) -> RayProcess:
         """Create the actor of process `name` and ask it to start `cmd` (its ``sys.executable`` is replaced
-        by the node's own); the URL comes with `RayProcess.await_url`."""
+        by the node's own); the URL comes with `RayProcess.await_url`. `node_address`: on the alive node of
+        that address only (a restart where roles bind their node's address), its other options still required."""
         opts = self.options(name)
         if device.startswith("cuda") and not opts["num_gpus"]:
             # Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone at num_gpus=0: the role would see every GPU of its node
             # and take one that Ray gave to another actor
             raise ValueError(f"{name} runs on {device} but reserves no GPU with Ray; give ray_options "
                              f"{{'{role}': {{'num_gpus': 1}}}} and device 'cuda' (the actor's GPU is its cuda:0)")
-        if self.group is not None:
+        if node_address is not None:
+            node = self._node_at(node_address)
+            if node is None:
+                raise RuntimeError(f"{name}: no Ray node at {node_address} is alive")
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        elif self.group is not None:  # a lost node's bundle: Ray places it again where the strategy allows
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=self.names.index(name))
         actor = RoleActor.options(**opts).remote()

@@ -68,8 +68,9 @@ SLOW_MODULES = {
     "test_cli_first_hour.py", "test_demo.py", "test_e2e.py", "test_epd.py", "test_failures.py", "test_faults.py",
     "test_floor.py", "test_front.py", "test_fuzz.py", "test_global_cache.py", "test_global_cache_ray.py",
     "test_gpu_roles.py", "test_kv_deadline.py", "test_layout.py", "test_links.py", "test_overload.py", "test_pd.py",
-    "test_ray.py", "test_ray_netns.py", "test_secret.py", "test_serving.py", "test_supervisor.py", "test_sweep.py",
-    "test_tp.py", "test_tp_encoder.py", "test_tp_servers.py", "test_trace.py", "test_xpyd.py",
+    "test_prometheus.py", "test_ray.py", "test_ray_heal.py", "test_ray_netns.py", "test_secret.py", "test_serving.py",
+    "test_supervisor.py", "test_sweep.py", "test_tp.py", "test_tp_encoder.py", "test_tp_servers.py", "test_trace.py",
+    "test_xpyd.py",
 }
 # Single slow tests in otherwise quick modules (the Triton kernels run in Triton's CPU interpreter: 10-20 s each).
 SLOW_TESTS = {

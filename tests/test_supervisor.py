@@ -125,6 +125,19 @@ def test_a_killed_prefill_is_started_again_and_the_topology_serves_on():
             served = [_chat(http, proxy, i) for i in range(6)]  # round robin: prefill1 takes some of these
             assert all(s[2] == 200 for s in served)
             assert http.get(prefill1 + "/health").json()["counters"].get("requests_ok", 0) > 0
+            # what an operator reads: launch's /status and /metrics, and `epd-lab status`
+            rows = {r["process"]: r for r in http.get(topology["status"] + "/status").json()}
+            assert rows["prefill1"] == {"process": "prefill1", "role": "prefill", "url": prefill1, "node": "local",
+                                        "state": "up", "restarts": 1, "reason": ""}
+            assert all(r["state"] == "up" and r["restarts"] == 0 for n, r in rows.items() if n != "prefill1")
+            metrics = http.get(topology["status"] + "/metrics").text
+            assert 'epd_lab:process_restarts_total{process="prefill1",role="prefill"} 1.0' in metrics
+            assert 'epd_lab:process_up{node="local",process="prefill1",role="prefill"} 1.0' in metrics
+        table = subprocess.run([sys.executable, "-m", "epd_lab.cli", "status", topology["status"]],
+                               capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0, table.stderr
+        assert [ln.split()[:5] for ln in table.stdout.splitlines() if ln.startswith("prefill1")] == [
+            ["prefill1", "prefill", "up", "local", "1"]]
         assert launch.poll() is None
     finally:
         _stop(launch)

@@ -100,10 +100,10 @@ class Hosts:
     def restore(self, name: str) -> None:
         _ip("link", "set", self.veth(name), "up")
 
-    def kill_processes(self) -> None:
-        """SIGKILL every process in these hosts' namespaces (all of them this workbench's: the namespaces are
-        made here) and wait until the kernel has let them go."""
-        for name in self.names:
+    def kill_processes(self, *names: str) -> None:
+        """SIGKILL every process in the namespaces of hosts `names` (default: all; all of them this workbench's:
+        the namespaces are made here), as a host that loses power, and wait until the kernel has let them go."""
+        for name in names or self.names:
             pids = subprocess.run(["ip", "netns", "pids", self.netns(name)], capture_output=True, text=True,
                                   timeout=10).stdout.split()
             for pid in map(int, pids):
@@ -124,24 +124,46 @@ class Hosts:
         self.close()
 
 
-@contextlib.contextmanager
-def ray_nodes(hosts: Hosts, num_cpus: float = 1, object_store_bytes: int = 80 << 20, port: int = 6379) -> Iterator[str]:
-    """A Ray cluster on emulated hosts: ``ray start`` inside each host's namespace with its own address, the
-    first host the head (no dashboard), each node with a custom resource ``host_<name>`` (8 units) to pin
-    work to it. Yields the head's address; at exit kills every process in the namespaces (Ray's daemons and
-    workers). A Ray driver must run on a node: run it with ``ip netns exec`` in one of the namespaces."""
+# what a test or a campaign sets for the GCS: a lost node found within ~3 s, where Ray's defaults take ~30
+RAY_FAST_HEALTH_CHECKS = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
+                          "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
+def ray_token_environment(token_path: str | os.PathLike) -> dict[str, str]:
+    """The environment a Ray process (``ray start``, a driver) needs where the cluster runs with Ray's token
+    authentication: the mode and the 0600 file that holds the token, never the token itself on a command line."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def ray_start(hosts: Hosts, name: str, head: str, num_cpus: float = 1, object_store_bytes: int = 80 << 20,
+              env: dict[str, str] | None = None) -> None:
+    """``ray start`` of one node inside host `name`'s namespace, with its own address and a custom resource
+    ``host_<name>`` (8 units) to pin work to it; the head when `name` is the first host (`head`: its
+    ``address:port``), else a worker joining `head`. `env` is added to the environment (`ray_token_environment`,
+    `RAY_FAST_HEALTH_CHECKS`). A host killed with `Hosts.kill_processes` joins again with this."""
     ray = str(Path(sys.executable).with_name("ray"))
+    port = head.rsplit(":", 1)[1]
+    join = ["--head", "--port", port, "--include-dashboard=false"] if name == hosts.names[0] else ["--address", head]
+    started = subprocess.run(
+        ["ip", "netns", "exec", hosts.netns(name), ray, "start", "--num-cpus", str(num_cpus),
+         "--object-store-memory", str(object_store_bytes), "--disable-usage-stats",
+         "--node-ip-address", hosts.address(name), "--resources", json.dumps({f"host_{name}": 8}), *join],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    if started.returncode:
+        raise RuntimeError(f"ray start on host {name} failed:\n{started.stderr[-2000:]}")
+
+
+@contextlib.contextmanager
+def ray_nodes(hosts: Hosts, num_cpus: float = 1, object_store_bytes: int = 80 << 20, port: int = 6379,
+              env: dict[str, str] | None = None) -> Iterator[str]:
+    """A Ray cluster on emulated hosts: `ray_start` inside each host's namespace, the first host the head (no
+    dashboard). Yields the head's address; at exit kills every process in the namespaces (Ray's daemons and
+    workers). A Ray driver must run on a node: run it with ``ip netns exec`` in one of the namespaces (with the
+    same `env` where it holds Ray's token settings)."""
     head = f"{hosts.address(hosts.names[0])}:{port}"
     try:
-        for i, name in enumerate(hosts.names):
-            join = ["--head", "--port", str(port), "--include-dashboard=false"] if i == 0 else ["--address", head]
-            started = subprocess.run(
-                ["ip", "netns", "exec", hosts.netns(name), ray, "start", "--num-cpus", str(num_cpus),
-                 "--object-store-memory", str(object_store_bytes), "--disable-usage-stats",
-                 "--node-ip-address", hosts.address(name), "--resources", json.dumps({f"host_{name}": 8}), *join],
-                capture_output=True, text=True, timeout=120)
-            if started.returncode:
-                raise RuntimeError(f"ray start on host {name} failed:\n{started.stderr[-2000:]}")
+        for name in hosts.names:
+            ray_start(hosts, name, head, num_cpus, object_store_bytes, env)
         yield head
     finally:
         hosts.kill_processes()
