@@ -1,5 +1,6 @@
 """The package's layers: each top-level module or subpackage of epd_lab sits in one layer of `LAYERS`, imports
-only from its own layer or the ones below, and no two of them import each other round a circle.
+only from its own layer or the ones below, and no two of them import each other round a circle; nor do any two
+modules at import time (a circle there fails or half-initialises a module, depending on which is imported first).
 
 Imports are read from the source: module level and inside functions alike (a lazy import is still a
 dependency), `if TYPE_CHECKING:` blocks left out (they never run).
@@ -111,3 +112,58 @@ def test_the_checks_would_see_a_violation(edge):
     assert LAYER[target] > LAYER[unit]  # upward
     graph.setdefault(unit, set()).add(target)
     assert find_circle(graph) is not None  # and, as the target already depends on the unit, a circle
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_time(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements that run when the module is imported: at module level, in its ``if`` and ``try``
+    blocks, not in functions or classes, nor under ``if TYPE_CHECKING:``."""
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If):
+            todo.extend(node.orelse if "TYPE_CHECKING" in ast.unparse(node.test) else node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            todo.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """epd_lab's modules → the modules they import at import time (``from pkg import name`` counts as the
+    submodule ``pkg.name`` where there is one, else as ``pkg``, its ``__init__``)."""
+    paths = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _import_time(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, one level up per extra dot
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            for target in targets:
+                while target and target not in paths:  # an attribute of a module: that module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph.setdefault(name, set()).add(target)
+    return graph
+
+
+def test_no_import_circle_between_modules():
+    circle = find_circle(_module_graph())
+    assert circle is None, " -> ".join(circle or [])
+
+
+def test_the_module_check_would_see_a_circle():
+    graph = _module_graph()
+    assert "epd_lab.serving.app" in graph["epd_lab.serving"]  # the package's __init__ imports its app
+    graph.setdefault("epd_lab.serving.app", set()).add("epd_lab.serving")  # as `from epd_lab.serving import x`
+    assert find_circle(graph) is not None
