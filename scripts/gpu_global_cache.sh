@@ -36,8 +36,10 @@ python3 -c "from epd_lab.ep.store import unavailable_reason as r; import sys; sy
     { echo "Mooncake Store is unavailable: carry .whl-mooncake (see the header)"; exit 1; }
 dir=$OUT/global-cache-cuda-2b-448-r${FRACTION:-0.5}
 timeout "${STAGE_TIMEOUT:-540}" python3 -m epd_lab.cli bench serve --launch 2e1p1d --launch-model qwen2-vl-2b \
-    --device cuda --dataset-name image-repeat --image-repeat-fraction "${FRACTION:-0.5}" \
+    --device cuda --backend openai-chat --dataset-name image-repeat --image-repeat-fraction "${FRACTION:-0.5}" \
     --image-resolution 448x448 --num-prompts "${PROMPTS:-200}" --request-rate "${RATE:-4}" --media url \
-    --mm-global-cache both --disable-tqdm --save-result --result-dir "$dir" --result-filename result.json 2>&1 |
+    --random-input-len 64 --random-output-len 16 --temperature 0 --ignore-eos --num-warmups 1 \
+    --mm-global-cache both --disable-tqdm --save-result --save-detailed --result-dir "$dir" \
+    --result-filename result.json 2>&1 |
     grep -v '^[IWE][0-9]\{4\} '  # Mooncake's own log lines
 exit "${PIPESTATUS[0]}"

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -15,13 +19,14 @@ import pytest
 
 from epd_lab.bench.serve import benchmark
 from epd_lab.bench.serve.arrivals import arrival_offsets
-from epd_lab.bench.serve.datasets import (SampleRequest, image_dataset, jsonl_dataset, parse_buckets,
-                                          parse_resolution, random_mm)
+from epd_lab.bench.serve.datasets import (DEFAULT_BUCKETS, SampleRequest, image_dataset, jsonl_dataset, parse_buckets,
+                                          parse_mm_limit, parse_resolution, random_mm)
 from epd_lab.bench.serve.instant import InstantServer
 from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.bench.serve.metrics import (RequestOutput, calculate_metrics, is_good, outputs_from_result,
                                          parse_goodput, percentile_key)
-from epd_lab.bench.serve.run import ServeConfig
+from epd_lab.bench.serve.run import GREEDY, ServeConfig
+from epd_lab.bench.serve.tokenizer import ByteTokenizer, get_tokenizer, random_prompt
 from epd_lab.bench.serve.rates import placement_answers
 from epd_lab.bench.serve.topologies import PLACEMENTS, launch, parse_devices, placement, topology
 from epd_lab.launch import Topology
@@ -141,9 +146,51 @@ def test_random_mm_items_and_buckets():
     assert all(40 <= len(r.prompt) <= 60 and 6 <= r.output_len <= 10 for r in reqs)
     assert {_size(i) for r in reqs for i in r.images} == {(224, 224), (336, 112)}  # PIL: (width, height)
     assert len({i for r in reqs for i in r.images}) == sum(counts)  # every image distinct: no cache hit
-    for bad in ("{(224, 224, 4): 1.0}", "{(20, 224, 1): 1.0}", "{(224, 224, 1): 0.0}"):
-        with pytest.raises(ValueError):
+    assert all(r.prompt_len == len(r.prompt) for r in reqs)  # epd_lab's tokenizer: one token per byte
+    for bad in ("{(224, 224, 4): 1.0}", "{(20, 224, 1): 1.0}", "{(224, 224, 1): 0.0}", "{'a': 1}", "[1]", "x"):
+        with pytest.raises(ValueError, match="bucket"):
             parse_buckets(bad)
+
+
+def test_random_mm_takes_vllms_json_forms_and_defaults():
+    # vLLM's default bucket config has a video bucket at probability 0: dropped, as vLLM drops it
+    assert parse_buckets(DEFAULT_BUCKETS) == {(256, 256): 0.5, (720, 1280): 0.5}
+    assert parse_buckets('{"(112, 224, 1)": 3, "56,56,1": 1, "(720, 1280, 16)": 0}') == {(112, 224): 0.75,
+                                                                                         (56, 56): 0.25}
+    assert parse_mm_limit('{"image": 3, "video": 0}') == 3 and parse_mm_limit('{"image": 255, "video": 1}') == 255
+    for bad, message in (('{"audio": 1}', "image and video"), ('{"image": -1}', "image limit -1"),
+                         ("3", "image and video"), ("{image: 3}", "not JSON"), ('{"video": 2}', "no image limit")):
+        with pytest.raises(ValueError, match=message):
+            parse_mm_limit(bad)
+    reqs = random_mm(30, seed=3, input_len=40, output_len=8, base_items=4, items_range_ratio=1.0,
+                     limit_items='{"image": 2, "video": 0}', buckets={(56, 56): 1.0})
+    assert max(len(r.images) for r in reqs) == 2 and min(len(r.images) for r in reqs) == 0
+    with pytest.raises(ValueError, match="at least 3 images per request, but the image limit is 2"):
+        random_mm(1, base_items=3, limit_items=2, buckets={(56, 56): 1.0})
+
+
+def test_random_prompts_are_tokens_with_a_shared_prefix():
+    reqs = random_mm(20, seed=5, input_len=100, output_len=10, range_ratio=0.5, base_items=0, prefix_len=7)
+    assert all(57 <= r.prompt_len <= 157 and 5 <= r.output_len <= 15 for r in reqs)
+    assert all(len(ByteTokenizer().encode(r.prompt)) == r.prompt_len for r in reqs)
+    assert len({r.prompt[:7] for r in reqs}) == 1 and len({r.prompt[7:17] for r in reqs}) > 1
+    assert len({r.prompt_len for r in reqs}) > 5  # lengths drawn in [50, 150], plus the prefix
+
+    class Merging(ByteTokenizer):  # "ab" re-encodes as one token: decode → encode drifts, and is corrected
+        def encode(self, text: str) -> list[int]:
+            return [300 if part == "ab" else ord(part) for part in re.findall("ab|.", text, re.S)]
+
+        def decode(self, ids) -> str:
+            return "".join("ab" if i == 300 else chr(i) for i in ids)
+
+    merging = Merging()
+    merging.allowed_ids = np.array([ord("a"), ord("b")])
+    text, tokens = random_prompt(merging, np.random.default_rng(0), 50, offset=0, index=0)
+    assert tokens == len(merging.encode(text)) and 45 <= tokens <= 50  # at most a few off, as vLLM's
+    assert get_tokenizer("epd-lab-tiny-qwen2-vl").name == "epd-lab-tiny-qwen2-vl"
+    assert isinstance(get_tokenizer("Qwen/Qwen2-VL-2B-Instruct", owned_by="epd_lab"), ByteTokenizer)
+    with pytest.raises(ValueError, match="tokenizer '/nonexistent/tok' cannot be loaded"):
+        get_tokenizer("/nonexistent/tok")
 
 
 def test_image_dataset_and_resolutions():
@@ -198,6 +245,17 @@ VLLM_KEYS = ("date", "backend", "endpoint_type", "label", "model_id", "tokenizer
              "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
              "generated_texts", "errors", "max_output_tokens_per_s", "max_concurrent_requests",
              *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")))
+# What vLLM's current `bench serve` saves without --save-detailed, with each value's type (its own plotting reads
+# these): the run's settings, counts, throughputs, latencies and queue_times, and the default metrics' statistics.
+VLLM_SAVED = {"date": str, "endpoint_type": str, "backend": str, "label": (str, type(None)), "model_id": str,
+              "tokenizer_id": (str, type(None)), "num_prompts": int, "request_rate": (float, int, str),
+              "burstiness": (float, int), "max_concurrency": (int, type(None)), "duration": float, "completed": int,
+              "failed": int, "total_input_tokens": int, "total_output_tokens": int, "request_throughput": float,
+              "request_goodput": (float, type(None)), "output_throughput": float, "total_token_throughput": float,
+              "latencies": list, "queue_times": list, "max_output_tokens_per_s": float,
+              "max_concurrent_requests": int, "rtfx": float,
+              **{f"{stat}_{m}_ms": float for m in ("ttft", "tpot", "itl") for stat in ("mean", "median", "std", "p99")}}
+VLLM_DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 
 
 def test_result_json_has_vllms_keys_against_an_instant_server():
@@ -210,7 +268,9 @@ def test_result_json_has_vllms_keys_against_an_instant_server():
     assert (result["completed"], result["failed"], result["num_prompts"]) == (30, 0, 30)
     assert result["total_output_tokens"] == 150 and result["output_lens"] == [5] * 30
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # SLOs nobody misses
-    assert len(result["itls"]) == 30 and all(len(itl) == 4 for itl in result["itls"])
+    # vLLM counts every chunk with choices: 5 tokens and the finish chunk, 5 gaps (the usage event has none)
+    assert len(result["itls"]) == 30 and all(len(itl) == 5 for itl in result["itls"])
+    assert result["rtfx"] == 0.0 and len(result["queue_times"]) == 30
     assert result["request_rate"] == 200.0 and result["epd_lab"]["server"] is None  # not an epd_lab server
     again = calculate_metrics(outputs_from_result(result), result["duration"], {"ttft": 10000})
     assert again["completed"] == 30 and again["mean_ttft_ms"] == pytest.approx(result["mean_ttft_ms"])
@@ -221,6 +281,7 @@ def test_max_concurrency_bounds_the_requests_in_flight():
     with InstantServer(tokens=3) as server:
         result = benchmark(reqs, ServeConfig(server.url, max_concurrency=1, progress=False))
     assert result["completed"] == 12 and result["max_concurrent_requests"] == 1
+    assert max(result["queue_times"]) > 0  # all due at once: the later ones waited for the one slot
 
 
 def test_topologies_by_name():
@@ -253,13 +314,17 @@ def requests():
 
 
 @pytest.fixture(scope="module")
-def epd_answers(requests):
-    answers = {}
+def epd_cluster():
     with launch("1e1p1d", media_url=True) as cluster:
-        for media in ("data-uri", "url"):
-            result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media=media,
-                                                     progress=False))
-            answers[media] = result
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def epd_answers(requests, epd_cluster):
+    answers = {}
+    for media in ("data-uri", "url"):
+        answers[media] = benchmark(requests, ServeConfig(epd_cluster.proxy_url, max_concurrency=1, media=media,
+                                                         progress=False, sampling=GREEDY, num_warmups=1))
     return answers
 
 
@@ -279,7 +344,8 @@ def test_images_by_url_give_the_answers_data_uris_give(epd_answers):
 
 def test_the_monolithic_floor_answers_as_the_split_does(requests, epd_answers):
     with launch("monolithic", media_url=True) as cluster:
-        result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media="url", progress=False))
+        result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media="url", progress=False,
+                                                 sampling=GREEDY))
     assert result["completed"] == 4
     assert result["generated_texts"] == epd_answers["data-uri"]["generated_texts"]
     assert result["epd_lab"]["server"]["critical_path_ms"]["prefill"] > 0
@@ -287,7 +353,8 @@ def test_the_monolithic_floor_answers_as_the_split_does(requests, epd_answers):
 
 def test_two_monolithic_replicas_answer_as_the_split_does(requests, epd_answers):
     with launch("2xmonolithic", media_url=True) as cluster:
-        result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media="url", progress=False))
+        result = benchmark(requests, ServeConfig(cluster.proxy_url, max_concurrency=1, media="url", progress=False,
+                                                 sampling=GREEDY))
         served = [r["served"] for r in httpx.get(cluster.proxy_url + "/health", timeout=10).json()["replicas"]]
     assert result["completed"] == 4 and min(served) > 0  # both replicas took requests
     assert result["generated_texts"] == epd_answers["data-uri"]["generated_texts"]
@@ -296,29 +363,77 @@ def test_two_monolithic_replicas_answer_as_the_split_does(requests, epd_answers)
 def test_encoders_refuse_the_bench_urls_unless_their_policy_allows_loopback(requests):
     with launch("1e1p1d", media_url=False) as cluster:
         config = ServeConfig(cluster.proxy_url, media="url", progress=False)
-        result = benchmark(requests[:1], config, warmup=False)
+        result = benchmark(requests[:1], config)
         assert result["completed"] == 0 and "public addresses only" in result["errors"][0]
         with pytest.raises(RuntimeError, match="warm-up request failed.*public addresses only"):
-            benchmark(requests[:1], config)
+            benchmark(requests[:1], replace(config, num_warmups=2))
+
+
+def _bench(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", *args], capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def test_the_command_line_writes_its_result(tmp_path):
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", "--instant", "--num-prompts", "6",
-                          "--request-rate", "50", "--dataset-name", "random-mm", "--random-mm-base-items-per-request",
-                          "2", "--random-mm-bucket-config", "{(64, 96, 1): 1.0}", "--random-output-len", "4",
-                          "--goodput", "ttft:5000", "--metric-percentiles", "50,99", "--save-result", "--result-dir",
-                          str(tmp_path), "--result-filename", "r.json", "--disable-tqdm"],
-                         capture_output=True, text=True, timeout=120)
+    out = _bench("--instant", "--backend", "openai-chat", "--num-prompts", "6", "--request-rate", "50",
+                 "--dataset-name", "random-mm", "--random-mm-base-items-per-request", "2", "--random-mm-bucket-config",
+                 "{(64, 96, 1): 1.0}", "--random-output-len", "4", "--random-input-len", "30", "--goodput",
+                 "ttft:5000", "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir",
+                 str(tmp_path), "--result-filename", "r.json", "--disable-tqdm")
     assert out.returncode == 0, out.stderr
     assert "Request goodput (req/s):" in out.stdout
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["completed"] == 6 and result["epd_lab"]["images"] == 12 and "p50_ttft_ms" in result
-    refused = subprocess.run([sys.executable, "-m", "epd_lab.cli", "bench", "serve", "--num-prompts", "1"],
-                             capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 2 and "exactly one of --base-url, --launch, --instant" in refused.stderr
+    assert set(VLLM_DETAILED) <= set(result) and result["backend"] == result["endpoint_type"] == "openai-chat"
+    for argv, message in ((["--instant", "--launch", "1e1p1d"], "give one of --launch, --instant"),
+                          (["--instant", "--base-url", "http://127.0.0.1:1"], "--base-url is the server's"),
+                          (["--instant", "--dataset-name", "random-mm"], "--backend openai posts /v1/completions"),
+                          (["--instant", "--random-mm-bucket-config", "{(720, 1280, 16): 0.5}"], "no video path"),
+                          (["--instant", "--random-mm-limit-mm-per-prompt", "3"], "image and video"),
+                          (["--instant", "--backend", "tgi"], "invalid choice: 'tgi'"),
+                          (["--base-url", "http://127.0.0.1:9"], "127.0.0.1:9/v1/models gave no model")):
+        refused = _bench(*argv, "--num-prompts", "1", timeout=60)
+        assert refused.returncode == 2 and message in refused.stderr, (argv, refused.stderr)
+        assert "Traceback" not in refused.stderr
+
+
+def test_a_server_without_completions_is_refused_for_the_openai_backend():
+    with MediaServer() as media:  # answers GETs of its images only (a POST: 501)
+        refused = _bench("--base-url", media.url, "--model", "m", "--tokenizer", "bytes", "--num-prompts", "1")
+    assert refused.returncode == 2 and "answered 501: the server has no /v1/completions" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_vllm_docs_command_runs_against_a_running_proxy(epd_cluster, tmp_path):
+    """vLLM's random-mm example (docs: "Synthetic Random Images (random-mm)"), no --model, with smaller images, texts
+    and counts for the CPU; then the text-only random dataset on vLLM's default backend (/v1/completions)."""
+    port = epd_cluster.proxy_url.rsplit(":", 1)[1]
+    out = _bench("--host", "127.0.0.1", "--port", port, "--dataset-name", "random-mm", "--num-prompts", "3",
+                 "--max-concurrency", "2", "--random-prefix-len", "5", "--random-input-len", "30",
+                 "--random-output-len", "4", "--random-range-ratio", "0.2", "--random-mm-base-items-per-request", "1",
+                 "--random-mm-num-mm-items-range-ratio", "0", "--random-mm-limit-mm-per-prompt",
+                 '{"image":3,"video":0}', "--random-mm-bucket-config",
+                 '{"(112, 112, 1)": 0.25, "(56, 112, 1)": 0.75, "(720, 1280, 16)": 0.0}', "--request-rate", "inf",
+                 "--ignore-eos", "--endpoint-type", "openai-chat", "--endpoint", "/v1/chat/completions", "--seed",
+                 "42", "--save-result", "--result-dir", str(tmp_path), "--disable-tqdm", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (path,) = tmp_path.glob("openai-chat-infqps-concurrency2-epd-lab-tiny-qwen2-vl-*.json")  # vLLM's file name
+    result = json.loads(path.read_text())
+    for key, kind in VLLM_SAVED.items():
+        assert isinstance(result[key], kind), (key, result[key])
+    assert not set(VLLM_DETAILED) & set(result)  # per-request lists only with --save-detailed, as vLLM
+    assert (result["completed"], result["failed"], result["model_id"]) == (3, 0, "epd-lab-tiny-qwen2-vl")
+    assert result["tokenizer_id"] == "epd-lab-tiny-qwen2-vl" and result["request_rate"] == "inf"
+    # 4 tokens ± 20% asked (3-5), every one given (ignore_eos)
+    assert 9 <= result["total_output_tokens"] <= 15 and len(result["latencies"]) == len(result["queue_times"]) == 3
+    # the server's prompt: the 29-41 tokens of text, the chat template and each image's tokens
+    assert result["total_input_tokens"] > 3 * 29
+    text = _bench("--base-url", epd_cluster.proxy_url, "--num-prompts", "2", "--random-input-len", "20",
+                  "--random-output-len", "3", "--temperature", "0", "--save-result", "--result-dir", str(tmp_path),
+                  "--result-filename", "text.json", "--disable-tqdm", timeout=300)
+    assert text.returncode == 0, text.stdout + text.stderr
+    result = json.loads((tmp_path / "text.json").read_text())
+    assert (result["backend"], result["completed"], result["total_output_tokens"]) == ("openai", 2, 6)
 
 
 def test_load_rates_recomputes_goodput_and_reads_rates_csv_where_a_point_s_json_is_missing(tmp_path):
@@ -361,9 +476,6 @@ def test_placements_sweep_answers_as_the_monolithic_replicas_and_a_difference_sh
     """Two placements swept through the command line (every device the CPU here: the same processes and hops as
     on two GPUs, untested there), the same requests at each rate; answers.json compares them with 2xmonolithic's.
     An answer changed afterwards is counted unequal."""
-    import subprocess
-    import sys
-
     out = tmp_path / "x2"
     run = subprocess.run([sys.executable, "-m", "epd_lab.cli", "sweep", "rates", "--placements", "2xmonolithic,d-gpu1",
                           "--gpus", "cpu,cpu", "--rates", "20", "--num-prompts", "4", "--image-count", "1",

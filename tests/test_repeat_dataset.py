@@ -59,7 +59,9 @@ def test_the_command_line_names_the_dataset() -> None:
     args = parser().parse_args(["--dataset-name", "image-repeat", "--num-prompts", "10", "--image-repeat-fraction",
                                 "0.3", "--image-resolution", "56x56", "--launch", "2e1p1d", "--mm-global-cache",
                                 "both"])
-    assert _repeats(load_requests(args)) == 3 and args.mm_global_cache == "both"
+    requests = load_requests(args)
+    assert _repeats(requests) == 3 and args.mm_global_cache == "both"
+    assert {r.prompt_len for r in requests} == {1024}  # vLLM's --random-input-len, in tokens (bytes here)
 
 
 def test_hit_rates_count_every_level_over_the_items_taken() -> None:

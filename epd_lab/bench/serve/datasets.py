@@ -1,8 +1,13 @@
-"""The requests `epd-lab bench serve` sends: three multimodal datasets, each a list of `SampleRequest`.
+"""The requests `epd-lab bench serve` sends: five datasets, each a list of `SampleRequest`.
 
-- ``random-mm`` (vLLM's): random text of ``input_len`` characters (± ``range_ratio``), and a number of images per
-  request drawn uniformly from ``base_items`` ± ``items_range_ratio`` (at most ``limit_items``), each image's
-  (height, width) drawn from a bucket config ``{(h, w, 1): probability}``.
+Prompt lengths are tokens of the served model's tokenizer (`tokenizer.get_tokenizer`; an epd_lab model reads one
+token per UTF-8 byte), and random prompts are vLLM's (`tokenizer.random_prompt`).
+
+- ``random`` (vLLM's): text only, ``prefix_len`` shared tokens then ``input_len`` tokens (± ``range_ratio``),
+  ``output_len`` tokens asked (± ``range_ratio``).
+- ``random-mm`` (vLLM's): ``random``'s text, and a number of images per request drawn uniformly from
+  ``base_items`` ± ``items_range_ratio`` (at most the image limit of ``limit_mm_per_prompt``), each image's
+  (height, width) drawn from a bucket config ``{(h, w, frames): probability}`` (frames 1: an image).
 - ``image`` (SGLang's): ``image_count`` images of one resolution (``448x448``, or 360p, 720p, 1080p, 4k) per request.
 - ``image-repeat``: one image of one resolution per request, some of them sent before (an embedding cache's
   workload): a share ``repeat_fraction`` of the requests, at random places after the first, repeat an earlier
@@ -27,25 +32,31 @@ from pathlib import Path
 
 import numpy as np
 
+from epd_lab.bench.serve.tokenizer import ByteTokenizer, Tokenizer, random_prompt
 from epd_lab.noise import random_png
 
-DATASETS = ("random-mm", "image", "image-repeat", "jsonl")
+DATASETS = ("random", "random-mm", "image", "image-repeat", "jsonl")
 RESOLUTIONS = {"360p": (360, 640), "720p": (720, 1280), "1080p": (1080, 1920), "4k": (2160, 3840)}
 MIN_SIDE = 56  # the Qwen2-VL processor's smallest side
+# vLLM's defaults for random-mm
+DEFAULT_LIMIT_MM = {"image": 255, "video": 1}
+DEFAULT_BUCKETS = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}"
 _LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
 
 
 @dataclass(slots=True)
 class SampleRequest:
-    """One request: its text, its images (PNG bytes, or an http(s) URL sent as it is) and how many tokens to ask."""
+    """One request: its text, its images (PNG bytes, or an http(s) URL sent as it is), how many tokens to ask, and
+    how many tokens its text is (0: not counted; the server's ``usage`` gives the whole prompt's)."""
 
     prompt: str
     images: list[bytes | str] = field(default_factory=list)
     output_len: int = 16
+    prompt_len: int = 0
 
 
 def random_text(rng: np.random.Generator, length: int) -> str:
-    """`length` characters of lowercase words (the tiny model's tokenizer reads one token per byte)."""
+    """`length` characters of lowercase words (one token each for epd_lab's byte tokenizer)."""
     return rng.choice(_LETTERS, size=length).tobytes().decode()
 
 
@@ -55,23 +66,73 @@ def _around(rng: np.random.Generator, base: int, ratio: float, low: int = 1) -> 
     return int(rng.integers(lo, hi + 1))
 
 
+def _bucket_key(key: object) -> tuple[int, ...]:
+    """A bucket's key as vLLM's flag writes it: a tuple, or in JSON a string ``"(h, w, f)"`` or ``"h,w,f"``."""
+    parts = key.strip().strip("()[]").split(",") if isinstance(key, str) else key
+    try:
+        if not isinstance(parts, (tuple, list)) or len(parts) != 3:
+            raise ValueError
+        return tuple(int(x) for x in parts)
+    except (ValueError, TypeError):
+        raise ValueError(f"bucket {key!r}: a bucket is (height, width, frames)") from None
+
+
 def parse_buckets(text: str | Mapping) -> dict[tuple[int, int], float]:
-    """A bucket config, ``{(height, width, 1): probability}`` (a Python literal, as vLLM's flag) → ``{(h, w): p}``,
-    the probabilities normalized. `ValueError` for video buckets (frames > 1), sides under 56 or no weight."""
-    raw = ast.literal_eval(text) if isinstance(text, str) else dict(text)
+    """vLLM's ``--random-mm-bucket-config``, ``{(height, width, frames): probability}`` (a Python literal, or JSON
+    with string keys) → the image buckets ``{(h, w): p}``, normalized. Buckets of probability 0 are dropped, as
+    vLLM drops them (its default has a video bucket at 0). `ValueError` for a video bucket (frames > 1) of positive
+    probability (epd_lab's models have no video path), sides under 56, or no positive probability."""
+    if isinstance(text, str):
+        try:
+            raw = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"bucket config {text!r} is neither a Python dict nor JSON") from None
+    else:
+        raw = dict(text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"bucket config {text!r} is not a dict")
     buckets: dict[tuple[int, int], float] = {}
     for key, weight in raw.items():
-        if len(key) != 3 or key[2] != 1:
-            raise ValueError(f"bucket {key}: only images, (height, width, 1)")
-        if min(key[:2]) < MIN_SIDE:
+        height, width, frames = _bucket_key(key)
+        if not isinstance(weight, (int, float)) or weight < 0:
+            raise ValueError(f"bucket {key}: probability {weight!r} is not a number >= 0")
+        if weight == 0:
+            continue
+        if frames != 1:
+            raise ValueError(f"bucket {key}: video (frames > 1) is not supported, epd_lab's models have no video path")
+        if min(height, width) < MIN_SIDE:
             raise ValueError(f"bucket {key}: sides must be >= {MIN_SIDE}")
-        if weight < 0:
-            raise ValueError(f"bucket {key}: a negative probability")
-        buckets[(int(key[0]), int(key[1]))] = buckets.get((int(key[0]), int(key[1])), 0.0) + float(weight)
+        buckets[(height, width)] = buckets.get((height, width), 0.0) + float(weight)
     total = sum(buckets.values())
     if not total > 0:
         raise ValueError("the bucket config has no positive probability")
     return {k: v / total for k, v in buckets.items()}
+
+
+def parse_mm_limit(text: str | Mapping | int) -> int:
+    """vLLM's ``--random-mm-limit-mm-per-prompt``, JSON such as ``{"image": 3, "video": 0}`` → the image limit
+    (an int is taken as the image limit). `ValueError` for another modality or a negative limit. A video limit is
+    accepted and has no effect: video buckets are refused (`parse_buckets`)."""
+    if isinstance(text, int):
+        return _limit("image", text)
+    try:
+        raw = json.loads(text) if isinstance(text, str) else dict(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"--random-mm-limit-mm-per-prompt {text!r} is not JSON such as "
+                         '\'{"image": 3, "video": 0}\'') from None
+    if not isinstance(raw, dict) or set(raw) - {"image", "video"}:
+        raise ValueError(f"--random-mm-limit-mm-per-prompt {text!r}: the modalities are image and video")
+    for name, value in raw.items():
+        _limit(name, value)
+    if "image" not in raw:
+        raise ValueError(f"--random-mm-limit-mm-per-prompt {text!r} has no image limit")
+    return int(raw["image"])
+
+
+def _limit(name: str, value: object) -> int:
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"--random-mm-limit-mm-per-prompt: {name} limit {value!r} is not an integer >= 0")
+    return value
 
 
 def parse_resolution(text: str) -> tuple[int, int]:
@@ -85,38 +146,71 @@ def parse_resolution(text: str) -> tuple[int, int]:
     return int(height), int(width)
 
 
-def random_mm(num_prompts: int, seed: int = 0, input_len: int = 64, output_len: int = 16, range_ratio: float = 0.0,
-              base_items: int = 1, items_range_ratio: float = 0.0, limit_items: int = 8,
-              buckets: Mapping[tuple[int, int], float] | None = None) -> list[SampleRequest]:
-    """vLLM's ``random-mm``: see the module docstring (`buckets` as `parse_buckets` gives them; none: 448² only)."""
-    buckets = buckets or {(448, 448): 1.0}
-    if not 0 <= range_ratio < 1 or not 0 <= items_range_ratio <= 1:
-        raise ValueError("range ratios must lie in [0, 1)")
+def _lengths(rng: np.random.Generator, n: int, base: int, ratio: float, low: int) -> np.ndarray:
+    """vLLM's draw of `n` lengths: uniform integers in ``[floor(base (1 - ratio)), ceil(base (1 + ratio))]``, at
+    least `low`."""
+    lo, hi = max(low, math.floor(base * (1 - ratio))), max(low, math.ceil(base * (1 + ratio)))
+    return rng.integers(lo, hi + 1, size=n)
+
+
+def _prompts(rng: np.random.Generator, tokenizer: Tokenizer, lengths: np.ndarray,
+             prefix_len: int = 0) -> list[tuple[str, int]]:
+    """vLLM's random prompts: a prefix drawn once, then each request's own tokens from a random offset."""
+    prefix = rng.choice(tokenizer.allowed_ids, size=prefix_len).tolist() if prefix_len else []
+    offsets = rng.integers(0, len(tokenizer.allowed_ids), size=len(lengths))
+    return [random_prompt(tokenizer, rng, int(n), int(offset), i, prefix)
+            for i, (n, offset) in enumerate(zip(lengths, offsets))]
+
+
+def random_mm(num_prompts: int, seed: int = 0, input_len: int = 1024, output_len: int = 128,
+              range_ratio: float = 0.0, base_items: int = 1, items_range_ratio: float = 0.0,
+              limit_items: int | str | Mapping = 255, buckets: Mapping[tuple[int, int], float] | None = None,
+              prefix_len: int = 0, tokenizer: Tokenizer | None = None) -> list[SampleRequest]:
+    """vLLM's ``random-mm`` (``random`` with `base_items` 0): see the module docstring. `limit_items` is the image
+    limit, or vLLM's JSON (`parse_mm_limit`); `buckets` as `parse_buckets` gives them (none: vLLM's default);
+    `tokenizer` counts the prompt's tokens (none: epd_lab's bytes)."""
+    buckets = buckets if buckets is not None else parse_buckets(DEFAULT_BUCKETS)
+    tokenizer = tokenizer or ByteTokenizer()
+    limit = parse_mm_limit(limit_items if not isinstance(limit_items, Mapping) else dict(limit_items))
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must lie in [0, 1), got {range_ratio}")
+    if not 0 <= items_range_ratio <= 1:
+        raise ValueError(f"--random-mm-num-mm-items-range-ratio must lie in [0, 1], got {items_range_ratio}")
+    if input_len < 0 or prefix_len < 0 or output_len < 1 or base_items < 0:
+        raise ValueError("lengths must be >= 0 (the output's >= 1) and items per request >= 0")
+    lo_items = max(0, math.floor(base_items * (1 - items_range_ratio)))
+    hi_items = min(limit, math.ceil(base_items * (1 + items_range_ratio)))
+    if lo_items > hi_items:
+        raise ValueError(f"at least {lo_items} images per request, but the image limit is {limit}")
     rng = np.random.default_rng(seed)
+    input_lens = _lengths(rng, num_prompts, input_len, range_ratio, 0)
+    output_lens = _lengths(rng, num_prompts, output_len, range_ratio, 1)
+    prompts = _prompts(rng, tokenizer, input_lens, prefix_len)
     sizes, weights = list(buckets), np.asarray(list(buckets.values()))
     requests = []
-    for r in range(num_prompts):
-        count = min(limit_items, _around(rng, base_items, items_range_ratio, low=0))
+    for r, ((text, tokens), out_len) in enumerate(zip(prompts, output_lens)):
+        count = int(rng.integers(lo_items, hi_items + 1))
         picks = rng.choice(len(sizes), size=count, p=weights / weights.sum())
         images: list[bytes | str] = [random_png((seed, r, i), sizes[k], compress_level=0) for i, k in enumerate(picks)]
-        requests.append(SampleRequest(random_text(rng, _around(rng, input_len, range_ratio)), images,
-                                      _around(rng, output_len, range_ratio)))
+        requests.append(SampleRequest(text, images, int(out_len), tokens))
     return requests
 
 
 def image_dataset(num_prompts: int, seed: int = 0, image_count: int = 1, resolution: str = "448x448",
-                  input_len: int = 64, output_len: int = 16) -> list[SampleRequest]:
-    """SGLang's ``image`` dataset: `image_count` images of `resolution` and `input_len` characters of text each."""
+                  input_len: int = 64, output_len: int = 16, tokenizer: Tokenizer | None = None) -> list[SampleRequest]:
+    """SGLang's ``image`` dataset: `image_count` images of `resolution` and a random prompt of `input_len` tokens
+    each."""
     size = parse_resolution(resolution)
     rng = np.random.default_rng(seed)
-    return [SampleRequest(random_text(rng, input_len),
-                          [random_png((seed, r, i), size, compress_level=0) for i in range(image_count)], output_len)
-            for r in range(num_prompts)]
+    prompts = _prompts(rng, tokenizer or ByteTokenizer(), np.full(num_prompts, input_len))
+    return [SampleRequest(text, [random_png((seed, r, i), size, compress_level=0) for i in range(image_count)],
+                          output_len, tokens)
+            for r, (text, tokens) in enumerate(prompts)]
 
 
 def repeated_images(num_prompts: int, seed: int = 0, repeat_fraction: float = 0.5, pool_size: int = 64,
                     zipf: float | None = None, resolution: str = "448x448", input_len: int = 64,
-                    output_len: int = 16) -> list[SampleRequest]:
+                    output_len: int = 16, tokenizer: Tokenizer | None = None) -> list[SampleRequest]:
     """``image-repeat``: see the module docstring. A repeat is the very bytes object sent before (one URL with
     ``--media url``). `ValueError` for a fraction outside [0, 1], a pool under 1 or a Zipf exponent not above 0."""
     if not 0 <= repeat_fraction <= 1:
@@ -127,22 +221,23 @@ def repeated_images(num_prompts: int, seed: int = 0, repeat_fraction: float = 0.
         raise ValueError(f"the Zipf exponent must be above 0, got {zipf}")
     size = parse_resolution(resolution)
     rng = np.random.default_rng(seed)
-    requests: list[SampleRequest] = []
+    prompts = _prompts(rng, tokenizer or ByteTokenizer(), np.full(num_prompts, input_len))
     if zipf is not None:
         pool = [random_png((seed, 1, k, 0), size, compress_level=0) for k in range(pool_size)]
         weights = 1.0 / np.arange(1, pool_size + 1) ** zipf
         picks = rng.choice(pool_size, size=num_prompts, p=weights / weights.sum())
-        return [SampleRequest(random_text(rng, input_len), [pool[k]], output_len) for k in picks]
+        return [SampleRequest(text, [pool[k]], output_len, tokens) for (text, tokens), k in zip(prompts, picks)]
     # exactly round(fraction × prompts) repeats (none can be the first request), at places drawn at random
     repeats = set(rng.permutation(np.arange(1, num_prompts))[:round(repeat_fraction * num_prompts)].tolist())
     sent: list[bytes] = []  # distinct images so far, newest last
-    for r in range(num_prompts):
+    requests: list[SampleRequest] = []
+    for r, (text, tokens) in enumerate(prompts):
         if r in repeats:
             image = sent[-pool_size:][int(rng.integers(min(pool_size, len(sent))))]
         else:
             image = random_png((seed, 0, r, 0), size, compress_level=0)
             sent.append(image)
-        requests.append(SampleRequest(random_text(rng, input_len), [image], output_len))
+        requests.append(SampleRequest(text, [image], output_len, tokens))
     return requests
 
 

@@ -1,9 +1,11 @@
 """The serving metrics of `epd-lab bench serve`, with the names and meanings of `vllm bench serve`'s result JSON.
 
 Per request (seconds, as the client saw them):
-- ``ttft``: from sending the request to the first chunk that carries content.
-- ``itl``: the gaps between consecutive content chunks (one per chunk after the first).
-- ``latency`` (E2EL): from sending to the last chunk of the stream.
+- ``ttft``: from sending the request to the first chunk with ``choices`` (vLLM counts every such chunk, empty or not).
+- ``itl``: the gaps between consecutive such chunks (one per chunk after the first).
+- ``latency`` (E2EL): from sending to the last such chunk (the usage event after it does not count).
+- ``queue_time``: from its arrival (due by the schedule) to its sending, waiting for a ``--max-concurrency`` slot
+  (vLLM's ``client_queue_time``, whose list is ``queue_times``).
 - TPOT: ``(latency - ttft) / (output_tokens - 1)``, only for requests of more than one token; for goodput a request
   of one token counts as TPOT 0 (as vLLM).
 
@@ -12,6 +14,8 @@ Over the run: ``request_throughput = completed / duration``, ``output_throughput
 ``request_goodput = good / duration``, where a good request met every SLO given (``ttft``, ``tpot``, ``e2el`` in
 ms, each ``<=``). Every selected metric gets ``mean_<m>_ms``, ``median_<m>_ms``, ``std_<m>_ms`` and
 ``p<q>_<m>_ms`` for each percentile q (``p99``, ``p99.9``); numpy's linear-interpolation percentiles, as vLLM.
+``rtfx`` (vLLM's inverse real-time factor: seconds of input audio per second of the run) is 0: no dataset here
+sends audio.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class RequestOutput:
     latency: float = 0.0
     start_time: float = 0.0
     scheduled: float = 0.0  # when the arrival schedule had it due (same clock as start_time)
+    queue_time: float = 0.0  # from its arrival to its sending: the wait for a --max-concurrency slot
     generated_text: str = ""
     response_id: str = ""
     client_encode_s: float = 0.0  # building the body: images to data URIs or URLs, and the JSON
@@ -92,7 +97,8 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float, slos: d
     result = {"completed": len(done), "failed": len(outputs) - len(done), "total_input_tokens": total_in,
               "total_output_tokens": total_out, "request_throughput": len(done) / duration,
               "request_goodput": (sum(is_good(o, slos) for o in done) / duration) if slos else None,
-              "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration}
+              "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration,
+              "rtfx": 0.0}
     for name in selected:
         ms = np.asarray(samples[name] or [0.0]) * 1e3  # vLLM reports 0 for a metric with no sample
         result |= {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),

@@ -36,7 +36,7 @@ import pandas as pd
 
 from epd_lab.bench.serve.datasets import image_dataset, repeated_images
 from epd_lab.bench.serve.metrics import parse_goodput
-from epd_lab.bench.serve.run import ServeConfig, benchmark
+from epd_lab.bench.serve.run import GREEDY, ServeConfig, benchmark
 from epd_lab.bench.serve.topologies import PLACEMENTS, launch, parse_devices, placement, topology
 
 SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
@@ -72,7 +72,7 @@ def rate_sweep(topologies: Sequence[str], rates: Sequence[float], make_requests:
         with launch(name, **options) as cluster:
             base = replace(config, base_url=cluster.proxy_url, progress=False)
             # warm-up: a burst, so that every process has served concurrent requests before the first rate
-            benchmark(make_requests(10_000), replace(base, request_rate=math.inf), server_spans=False, warmup=False)
+            benchmark(make_requests(10_000), replace(base, request_rate=math.inf, num_warmups=0), server_spans=False)
             for i, rate in enumerate(sorted(rates)):
                 result = benchmark(make_requests(i), replace(base, request_rate=rate))
                 path = out / name / f"rate-{rate:g}.json"
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--media", choices=("data-uri", "url"), default="url")
     ap.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
-    ap.add_argument("--backend", default="mooncake")
+    ap.add_argument("--launch-backend", default="mooncake", help="the launched clusters' E→P backend")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--devices", type=parse_devices, default={}, metavar="NAME=DEVICE[,...]",
                     help="roles' or processes' own devices over --device (monolithic1=cuda:1), for every topology "
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(r) for r in args.rates.split(",")]
         config = ServeConfig("http://placeholder", burstiness=args.burstiness, media=args.media,
                              slos=parse_goodput(args.goodput), percentile_metrics=("ttft", "tpot", "itl", "e2el"),
-                             seed=args.seed)
+                             seed=args.seed, ignore_eos=True, sampling=GREEDY, num_warmups=1)
     except ValueError as exc:
         ap.error(str(exc))
 
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return image_dataset(args.num_prompts, args.seed * 1000 + seed, args.image_count, args.image_resolution,
                              args.random_input_len, args.random_output_len)
 
-    options = {"backend": args.backend, "device": args.device, "devices": args.devices, "model": args.launch_model,
+    options = {"backend": args.launch_backend, "device": args.device, "devices": args.devices,
+               "model": args.launch_model,
                "media_url": args.media == "url", "kv_blocks": args.kv_blocks,
                **({"mm_global_cache": True} if args.mm_global_cache else {})}
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "topologies", "goodput")}

@@ -1,8 +1,9 @@
 """The benchmark loop of `epd-lab bench serve`: send `SampleRequest`s on an arrival schedule, gather the metrics.
 
-`benchmark` is the whole run against one endpoint: requests due at `arrival_offsets` (each sent when due, its
-body built then), at most ``max_concurrency`` in flight (the rest wait, as vLLM's semaphore), a progress bar, and
-the result dict whose shared keys are `vllm bench serve`'s (`metrics.calculate_metrics`). Beside them, under
+`benchmark` is the whole run against one endpoint: ``num_warmups`` warm-up requests first (vLLM's; none by
+default), then requests due at `arrival_offsets` (each sent when due, its body built then), at most
+``max_concurrency`` in flight (the rest wait, as vLLM's semaphore), a progress bar, and the result dict whose
+shared keys are `vllm bench serve`'s (`metrics.calculate_metrics`). Beside them, under
 ``epd_lab``: the client's own costs (building bodies; the bench process's CPU per request; how late each request
 left against its schedule) and, where the endpoint is an epd_lab server, its own spans (`server_report`).
 """
@@ -19,11 +20,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import aiohttp
+import httpx
 import numpy as np
 import PIL.Image
 
 from epd_lab.bench.serve.arrivals import arrival_offsets
-from epd_lab.bench.serve.client import MEDIA_MODES, chat_body, send_chat
+from epd_lab.bench.serve.client import BACKENDS, MEDIA_MODES, request_body, send_request
 from epd_lab.bench.serve.datasets import SampleRequest
 from epd_lab.bench.serve.media_server import MediaServer
 from epd_lab.bench.serve.metrics import METRICS, RequestOutput, calculate_metrics
@@ -31,6 +33,7 @@ from epd_lab.servers.openai_api import MODEL_ID
 from epd_lab.trace import bare_request_id, collect, summarize_critical_paths
 
 T = TypeVar("T")
+GREEDY = {"temperature": 0.0}  # the sampling that makes answers equal the monolithic model's
 
 
 @dataclass(slots=True)
@@ -40,6 +43,8 @@ class ServeConfig:
     Args:
         base_url: the server's root (``http://host:port``); requests go to ``base_url + endpoint``.
         model: the ``model`` field of each request.
+        backend: vLLM's request backend, ``openai-chat`` or ``openai`` (`client.BACKENDS`).
+        endpoint: the path requests go to (None: the backend's own).
         request_rate: requests per second (inf: all at once).
         burstiness: the gamma shape of the inter-arrival gaps (1: Poisson).
         max_concurrency: at most this many in flight (None: no bound).
@@ -49,11 +54,17 @@ class ServeConfig:
         seed: the arrival schedule's seed.
         progress: show a progress bar.
         api_key: sent as ``Authorization: Bearer`` when set.
+        ignore_eos: send ``ignore_eos: true`` (vLLM's ``--ignore-eos``).
+        sampling: sampling parameters sent as they are (``temperature``, ``top_p``, ``top_k``); empty: the server's
+            defaults, as vLLM (`GREEDY` for answers equal to the monolithic model's).
+        num_warmups: warm-up requests before the run, not counted.
+        tokenizer: counts the output tokens of a server that gives no ``usage``; its name is ``tokenizer_id``.
+        label: vLLM's ``label`` of the result.
     """
 
     base_url: str
     model: str = MODEL_ID
-    endpoint: str = "/v1/chat/completions"
+    endpoint: str | None = None
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -64,8 +75,19 @@ class ServeConfig:
     seed: int = 0
     progress: bool = True
     api_key: str | None = None
+    backend: str = "openai-chat"
+    ignore_eos: bool = False
+    sampling: dict[str, float] = field(default_factory=dict)
+    num_warmups: int = 0
+    tokenizer: Any = None
+    label: str | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
+        self.endpoint = self.endpoint or BACKENDS[self.backend]
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be http(s)://..., got {self.base_url!r}")
         self.base_url = self.base_url.rstrip("/")
@@ -118,12 +140,19 @@ async def _run(requests: Sequence[SampleRequest], config: ServeConfig, url_of: C
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
 
+    extra: dict[str, Any] = ({"ignore_eos": True} if config.ignore_eos else {}) | config.sampling
+
     async def one(req: SampleRequest, out: RequestOutput) -> None:
+        arrival = time.perf_counter()
+        out.prompt_len = req.prompt_len
         async with limit:
             t0 = time.perf_counter()
-            body = chat_body(req, config.model, url_of)
+            body = request_body(req, config.model, config.backend, url_of, extra)
             out.client_encode_s = time.perf_counter() - t0
-            await send_chat(session, url, body, out, headers)
+            await send_request(session, url, body, out, headers)
+        out.queue_time = out.start_time - arrival
+        if out.success and not out.output_tokens:  # no usage from the server: count as vLLM does
+            out.output_tokens = len(config.tokenizer.encode(out.generated_text)) if config.tokenizer else 1
         progress.update()
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -141,17 +170,18 @@ async def _run(requests: Sequence[SampleRequest], config: ServeConfig, url_of: C
     return outputs, duration
 
 
-def benchmark(requests: Sequence[SampleRequest], config: ServeConfig, server_spans: bool = True,
-              warmup: bool = True) -> dict:
-    """Run `requests` against `config.base_url`; returns the result (see the module docstring). With `warmup`, the
-    first request is sent once before the run and not counted (vLLM's test run: connections, first-call costs).
-    With `server_spans`, an epd_lab endpoint's spans of these requests are summarized under ``epd_lab.server``."""
+def benchmark(requests: Sequence[SampleRequest], config: ServeConfig, server_spans: bool = True) -> dict:
+    """Run `requests` against `config.base_url`; returns the result (see the module docstring). The first request
+    is sent ``config.num_warmups`` times at once before the run, not counted (vLLM's warm-up; its images changed by
+    a pixel, see `_fresh`); unlike vLLM, the run stops when none of them is answered. With `server_spans`, an
+    epd_lab endpoint's spans of these requests are summarized under ``epd_lab.server``."""
     if not requests:
         raise ValueError("no requests to send")
-    if warmup:
-        first = benchmark([_fresh(requests[0])], replace(config, request_rate=math.inf, progress=False), False, False)
-        if not first["completed"]:
-            raise RuntimeError(f"the warm-up request failed: {first['errors'][0]}")
+    if config.num_warmups:
+        warm = benchmark([_fresh(requests[0])] * config.num_warmups,
+                         replace(config, request_rate=math.inf, progress=False, num_warmups=0), False)
+        if not warm["completed"]:
+            raise RuntimeError(f"the warm-up request failed: {warm['errors'][0]}")
     offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
     with contextlib.ExitStack() as stack:
         url_of = None
@@ -207,7 +237,7 @@ def _fresh(req: SampleRequest) -> SampleRequest:
             PIL.Image.fromarray(pixels).save(buf, "PNG", compress_level=0)
             item = buf.getvalue()
         images.append(item)
-    return SampleRequest(req.prompt, images, req.output_len)
+    return SampleRequest(req.prompt, images, req.output_len, req.prompt_len)
 
 
 def _vllm_fields(outputs: list[RequestOutput], duration: float, config: ServeConfig) -> dict:
@@ -225,13 +255,15 @@ def _vllm_fields(outputs: list[RequestOutput], duration: float, config: ServeCon
         for gap in [0.0, *o.itl]:
             t += gap
             per_second[int(t - t0)] = per_second.get(int(t - t0), 0) + 1
-    return {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat", "endpoint_type": "openai-chat",
-            "label": None, "model_id": config.model, "tokenizer_id": None, "num_prompts": len(outputs),
+    return {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": config.backend, "endpoint_type": config.backend,
+            "label": config.label, "model_id": config.model,
+            "tokenizer_id": config.tokenizer.name if config.tokenizer else None, "num_prompts": len(outputs),
             "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
             "burstiness": config.burstiness, "max_concurrency": config.max_concurrency, "duration": duration,
             "input_lens": [o.prompt_len for o in outputs], "output_lens": [o.output_tokens for o in outputs],
             "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
             "latencies": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
+            "queue_times": [o.queue_time for o in outputs],
             "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
             "max_output_tokens_per_s": float(max(per_second.values(), default=0)), "max_concurrent_requests": peak,
             "goodput": config.slos or None}
@@ -264,3 +296,31 @@ def server_report(base_url: str, response_ids: list[str]) -> dict | None:
     return {"critical_path_ms": {stage: float(row["median_ms"]) for stage, row in table.iterrows()},
             "proxy_parse_to_load_ms": _stats(gaps) if gaps else None, "requests": len(table.attrs["requests"])
             if "requests" in table.attrs else None}
+
+
+def first_model(base_url: str, api_key: str | None = None) -> tuple[str, str | None]:
+    """The server's first ``/v1/models`` entry → (its id, its ``owned_by``), as vLLM picks the model when
+    ``--model`` is not given. `ValueError` in one line when the server does not list one."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        answer = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+        answer.raise_for_status()
+        entry = answer.json()["data"][0]
+        return str(entry["id"]), entry.get("owned_by")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"{base_url}/v1/models gave no model ({type(exc).__name__}: {exc}); give --model") from None
+
+
+def check_endpoint(config: ServeConfig) -> None:
+    """`ValueError` in one line when the server has no ``config.endpoint`` (it answers an empty body with 404, 405
+    or 501): ``--backend openai`` against a server without ``/v1/completions`` fails here, not request by request."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    url = f"{config.base_url}{config.endpoint}"
+    try:
+        status = httpx.post(url, content=b"{}", headers={"Content-Type": "application/json", **headers},
+                            timeout=30).status_code
+    except httpx.HTTPError as exc:
+        raise ValueError(f"{url}: {type(exc).__name__}: {exc}") from None
+    if status in (404, 405, 501):
+        raise ValueError(f"{url} answered {status}: the server has no {config.endpoint} for --backend "
+                         f"{config.backend}" + (" (use --backend openai-chat)" if config.backend == "openai" else ""))
