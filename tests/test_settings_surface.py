@@ -126,3 +126,17 @@ def test_each_engine_role_names_its_engines_in_its_transport_help(role: str) -> 
     field = {f.name: f for f in dataclasses.fields(ROLES[role][1])}["transport"]
     assert field.metadata["help"] == TRANSPORT_HELP[role]
     assert field.metadata["choices"] == ENGINES
+
+
+def test_launch_takes_prometheus_config_beside_its_topology_flags() -> None:
+    """`epd-lab launch --prometheus-config FILE`: launch's one flag that is not its topology's, taken off the
+    command line before the topology reads the rest (no abbreviation, as every parser here)."""
+    from pathlib import Path
+
+    from epd_lab.serving.prometheus_config import FLAG, pop_flag
+
+    assert FLAG == "--prometheus-config"
+    assert pop_flag(["--prefills", "1", FLAG, "p.yml", "--proxy"]) == (Path("p.yml"), ["--prefills", "1", "--proxy"])
+    assert pop_flag([f"{FLAG}=p.yml"]) == (Path("p.yml"), [])
+    assert pop_flag(["--prefills", "1"]) == (None, ["--prefills", "1"])
+    assert pop_flag(["--prometheus", "p.yml"]) == (None, ["--prometheus", "p.yml"])  # left for launch to refuse

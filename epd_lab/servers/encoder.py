@@ -528,8 +528,9 @@ class MMEncoder:
         if "l3" in found.levels:  # a hit shows as store_get: from the lookup to the embedding assembled
             spans.append(Span(req_id, part_idx, "store_get", self.recorder.node, lookup.t_start_ns, t_end,
                               found.l3_bytes))
-        if missing or "l3" not in found.levels:
+        if missing:
             self.vit_time.observe((t_end - t0) / 1e9)
+        if missing or "l3" not in found.levels:
             spans.append(Span(req_id, part_idx, "vit", self.recorder.node, t0, t_end, embedding.nbytes))
         self.recorder.extend(spans)
         return embedding, spans if self.recorder.enabled else []

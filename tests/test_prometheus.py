@@ -1,0 +1,247 @@
+"""Every role's /metrics through prometheus-client, read by a real Prometheus: `epd-lab launch --prometheus-config`
+on a 1E1P1D topology with a proxy and the shared secret in a file, a Prometheus of its own (skipped where the
+``prometheus`` binary is absent) scraping it every second, streamed chats timed by the client, and the TTFT p50
+Prometheus computes from vLLM's histogram against the client's. Also: each role's families as prometheus-client's
+parser reads them (vLLM's histograms where their meaning lives, every refusal reason, a refusal counted), and the
+Grafana dashboard's queries naming only families the roles export."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epd_lab.noise import data_uri, random_png
+from epd_lab.serving.metrics import TTFT_BUCKETS
+from helpers import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy" / "grafana" / "epd-lab.json"
+SECRET = "prometheus-test-secret-0123456789"
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+CHATS = 8
+IMAGE = data_uri(random_png(3, (64, 64)))
+# what each role must export: vLLM's families where the meaning lives, this project's own beside them
+EXPECTED = {
+    "proxy": {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+              "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+              "vllm:request_success"},
+    "prefill": {"vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:prompt_tokens",
+                "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"},
+    "decode": {"vllm:request_decode_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
+               "vllm:kv_cache_usage_perc", "vllm:generation_tokens", "epd_lab:kv_transfer_seconds",
+               "epd_lab:kv_transfer_bytes"},
+    "encoder": {"epd_lab:encoder_queue_seconds", "epd_lab:encoder_vit_seconds", "epd_lab:ep_transfer_seconds",
+                "epd_lab:encoder_cache_hits", "epd_lab:encoder_mm_cache_l1_hits"},
+}
+REASONS = {  # every refusal reason each role counts, zeros included
+    "proxy": {"unauthorized", "body_too_large"},
+    "encoder": {"unauthorized", "body_too_large", "admission_deadline", "admission_queue_full", "admission_expired",
+                "held_bytes", "transfer_auth"},
+    "prefill": {"unauthorized", "body_too_large", "admission_deadline", "admission_queue_full", "admission_expired",
+                "kv_pool_exhausted", "kv_asks_refused", "transfer_auth", "ep_unauthenticated", "kv_unauthenticated"},
+    "decode": {"unauthorized", "body_too_large", "admission_deadline", "admission_queue_full", "admission_expired",
+               "kv_admission_deadline", "kv_admission_queue_full", "kv_admission_expired", "kv_producers_refused",
+               "transfer_auth"},
+}
+
+
+def _line(proc: subprocess.Popen, timeout: float) -> dict:
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        raise AssertionError(f"launch printed nothing within {timeout} s")
+    line = proc.stdout.readline()
+    assert line, f"launch exited: {proc.stderr.read()}"
+    return json.loads(line)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """`epd-lab launch` of 1E1P1D with a proxy, its secret in a file, its scrape config written: (topology line,
+    config path, secret file)."""
+    tmp = tmp_path_factory.mktemp("prometheus")
+    secret_file = tmp / "secret"
+    secret_file.write_text(SECRET + "\n")
+    config = tmp / "prometheus.yml"
+    env = {k: v for k, v in os.environ.items() if k != "EPD_SECRET"}
+    env["EPD_SECRET_FILE"] = str(secret_file)
+    proc = subprocess.Popen([sys.executable, "-m", "epd_lab.cli", "launch", "--encoders", "1", "--prefills", "1",
+                             "--decodes", "1", "--proxy", "--timeout", "20", "--prometheus-config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        yield _line(proc, 240), config, secret_file
+    finally:
+        _stop(proc)
+
+
+def _families(url: str) -> dict[str, object]:
+    r = httpx.get(url + "/metrics", headers=AUTH, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=")
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def _role_urls(topology: dict) -> dict[str, str]:
+    return {"proxy": topology["proxy"], "encoder": topology["encoders"][0], "prefill": topology["prefills"][0],
+            "decode": topology["decodes"][0]}
+
+
+def _ttft(http: httpx.Client, proxy: str, i: int) -> float:
+    """One streamed chat with an image: seconds from sending it to its first content chunk, as `bench serve`
+    times a TTFT."""
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "stream": True, "messages": [{"role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": IMAGE}}, {"type": "text", "text": f"n {i}"}]}]}
+    t0, first = time.perf_counter(), None
+    with http.stream("POST", proxy + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
+                    "content"):
+                first = time.perf_counter() - t0
+    assert first is not None
+    return first
+
+
+def _query(prom: str, expr: str) -> list[dict]:
+    r = httpx.get(prom + "/api/v1/query", params={"query": expr}, timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "success", r.text
+    return r.json()["data"]["result"]
+
+
+def _bucket_width(value: float) -> float:
+    """The width of the TTFT bucket `value` falls in."""
+    bounds = (0.0, *TTFT_BUCKETS)
+    return next(hi - lo for lo, hi in zip(bounds, bounds[1:]) if value <= hi)
+
+
+def test_the_scrape_config_has_one_job_per_role_with_each_process_as_its_target(launched):
+    topology, config, secret_file = launched
+    jobs = {j["job_name"]: j for j in json.loads(config.read_text())["scrape_configs"]}
+    assert set(jobs) == {"epd-lab-encoder", "epd-lab-prefill", "epd-lab-decode", "epd-lab-proxy"}
+    for role, url in _role_urls(topology).items():
+        job = jobs[f"epd-lab-{role}"]
+        assert job["static_configs"][0]["targets"] == [url.removeprefix("http://")]
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": str(secret_file)}
+    assert SECRET not in config.read_text()  # the secret is read from its file, never written out
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary (Debian: apt-get install "
+                    "prometheus; .ci/run installs it)")
+def test_prometheus_computes_the_ttft_p50_the_client_measured(launched, tmp_path):
+    topology, config, _ = launched
+    spec = json.loads(config.read_text())
+    spec["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    fast = tmp_path / "prometheus.yml"
+    fast.write_text(json.dumps(spec))
+    port = free_port()
+    prom = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(["prometheus", f"--config.file={fast}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        # every job up (the bearer read from the secret's file), and a first scrape of the zero buckets
+        wait_for(lambda: server.poll() is None and len([r for r in _safe_query(prom, "up == 1")]) == 4, 60,
+                 "Prometheus did not scrape all four roles")
+        with httpx.Client(headers=AUTH, timeout=60) as http:
+            ttfts = [_ttft(http, topology["proxy"], i) for i in range(CHATS)]
+        # each role scraped since the last chat: the proxy's TTFTs, the encoder's E→P transfers, the prefills
+        scraped = ("sum(vllm:time_to_first_token_seconds_count)", "sum(epd_lab:ep_transfer_seconds_count)",
+                   "sum(vllm:request_prefill_time_seconds_count)")
+        wait_for(lambda: all(_value(_safe_query(prom, q)) == CHATS for q in scraped), 30,
+                 "Prometheus did not scrape the chats")
+        p50 = _value(_query(prom, "histogram_quantile(0.5, sum by (le) "
+                                  "(rate(vllm:time_to_first_token_seconds_bucket[1m])))"))
+        client = statistics.median(ttfts)
+        assert abs(p50 - client) <= max(_bucket_width(client), _bucket_width(p50)), (p50, client, ttfts)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0, server.stderr.read()[-2000:]
+
+
+def _safe_query(prom: str, expr: str) -> list[dict]:
+    try:
+        return _query(prom, expr)
+    except (httpx.HTTPError, AssertionError):
+        return []
+
+
+def _value(result: list[dict]) -> float | None:
+    return float(result[0]["value"][1]) if result else None
+
+
+def test_each_role_exports_vllm_families_where_their_meaning_lives_and_counts_every_refusal(launched):
+    topology, _, _ = launched
+    urls = _role_urls(topology)
+    with httpx.Client(headers=AUTH, timeout=60) as http:
+        _ttft(http, topology["proxy"], 0)  # at least one request through every role
+    for role, url in urls.items():
+        families = _families(url)
+        assert EXPECTED[role] <= set(families), (role, EXPECTED[role] - set(families))
+        for name in EXPECTED[role] & {n for n, f in families.items() if f.type == "histogram"}:
+            assert families[name].samples[0].labels["model_name"], name  # vLLM's label, on every family
+        refusals = {s.labels["reason"] for s in families["epd_lab:refusals"].samples}
+        assert REASONS[role] <= refusals, (role, REASONS[role] - refusals)
+    proxy = _families(urls["proxy"])
+    buckets = [s.labels["le"] for s in proxy["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
+    assert buckets == [*(repr(float(b)) for b in TTFT_BUCKETS), "+Inf"]  # vLLM's bounds
+
+
+def _refused(url: str, reason: str) -> float:
+    return next(s.value for s in _families(url)["epd_lab:refusals"].samples if s.labels["reason"] == reason)
+
+
+def test_a_refusal_is_counted_by_the_role_that_refused(launched):
+    """A request without the secret (401) and a body over the limit (413, refused from its declared length)."""
+    topology, _, _ = launched
+    for url in _role_urls(topology).values():
+        before = _refused(url, "unauthorized")
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 401
+        assert _refused(url, "unauthorized") == before + 1
+    proxy = topology["proxy"]
+    before = _refused(proxy, "body_too_large")
+    host, port = proxy.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # its headers only: refused unread
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {SECRET}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {200 << 20}\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
+    assert _refused(proxy, "body_too_large") == before + 1
+
+
+def test_the_grafana_dashboard_queries_only_families_the_roles_export(launched):
+    topology, _, _ = launched
+    exported: set[str] = set()
+    for url in _role_urls(topology).values():
+        for family in _families(url).values():
+            exported |= {s.name for s in family.samples} | {family.name}
+            if family.type == "counter":  # a counter with no labelled sample yet is exported all the same
+                exported.add(family.name + "_total")
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 8
+    names = {n for e in exprs for n in re.findall(r"\b(?:vllm|epd_lab):[a-z0-9_:]+", e)}
+    assert names and names <= exported, names - exported
