@@ -169,6 +169,14 @@ def test_random_mm_takes_vllms_json_forms_and_defaults():
         random_mm(1, base_items=3, limit_items=2, buckets={(56, 56): 1.0})
 
 
+def test_random_draws_the_lengths_vllms_draws():
+    """vLLM's docs print "Total generated tokens: 3982" for their random-mm example (seed 42, 100 prompts, 40 tokens
+    ± 20%, no images, --ignore-eos): the same seed draws the same lengths here."""
+    reqs = random_mm(100, seed=42, input_len=300, output_len=40, range_ratio=0.2, base_items=0, prefix_len=25)
+    assert sum(r.output_len for r in reqs) == 3982 and not any(r.images for r in reqs)
+    assert all(265 <= r.prompt_len <= 385 for r in reqs)  # 25 + 240..360 tokens
+
+
 def test_random_prompts_are_tokens_with_a_shared_prefix():
     reqs = random_mm(20, seed=5, input_len=100, output_len=10, range_ratio=0.5, base_items=0, prefix_len=7)
     assert all(57 <= r.prompt_len <= 157 and 5 <= r.output_len <= 15 for r in reqs)
