@@ -155,9 +155,10 @@ def _lengths(rng: np.random.Generator, n: int, base: int, ratio: float, low: int
 
 def _prompts(rng: np.random.Generator, tokenizer: Tokenizer, lengths: np.ndarray,
              prefix_len: int = 0) -> list[tuple[str, int]]:
-    """vLLM's random prompts: a prefix drawn once, then each request's own tokens from a random offset."""
-    prefix = rng.choice(tokenizer.allowed_ids, size=prefix_len).tolist() if prefix_len else []
+    """vLLM's random prompts: a prefix drawn once, then each request's own tokens from a random offset (drawn in
+    vLLM's order: the offsets, then the prefix)."""
     offsets = rng.integers(0, len(tokenizer.allowed_ids), size=len(lengths))
+    prefix = rng.choice(tokenizer.allowed_ids, size=prefix_len).tolist() if prefix_len else []
     return [random_prompt(tokenizer, rng, int(n), int(offset), i, prefix)
             for i, (n, offset) in enumerate(zip(lengths, offsets))]
 
