@@ -189,7 +189,7 @@ def error_response(exc: ServingError, error_body: Callable[[ServingError], Any])
 def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
              error_body: Callable[[ServingError], Any] = _detail_body, secret: bytes | str | None = None,
              gate: Callable[[Any, Any], ServingError | None] | None = None) -> Any:
-    """A FastAPI app for `role` (``epd_{role}_...`` metrics). `factory` builds the role's object at start-up,
+    """A FastAPI app for `role` (``epd_lab:{role}_...`` metrics, in a registry of its own). `factory` builds the role's object at start-up,
     in a thread; if it has ``async def run()``, that runs as a task for the server's life (sweepers).
     `routes` are the role's own paths (the request counter's labels); `error_body` shapes an error's JSON.
     `secret`: with one (None takes ``EPD_SECRET`` from the environment), every route but ``/health`` needs it as
