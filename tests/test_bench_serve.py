@@ -401,6 +401,7 @@ def test_the_command_line_writes_its_result(tmp_path, capsys):
                           (["--instant", "--random-mm-bucket-config", "{(720, 1280, 16): 0.5}"], "no video path"),
                           (["--instant", "--random-mm-limit-mm-per-prompt", "3"], "image and video"),
                           (["--instant", "--backend", "tgi"], "invalid choice: 'tgi'"),
+                          (["--instant", "--extra-body", "[1]"], "'[1]' is not a JSON object"),
                           (["--base-url", "http://127.0.0.1:9"], "127.0.0.1:9/v1/models gave no model")):
         _refused(capsys, [*argv, "--num-prompts", "1"], message)
 
@@ -443,9 +444,9 @@ def test_a_vllm_docs_command_runs_against_a_running_proxy(epd_cluster, tmp_path)
     assert 9 <= result["total_output_tokens"] <= 15 and len(result["latencies"]) == len(result["queue_times"]) == 3
     # the server's prompt: the 29-41 tokens of text, the chat template and each image's tokens
     assert result["total_input_tokens"] > 3 * 29
-    text = _bench("--base-url", epd_cluster.proxy_url, "--num-prompts", "2", "--random-input-len", "20",
-                  "--random-output-len", "3", "--temperature", "0", "--save-result", "--result-dir", str(tmp_path),
-                  "--result-filename", "text.json", "--disable-tqdm", timeout=300)
+    text = _bench("--base-url", epd_cluster.proxy_url, "--num-prompts", "2", "--input-len", "20", "--output-len",
+                  "3", "--temperature", "0", "--extra-body", '{"seed": 3}', "--save-result", "--result-dir",
+                  str(tmp_path), "--result-filename", "text.json", "--disable-tqdm", timeout=300)
     assert text.returncode == 0, text.stdout + text.stderr
     result = json.loads((tmp_path / "text.json").read_text())
     assert (result["backend"], result["completed"], result["total_output_tokens"]) == ("openai", 2, 6)

@@ -95,6 +95,16 @@ def _rate(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line's options, grouped: where to send, the load, sampling, the dataset, the report."""
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench serve", description=__doc__.splitlines()[0])
@@ -144,11 +154,15 @@ def parser() -> argparse.ArgumentParser:
                           "monolithic model (epd_lab's servers default to 1.0, OpenAI's)")
     sampling.add_argument("--top-p", type=float, default=None)
     sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON", help="more fields of "
+                          "every request body, e.g. '{\"seed\": 1}' (over the sampling flags, as vLLM)")
     data = ap.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
     data.add_argument("--dataset-path", help="jsonl: the file")
     data.add_argument("--random-input-len", type=int, default=1024, help="tokens of text per request")
     data.add_argument("--random-output-len", type=int, default=128, help="tokens asked per request")
+    data.add_argument("--input-len", type=int, default=None, help="sets --random-input-len, as vLLM")
+    data.add_argument("--output-len", type=int, default=None, help="sets --random-output-len, as vLLM")
     data.add_argument("--random-range-ratio", type=float, default=0.0, help="input and output lengths drawn in "
                       "[len (1 - r), len (1 + r)]")
     data.add_argument("--random-prefix-len", type=int, default=0, help="tokens of a prefix every prompt shares, "
@@ -189,6 +203,8 @@ def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[Serv
         ap.error("--base-url is the server's; --launch and --instant start their own")
     if args.dataset_path and args.dataset_name != "jsonl":
         ap.error(f"--dataset-name {args.dataset_name} takes no --dataset-path")
+    args.random_input_len = args.random_input_len if args.input_len is None else args.input_len
+    args.random_output_len = args.random_output_len if args.output_len is None else args.output_len
     api_key = os.environ.get("OPENAI_API_KEY")
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     try:
@@ -202,7 +218,7 @@ def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[Serv
             raise ValueError(f"--backend openai posts /v1/completions, which takes text only; --dataset-name "
                              f"{args.dataset_name} has images: use --backend openai-chat")
         sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
-                                      ("top_k", args.top_k)) if v is not None}
+                                      ("top_k", args.top_k)) if v is not None} | (args.extra_body or {})
         config = ServeConfig(base_url, model, args.endpoint, args.request_rate, args.burstiness, args.max_concurrency,
                              args.media, parse_goodput(args.goodput), tuple(args.percentile_metrics.split(",")),
                              tuple(float(q) for q in args.metric_percentiles.split(",")), args.seed,
