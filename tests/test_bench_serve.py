@@ -284,6 +284,8 @@ def test_result_json_has_vllms_keys_against_an_instant_server():
     assert result["request_rate"] == 200.0 and result["epd_lab"]["server"] is None  # not an epd_lab server
     again = calculate_metrics(outputs_from_result(result), result["duration"], {"ttft": 10000})
     assert again["completed"] == 30 and again["mean_ttft_ms"] == pytest.approx(result["mean_ttft_ms"])
+    with pytest.raises(ValueError, match="saved without --save-detailed"):
+        outputs_from_result({k: v for k, v in result.items() if k not in VLLM_DETAILED})
 
 
 def test_max_concurrency_bounds_the_requests_in_flight():

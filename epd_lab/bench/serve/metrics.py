@@ -109,7 +109,10 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float, slos: d
 
 def outputs_from_result(result: dict) -> list[RequestOutput]:
     """The per-request outputs back from a saved result's lists (vLLM's ``ttfts``, ``itls``, ``latencies``,
-    ``output_lens``, ``input_lens``, ``errors``): enough to compute every metric again, e.g. for other SLOs."""
+    ``output_lens``, ``input_lens``, ``errors``): enough to compute every metric again, e.g. for other SLOs.
+    `ValueError` for a result saved without them (``bench serve`` without ``--save-detailed``)."""
+    if "ttfts" not in result:
+        raise ValueError("the result has no per-request lists: it was saved without --save-detailed")
     return [RequestOutput(success=not error, error=error or "", prompt_len=p, output_tokens=n, ttft=ttft, itl=itl,
                           latency=latency)
             for ttft, itl, latency, n, p, error in zip(result["ttfts"], result["itls"], result["latencies"],
