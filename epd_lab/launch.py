@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from epd_lab.servers.encoder import EncoderSettings
 from epd_lab.ep.messages import BACKENDS
 from epd_lab.ep.receiver import EmbeddingReceiver, ReceiverConfig
 from epd_lab.ep.store import MooncakeMaster
+from epd_lab.launch_ray import RaySettings
 from epd_lab.servers.decode import DecodeSettings
 from epd_lab.servers.front import FrontSettings
 from epd_lab.servers.monolithic import MonolithicSettings
@@ -54,39 +54,6 @@ if TYPE_CHECKING:
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
 PLACEMENTS = ("local", "ray")
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement group strategies
-RAY_OPTIONS = ("num_cpus", "num_gpus", "resources", "label_selector", "memory")
-_RAY_KEY = re.compile(r"(encoder|prefill|decode)\d*|proxy")
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-
-
-def check_ray_options(key: str, values: Mapping[str, Any]) -> None:
-    """`ValueError` naming what is wrong with ``ray_options[key]``, before Ray sees it: `key` a role or process
-    name, only `RAY_OPTIONS`, each of the type Ray takes."""
-    where = f"ray_options[{key!r}]"
-    if not _RAY_KEY.fullmatch(key):
-        raise ValueError(f"{where}: name a role (encoder, prefill, decode, proxy) or a process (encoder0, "
-                         f"prefill1, ...)")
-    if not isinstance(values, Mapping):
-        raise ValueError(f"{where}: expected a mapping of options, got {values!r}")
-    unknown = set(values) - set(RAY_OPTIONS)
-    if unknown:
-        raise ValueError(f"{where}: unknown {', '.join(sorted(unknown))}; known: {', '.join(RAY_OPTIONS)}")
-    for name in ("num_cpus", "num_gpus"):
-        if name in values and not _number(values[name]):
-            raise ValueError(f"{where}[{name!r}] must be a number >= 0, got {values[name]!r}")
-    if "memory" in values and not (_number(values["memory"]) and float(values["memory"]).is_integer()):
-        raise ValueError(f"{where}['memory'] must be a whole number of bytes >= 0, got {values['memory']!r}")
-    resources = values.get("resources", {})
-    if not (isinstance(resources, Mapping) and all(isinstance(k, str) and _number(v) for k, v in resources.items())):
-        raise ValueError(f"{where}['resources'] must map resource names to numbers >= 0, got {resources!r}")
-    labels = values.get("label_selector", {})
-    if not (isinstance(labels, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
-        raise ValueError(f"{where}['label_selector'] must map label names to strings, got {labels!r}")
-
 # each role: the module its process runs, the settings its command line is written from, and the `Topology`
 # options it takes (the proxy's `model` is the id it lists, not the model directory)
 ROLES: dict[str, tuple[str, type, tuple[str, ...]]] = {
@@ -110,7 +77,7 @@ def role_of(process: str) -> str:
 
 
 @dataclass(slots=True)
-class Topology:
+class Topology(RaySettings):
     """What to start: how many processes of each role, and the options they share. ``settings`` sets any
     other option of a role's settings (`EncoderSettings`, `PrefillSettings`, `DecodeSettings`, `ProxySettings`,
     `MonolithicSettings`, `FrontSettings`), by role name, or of one process by its name (`process_names`:
@@ -167,22 +134,6 @@ class Topology:
     hosts: Mapping[str, tuple[str, str]] = field(default_factory=dict, metadata={"cli": False})
     placement: str = option("local", "where the processes run: local (children of this one) or ray (each owned by "
                                      "a Ray actor on a node of a Ray cluster; docs/ray.md)", choices=PLACEMENTS)
-    ray_address: str | None = option(None, "the Ray cluster to join (implies placement=ray; unset: ray.init()'s "
-                                           "own choice: RAY_ADDRESS, a running cluster, else a new local one)",
-                                     flag="--ray")
-    ray_strategy: str | None = option(None, "one placement group over all processes, a bundle each (their Ray "
-                                            "resources), with this strategy", choices=STRATEGIES)
-    ray_bind: str = option("loopback", "the address each process binds on its Ray node: loopback (127.0.0.1: nodes "
-                                       "emulated on one machine) or node (the node's IP: real hosts)",
-                           choices=("loopback", "node"))
-    # Ray actor options by process name ("prefill1") or role ("prefill"), the name winning: num_cpus (default
-    # 1), num_gpus (default 0), resources (custom ones, e.g. {"host_b": 1} pins to a node started with it),
-    # label_selector (node labels), memory (bytes)
-    ray_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata={"help": (
-        "Ray actor options of a role or process, as KEY=JSON, repeated: e.g. --ray-options "
-        "'prefill={\"num_gpus\": 1, \"resources\": {\"epd_p\": 1}}' --ray-options 'proxy={\"num_cpus\": 0}' "
-        f"(options: {', '.join(RAY_OPTIONS)}; a process name such as prefill1 wins over its role)")})
-
     def __post_init__(self) -> None:
         if self.encoders < 1:
             raise ValueError(f"encoders must be >= 1, got {self.encoders}")
@@ -220,10 +171,7 @@ class Topology:
             raise ValueError("the monolithic floor runs locally (placement='local'); Ray places split topologies")
         if self.placement == "ray" and self.hosts:
             raise ValueError("hosts (network namespaces) are for placement='local'; Ray places by its nodes")
-        if self.ray_strategy is not None and self.ray_strategy not in STRATEGIES:
-            raise ValueError(f"ray_strategy must be one of {', '.join(STRATEGIES)}, got {self.ray_strategy!r}")
-        for key, values in self.ray_options.items():
-            check_ray_options(key, values)
+        RaySettings.__post_init__(self)
         processes = self.process_names()
         for key, values in self.settings.items():
             if key not in ROLES and key not in processes:
@@ -291,7 +239,7 @@ class Cluster:
         _LIVE.add(self)
         try:
             if topology.placement == "ray":
-                from epd_lab.launch_ray import RayRoles  # Ray is imported only here
+                from epd_lab.launch_ray.actors import RayRoles  # Ray is imported only here
 
                 self._ray = RayRoles(topology, self.process_names())
             if topology.monolithic:

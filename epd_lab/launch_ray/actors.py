@@ -1,4 +1,5 @@
-"""Roles on a Ray cluster: each process of a `Topology` owned by a Ray actor on the node Ray places it on.
+"""Roles on a Ray cluster: each process of a `Topology` owned by a Ray actor on the node Ray places it on
+(where: its `epd_lab.launch_ray.RaySettings`).
 
 The actor (`RoleActor`) starts the same command line the local launcher starts (`Cluster.command`), with its
 node's own Python; reads the URL the role announces and hands it back (addresses come from the actors, never
