@@ -291,9 +291,11 @@ def test_result_json_has_vllms_keys_against_an_instant_server():
 def test_max_concurrency_bounds_the_requests_in_flight():
     reqs = image_dataset(12, seed=0, image_count=0, resolution="64x64", input_len=8, output_len=3)
     with InstantServer(tokens=3) as server:
-        result = benchmark(reqs, ServeConfig(server.url, max_concurrency=1, progress=False))
+        result = benchmark(reqs, ServeConfig(server.url, max_concurrency=1, progress=False, percentile_metrics=(
+            "ttft", "client_queue_time", "e2el_including_client_queue")))
     assert result["completed"] == 12 and result["max_concurrent_requests"] == 1
     assert max(result["queue_times"]) > 0  # all due at once: the later ones waited for the one slot
+    assert result["p99_client_queue_time_ms"] > 0 and "mean_e2el_including_client_queue_ms" not in result  # rate inf
 
 
 def test_topologies_by_name():
@@ -391,12 +393,14 @@ def test_the_command_line_writes_its_result(tmp_path, capsys):
                  "--dataset-name", "random-mm", "--random-mm-base-items-per-request", "2", "--random-mm-bucket-config",
                  "{(64, 96, 1): 1.0}", "--random-output-len", "4", "--random-input-len", "30", "--goodput",
                  "ttft:5000", "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir",
-                 str(tmp_path), "--result-filename", "r.json", "--disable-tqdm")
+                 str(tmp_path), "--result-filename", "r.json", "--disable-tqdm", "--metadata", "run=a",
+                 "--percentile-metrics", "ttft,tpot,itl,e2el,client_queue_time")
     assert out.returncode == 0, out.stderr
     assert "Request goodput (req/s):" in out.stdout
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["completed"] == 6 and result["epd_lab"]["images"] == 12 and "p50_ttft_ms" in result
     assert set(VLLM_DETAILED) <= set(result) and result["backend"] == result["endpoint_type"] == "openai-chat"
+    assert result["run"] == "a" and "p50_client_queue_time_ms" not in result  # no concurrency bound: no queue
     for argv, message in ((["--instant", "--launch", "1e1p1d"], "give one of --launch, --instant"),
                           (["--instant", "--base-url", "http://127.0.0.1:1"], "--base-url is the server's"),
                           (["--instant", "--dataset-name", "random-mm"], "--backend openai posts /v1/completions"),
@@ -404,6 +408,7 @@ def test_the_command_line_writes_its_result(tmp_path, capsys):
                           (["--instant", "--random-mm-limit-mm-per-prompt", "3"], "image and video"),
                           (["--instant", "--backend", "tgi"], "invalid choice: 'tgi'"),
                           (["--instant", "--extra-body", "[1]"], "'[1]' is not a JSON object"),
+                          (["--instant", "--header", "x-a"], "--header takes KEY=VALUE, got 'x-a'"),
                           (["--base-url", "http://127.0.0.1:9"], "127.0.0.1:9/v1/models gave no model")):
         _refused(capsys, [*argv, "--num-prompts", "1"], message)
 

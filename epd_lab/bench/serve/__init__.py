@@ -122,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument("--tokenizer", default=None, help="counts prompt tokens: a Hugging Face name or directory, "
                        "or bytes (epd_lab's models; default: the model's, bytes for an epd_lab server)")
     where.add_argument("--label", default=None, help="the result's label and file name prefix (default: --backend)")
+    where.add_argument("--served-model-name", default=None, help="the model field of each request, where it is not "
+                       "--model's (which then names the tokenizer)")
+    where.add_argument("--header", nargs="*", default=[], metavar="KEY=VALUE", help="headers of every request")
     own = ap.add_argument_group("where (epd_lab's)")
     own.add_argument("--launch", metavar="TOPOLOGY", help="start an epd_lab cluster on loopback: monolithic, "
                      "Nxmonolithic (2xmonolithic: replicas behind a round-robin front), or NeMpKd (1e1p1d, 2e1p1d: "
@@ -183,7 +186,8 @@ def parser() -> argparse.ArgumentParser:
                       "from the pool by Zipf's law with exponent S instead of a repeat fraction")
     out = ap.add_argument_group("report")
     out.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
-    out.add_argument("--percentile-metrics", default="ttft,tpot,itl")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl", help=f"of {','.join(METRICS)}; the queue "
+                     "metrics only with --max-concurrency, the last only with a finite --request-rate too")
     out.add_argument("--metric-percentiles", default="99")
     out.add_argument("--save-result", action="store_true")
     out.add_argument("--save-detailed", action="store_true", help="keep the per-request lists in the saved result "
@@ -191,12 +195,14 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--result-dir", default=None)
     out.add_argument("--result-filename")
     out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="written into the result")
     return ap
 
 
-def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[ServeConfig, list[SampleRequest]]:
-    """The run's settings and requests from the arguments: the URL, the model (the server's first when not given),
-    its tokenizer, the dataset. Usage errors exit through `ap.error`, in one line."""
+def _config(args: argparse.Namespace,
+            ap: argparse.ArgumentParser) -> tuple[ServeConfig, list[SampleRequest], dict[str, str]]:
+    """The run's settings, requests and ``--metadata`` from the arguments: the URL, the model (the server's first
+    when not given), its tokenizer, the dataset. Usage errors exit through `ap.error`, in one line."""
     if args.launch and args.instant:
         ap.error("give one of --launch, --instant")
     if (args.launch or args.instant) and args.base_url:
@@ -224,7 +230,9 @@ def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[Serv
                              tuple(float(q) for q in args.metric_percentiles.split(",")), args.seed,
                              not args.disable_tqdm, api_key, args.backend,
                              args.ignore_eos or args.dataset_name in ("random", "random-mm"), sampling,
-                             args.num_warmups, tokenizer, args.label)
+                             args.num_warmups, tokenizer, args.label, args.served_model_name,
+                             _pairs("--header", args.header))
+        metadata = _pairs("--metadata", args.metadata)
         if not (args.launch or args.instant):
             check_endpoint(config)
     except ValueError as exc:
@@ -232,7 +240,18 @@ def _config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[Serv
     if "temperature" not in sampling:
         print("note: no --temperature: the server's default applies (epd_lab's: 1.0, sampled); --temperature 0 "
               "for greedy answers, equal to the monolithic model's")
-    return config, requests
+    return config, requests, metadata
+
+
+def _pairs(flag: str, items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items → a dict; `ValueError` naming an item without ``=``."""
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} takes KEY=VALUE, got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.mm_global_cache != "off" and not args.launch:
         ap.error("--mm-global-cache is the launched cluster's: give --launch")
-    config, requests = _config(args, ap)
+    config, requests, metadata = _config(args, ap)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.mm_global_cache]
-    results = [_run_once(args, requests, config, cache) for cache in modes]
+    results = [metadata | _run_once(args, requests, config, cache) for cache in modes]  # as vLLM: results win
     for cache, one in zip(modes, results):
         if len(modes) > 1:
             print(f"---- global embedding cache {'on' if cache else 'off'} ----")

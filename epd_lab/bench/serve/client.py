@@ -36,8 +36,8 @@ def image_part(url: str) -> dict:
 def request_body(req: SampleRequest, model: str, backend: str = "openai-chat",
                  url_of: Callable[[bytes], str] | None = None, extra: dict[str, Any] | None = None) -> bytes:
     """The JSON body of `req` for `backend`, streamed with usage, ``output_len`` tokens asked, and `extra`
-    (``ignore_eos``, sampling parameters) merged in. Images (chat only): URLs as they are; bytes as data: URIs, or through
-    `url_of`, the media server's URL for them. `ValueError` for images on the ``openai`` backend."""
+    (``ignore_eos``, sampling parameters) merged in. Images (chat only): URLs as they are; bytes as data: URIs, or
+    through `url_of`, the media server's URL for them. `ValueError` for images on the ``openai`` backend."""
     if backend == "openai":
         if req.images:
             raise ValueError("--backend openai posts /v1/completions, which takes text only; this dataset has "

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
+# vLLM's percentile metrics; the last two (a request's wait for a --max-concurrency slot, and its E2EL with the
+# wait) only where the run had a concurrency bound, the last only with a finite request rate
+METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time", "e2el_including_client_queue")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
@@ -93,7 +95,9 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float, slos: d
     total_in = sum(o.prompt_len for o in done)
     total_out = sum(o.output_tokens for o in done)
     samples = {"ttft": [o.ttft for o in done], "tpot": [o.tpot for o in done if o.output_tokens > 1],
-               "itl": [gap for o in done for gap in o.itl], "e2el": [o.latency for o in done]}
+               "itl": [gap for o in done for gap in o.itl], "e2el": [o.latency for o in done],
+               "client_queue_time": [o.queue_time for o in done],
+               "e2el_including_client_queue": [o.latency + o.queue_time for o in done]}
     result = {"completed": len(done), "failed": len(outputs) - len(done), "total_input_tokens": total_in,
               "total_output_tokens": total_out, "request_throughput": len(done) / duration,
               "request_goodput": (sum(is_good(o, slos) for o in done) / duration) if slos else None,

@@ -60,6 +60,8 @@ class ServeConfig:
         num_warmups: warm-up requests before the run, not counted.
         tokenizer: counts the output tokens of a server that gives no ``usage``; its name is ``tokenizer_id``.
         label: vLLM's ``label`` of the result.
+        served_model_name: the ``model`` field sent, where it is not `model` (vLLM's ``--served-model-name``).
+        headers: headers of every request, over the bench's own (vLLM's ``--header``).
     """
 
     base_url: str
@@ -81,6 +83,8 @@ class ServeConfig:
     num_warmups: int = 0
     tokenizer: Any = None
     label: str | None = None
+    served_model_name: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -135,6 +139,7 @@ async def _run(requests: Sequence[SampleRequest], config: ServeConfig, url_of: C
     headers = {"Content-Type": "application/json"}
     if config.api_key:
         headers["Authorization"] = f"Bearer {config.api_key}"
+    headers |= config.headers
     progress = _Progress(len(requests), config.progress)
     url = config.base_url + config.endpoint
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0, keepalive_timeout=60)
@@ -147,7 +152,7 @@ async def _run(requests: Sequence[SampleRequest], config: ServeConfig, url_of: C
         out.prompt_len = req.prompt_len
         async with limit:
             t0 = time.perf_counter()
-            body = request_body(req, config.model, config.backend, url_of, extra)
+            body = request_body(req, config.served_model_name or config.model, config.backend, url_of, extra)
             out.client_encode_s = time.perf_counter() - t0
             await send_request(session, url, body, out, headers)
         out.queue_time = out.start_time - arrival
@@ -197,7 +202,12 @@ def benchmark(requests: Sequence[SampleRequest], config: ServeConfig, server_spa
         cpu0 = time.process_time()
         outputs, duration = _run_to_end(_run(requests, config, url_of, offsets))
         cpu = time.process_time() - cpu0
-    result = calculate_metrics(outputs, duration, config.slos, config.percentile_metrics, config.metric_percentiles)
+    # as vLLM: the queue metrics only where requests could queue (a concurrency bound), the E2EL with the queue only
+    # where they also arrived over time
+    selected = [m for m in config.percentile_metrics if not (
+        (m in ("client_queue_time", "e2el_including_client_queue") and config.max_concurrency is None)
+        or (m == "e2el_including_client_queue" and math.isinf(config.request_rate)))]
+    result = calculate_metrics(outputs, duration, config.slos, selected, config.metric_percentiles)
     result |= _vllm_fields(outputs, duration, config)
     ok = [o for o in outputs if o.success]
     lags = [max(0.0, o.start_time - o.scheduled) for o in outputs]
