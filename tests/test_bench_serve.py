@@ -407,6 +407,7 @@ def test_the_command_line_writes_its_result(tmp_path, capsys):
                           (["--instant", "--random-mm-bucket-config", "{(720, 1280, 16): 0.5}"], "no video path"),
                           (["--instant", "--random-mm-limit-mm-per-prompt", "3"], "image and video"),
                           (["--instant", "--backend", "tgi"], "invalid choice: 'tgi'"),
+                          (["--launch", "1e1p1d", "--backend", "zmq_to_scheduler"], "give it as --launch-backend"),
                           (["--instant", "--extra-body", "[1]"], "'[1]' is not a JSON object"),
                           (["--instant", "--header", "x-a"], "--header takes KEY=VALUE, got 'x-a'"),
                           (["--base-url", "http://127.0.0.1:9"], "127.0.0.1:9/v1/models gave no model")):

@@ -33,6 +33,7 @@ from epd_lab.bench.serve.metrics import METRICS, parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark, check_endpoint, first_model
 from epd_lab.bench.serve.tokenizer import Tokenizer, get_tokenizer
 from epd_lab.bench.serve.topologies import launch, parse_devices
+from epd_lab.ep.messages import BACKENDS as EP_BACKENDS
 from epd_lab.machine import commit, machine_info
 from epd_lab.servers.openai_api import MODEL_ID
 
@@ -95,6 +96,13 @@ def _rate(text: str) -> float:
     return value
 
 
+def _backend(text: str) -> str:
+    if text in EP_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is an E→P backend: give it as --launch-backend (--backend is "
+                                         f"vLLM's request backend: {' or '.join(BACKENDS)})")
+    return text
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -109,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
     """The command line's options, grouped: where to send, the load, sampling, the dataset, the report."""
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="epd-lab bench serve", description=__doc__.splitlines()[0])
     where = ap.add_argument_group("where (vLLM's)")
-    where.add_argument("--backend", "--endpoint-type", dest="backend", choices=BACKENDS, default="openai",
+    where.add_argument("--backend", "--endpoint-type", dest="backend", type=_backend, choices=BACKENDS,
+                       default="openai",
                        help="vLLM's request backend: openai-chat (/v1/chat/completions, text and images) or openai "
                        "(/v1/completions, text only); --endpoint-type is its older name")
     where.add_argument("--base-url", help="the server's root, e.g. http://127.0.0.1:8000 (default: from --host and "
@@ -129,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--launch", metavar="TOPOLOGY", help="start an epd_lab cluster on loopback: monolithic, "
                      "Nxmonolithic (2xmonolithic: replicas behind a round-robin front), or NeMpKd (1e1p1d, 2e1p1d: "
                      "encoders, prefills, decodes behind the proxy)")
-    own.add_argument("--launch-backend", default="mooncake", help="the launched cluster's E→P backend")
+    own.add_argument("--launch-backend", choices=EP_BACKENDS, default="mooncake",
+                     help="the launched cluster's E→P backend")
     own.add_argument("--launch-model", help="the model the launched cluster loads: tiny (default), a shape "
                      "(qwen2-vl-2b) or a local directory")
     own.add_argument("--device", default="cpu", help="the launched cluster's device")
