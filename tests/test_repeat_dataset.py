@@ -64,6 +64,12 @@ def test_the_command_line_names_the_dataset() -> None:
     assert {r.prompt_len for r in requests} == {1024}  # vLLM's --random-input-len, in tokens (bytes here)
 
 
+def test_a_jsonl_prompt_is_counted_in_tokens(tmp_path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"prompt": "héllo"}\n')
+    args = parser().parse_args(["--dataset-name", "jsonl", "--dataset-path", str(tmp_path / "d.jsonl")])
+    assert [r.prompt_len for r in load_requests(args)] == [6]  # UTF-8 bytes: é is two
+
+
 def test_hit_rates_count_every_level_over_the_items_taken() -> None:
     before = dict.fromkeys(COUNTERS, 0.0)
     after = {**before, "l1_hits": 2, "l1_misses": 8, "l2_hits": 1, "l3_hits": 3, "l3_misses": 4}

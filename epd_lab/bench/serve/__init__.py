@@ -31,7 +31,7 @@ from epd_lab.bench.serve.datasets import (DATASETS, DEFAULT_BUCKETS, SampleReque
                                           parse_buckets, random_mm, repeated_images)
 from epd_lab.bench.serve.metrics import METRICS, parse_goodput
 from epd_lab.bench.serve.run import ServeConfig, benchmark, check_endpoint, first_model
-from epd_lab.bench.serve.tokenizer import Tokenizer, get_tokenizer
+from epd_lab.bench.serve.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 from epd_lab.bench.serve.topologies import launch, parse_devices
 from epd_lab.ep.messages import BACKENDS as EP_BACKENDS
 from epd_lab.machine import commit, machine_info
@@ -61,7 +61,10 @@ def load_requests(args: argparse.Namespace, tokenizer: Tokenizer | None = None) 
                                tokenizer)
     if not args.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
-    return jsonl_dataset(args.dataset_path, args.num_prompts, args.random_output_len)
+    requests = jsonl_dataset(args.dataset_path, args.num_prompts, args.random_output_len)
+    for req in requests:  # counted as vLLM counts a custom dataset's prompts (the server's usage overrides it)
+        req.prompt_len = len((tokenizer or ByteTokenizer()).encode(req.prompt))
+    return requests
 
 
 def summary_lines(result: dict) -> list[str]:
