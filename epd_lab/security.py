@@ -26,8 +26,10 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import zmq
+if TYPE_CHECKING:
+    import zmq
 
 ENV_SECRET = "EPD_SECRET"
 ENV_SECRET_FILE = "EPD_SECRET_FILE"
@@ -62,10 +64,14 @@ class RefusalLog:
             if now - self._last < self.interval:
                 return
             self._last = now
-        try:
-            peer = frame.get("Peer-Address") if frame is not None else None
-        except zmq.ZMQError:  # not a tcp message: no address to name
-            peer = None
+        peer = None
+        if frame is not None:
+            import zmq  # here, not at the top: the transfer engine imports this module and needs no pyzmq
+
+            try:
+                peer = frame.get("Peer-Address")
+            except zmq.ZMQError:  # not a tcp message: no address to name
+                pass
         self.logger.warning("%s: a peer%s failed authentication (no valid tag of the shared secret; %d refused so "
                             "far)", self.surface, f" at {peer}" if peer else "", count)
 
