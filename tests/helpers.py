@@ -71,15 +71,15 @@ def metrics(url: str, **get: Any) -> str:
 
 def plain_metrics(text: str) -> str:
     """A Prometheus exposition parsed by prometheus-client's parser (a malformed one raises) and written back one
-    sample a line, ``name{labels} value``: labels in their order, less the ``model_name`` every sample carries,
-    whole values without ``.0``; each family's ``# TYPE`` line before its samples."""
+    sample a line, ``name{labels} value``: labels by name (as prometheus-client writes them), less the
+    ``model_name`` every sample carries, whole values without ``.0``; each family's ``# TYPE`` line first."""
     from prometheus_client.parser import text_string_to_metric_families
 
     lines = []
     for family in text_string_to_metric_families(text):
         lines.append(f"# TYPE {family.name} {family.type}")
         for sample in family.samples:
-            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels.items() if k != "model_name")
+            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
             value = int(sample.value) if float(sample.value).is_integer() else sample.value
             lines.append(f"{sample.name}{{{labels}}} {value}" if labels else f"{sample.name} {value}")
     return "\n".join(lines) + "\n"

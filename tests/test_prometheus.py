@@ -42,7 +42,7 @@ EXPECTED = {
                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"},
     "decode": {"vllm:request_decode_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc", "vllm:generation_tokens", "epd_lab:kv_transfer_seconds",
-               "epd_lab:kv_transfer_bytes"},
+               "epd_lab:decode_kv_bytes"},
     "encoder": {"epd_lab:encoder_queue_seconds", "epd_lab:encoder_vit_seconds", "epd_lab:ep_transfer_seconds",
                 "epd_lab:encoder_cache_hits", "epd_lab:encoder_mm_cache_l1_hits"},
 }

@@ -373,7 +373,7 @@ def test_killed_prefill_passes_its_request_on_or_is_a_502_when_alone(cluster: Cl
     504), and the abort it sends the dead prefill finds nobody."""
     victim, victim_url = cluster.procs[PREFILLS][1], cluster.prefill_urls[1]
     inflight = f'epd_lab:proxy_backend_inflight{{role="prefill",url="{victim_url}"}}'
-    retried = 'epd_lab:proxy_retries_total{role="prefill",reason="disconnected"}'
+    retried = 'epd_lab:proxy_retries_total{reason="disconnected",role="prefill"}'  # labels in name order
     lone, lone_url = _start_proxy([victim_url], cluster.decode_urls, "--pipelined")
     try:
         retried_before = metric(metrics(cluster.proxy_url), retried, None) or 0

@@ -368,7 +368,7 @@ class DecodeServer:
 
     def metric_families(self) -> list[Metric]:
         """The decode's ``/metrics`` families: vLLM's decode time, requests running and waiting, KV usage and tokens;
-        the KV transfer's time and bytes; its KV blocks, requests and tokens, the consumer's counters, its two
+        the KV transfer's time; its KV blocks, requests and tokens, the consumer's counters, its two
         admissions and its engine."""
         h, m = self.health(), self.metrics
         c = collections.Counter(h["counters"])
@@ -381,7 +381,6 @@ class DecodeServer:
             m.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     h["used_blocks"] / h["num_blocks"]),
             m.counter("vllm:generation_tokens", "Number of generation tokens processed.", c["tokens_generated"]),
-            m.counter("epd_lab:kv_transfer_bytes", "KV bytes received from prefill", c["kv_bytes"]),
             *((m.counter if kind == "counter" else m.gauge)(name, help_, value) for name, kind, value, help_ in (
                 ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
                 ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving, generating or quarantined)"),
