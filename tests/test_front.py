@@ -86,6 +86,8 @@ def test_a_killed_replica_is_skipped_and_none_left_is_a_503(model):
                             json={"messages": _messages(0, 7), "max_tokens": 2})
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_backend"
         assert httpx.get(cluster.proxy_url + "/health", timeout=10).status_code == 503
+        refused = plain_metrics(httpx.get(cluster.proxy_url + "/metrics", timeout=10).text)
+        assert 'epd_lab:refusals_total{reason="no_backend"} 1' in refused  # the front's own refusal, counted
 
 
 def _command_line_only(topology: Topology) -> Cluster:

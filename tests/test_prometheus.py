@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd_lab.noise import data_uri, random_png
 from epd_lab.serving.metrics import TTFT_BUCKETS
-from helpers import free_port, wait_for
+from helpers import free_port, read_line, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "epd-lab.json"
@@ -245,3 +245,31 @@ def test_the_grafana_dashboard_queries_only_families_the_roles_export(launched):
     assert len(exprs) >= 8
     names = {n for e in exprs for n in re.findall(r"\b(?:vllm|epd_lab):[a-z0-9_:]+", e)}
     assert names and names <= exported, names - exported
+
+
+def test_a_monolithic_server_exports_vllms_families_and_counts_a_prompt_its_kv_pool_cannot_hold():
+    """The floor as one server: vLLM's request histograms and gauges, and a prompt longer than its eight KV blocks
+    refused (503) and counted as ``kv_pool_exhausted``."""
+    proc = subprocess.Popen([sys.executable, "-m", "epd_lab.servers.monolithic", "--port", "0", "--kv-blocks", "8",
+                             "--block-size", "16"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = json.loads(read_line(proc, 120, "the monolithic server's URL"))["url"]
+        with httpx.Client(headers=AUTH, timeout=60) as http:
+            body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "stream": True,
+                    "messages": [{"role": "user", "content": "short"}]}
+            assert http.post(url + "/v1/chat/completions", json=body).status_code == 200
+            long = {**body, "stream": False, "messages": [{"role": "user", "content": "word " * 300}]}
+            assert http.post(url + "/v1/chat/completions", json=long).status_code == 503
+        families = _families(url)
+        counts = {name: next(s.value for s in family.samples if s.name.endswith("_count"))
+                  for name, family in families.items() if family.type == "histogram"}
+        assert counts == {"vllm:time_to_first_token_seconds": 1, "vllm:inter_token_latency_seconds": 1,
+                          "vllm:request_time_per_output_token_seconds": 1, "vllm:e2e_request_latency_seconds": 1,
+                          "vllm:request_queue_time_seconds": 2,  # the refused one queued too, then got no token
+                          "vllm:request_prefill_time_seconds": 1, "vllm:request_decode_time_seconds": 1}
+        assert next(s.value for s in families["vllm:prompt_tokens"].samples) > 0
+        assert next(s.value for s in families["vllm:kv_cache_usage_perc"].samples) == 0  # its blocks are back
+        assert _refused(url, "kv_pool_exhausted") == 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)

@@ -29,6 +29,7 @@ Run: ``python -m epd_lab.servers.front --port 0 --replica URL,URL`` prints ``{"u
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import sys
 from collections.abc import AsyncIterator
@@ -42,8 +43,8 @@ from epd_lab.http.aio import Answer
 from epd_lab.servers.openai_api import MODEL_ID, error_body, model_list
 from epd_lab.servers.routing import (EXCHANGE_ERRORS, POLICIES, Backend, Pool, PoolClient, backend_health,
                                      backend_metrics)
-from epd_lab.serving import (BadGateway, GatewayTimeout, Metric, RoleMetrics, ServingError, json_response, option,
-                             read_body, role_app, serve_main)
+from epd_lab.serving import (BadGateway, GatewayTimeout, Metric, RoleMetrics, ServingError, Unavailable,
+                             json_response, option, read_body, role_app, serve_main)
 from epd_lab.serving.settings import ServerSettings, check_at_least, check_choice, check_positive, check_urls
 from epd_lab.serving.stream import ClosingStreamingResponse
 from epd_lab.trace import Recorder
@@ -95,6 +96,7 @@ class Front:
         self.client = PoolClient((self.pool,), settings.timeout, failed=_failed, answered=_Answered, noun="replica")
         self.recorder = Recorder(node=f"front:{settings.port}")
         self.metrics = RoleMetrics("front", settings.model)
+        self.refused: collections.Counter[str] = collections.Counter()  # its own 503s, by code
 
     async def run(self) -> None:
         """For the server's life: probe every replica (`PoolClient.probe_forever`)."""
@@ -110,6 +112,9 @@ class Front:
             backend, response = await self.client.post(self.pool, path, bytes(await read_body(request)))
         except _Answered as answered:
             return answered.response
+        except Unavailable as exc:  # no replica took it (a replica's own 503 is its refusal, counted there)
+            self.refused[exc.code] += 1
+            raise
         if response.content_type == "text/event-stream":
             relay = _Relay(backend, response)
             return ClosingStreamingResponse(relay.events(), relay.close, media_type="text/event-stream",
@@ -136,8 +141,8 @@ class Front:
         return backend_metrics(self.metrics, self.pool.backends, "replica", ("url",))
 
     def refusals(self) -> dict[str, float]:
-        """None of its own: a request no replica took is the replicas' refusal (the floor counts 401s and 413s)."""
-        return {}
+        """Its 503s by code (``no_backend``: no replica reachable); a replica's 503 passed on is the replica's."""
+        return dict(self.refused)
 
 
 class _Relay:

@@ -83,6 +83,7 @@ class MonolithicServer:
                                                   "DECODE phase for request.", REQUEST_BUCKETS)
         self.tokens: collections.Counter[str] = collections.Counter()  # prompt, generation
         self.waiting = 0  # requests handed to the prefill thread and not started (touched on the event loop)
+        self.kv_pool_exhausted = 0  # requests refused (503): their prompt's KV blocks were not free
         self.cache = PagedKVCache.from_config(self.model.config, num_blocks=settings.kv_blocks,
                                               block_size=settings.block_size, dtype=dtype, device=self.device)
         options = {"max_batch": settings.max_batch} if settings.runtime == "fast" else {}
@@ -118,6 +119,7 @@ class MonolithicServer:
         try:
             table = self.blocks.allocate(blocks_needed(prompt_len, self.settings.block_size))
         except OutOfBlocks as exc:
+            self.kv_pool_exhausted += 1
             raise Unavailable(f"KV pool exhausted: {exc}") from None
         try:
             with torch.inference_mode():
@@ -184,8 +186,8 @@ class MonolithicServer:
                 m.gauge("active_requests", "requests generating", h["active_requests"])]
 
     def refusals(self) -> dict[str, float]:
-        """None of its own beyond the floor's (a full KV pool is a 503 counted among the answers)."""
-        return {}
+        """``kv_pool_exhausted``: a prompt whose KV blocks were not free (503)."""
+        return {"kv_pool_exhausted": self.kv_pool_exhausted}
 
     def close(self) -> None:
         """Stop the prefill thread and the scheduler (failing what it holds), then the runtime and the cache."""
