@@ -20,17 +20,22 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_lab.noise import data_uri, random_png
 from epd_lab.serving.metrics import TTFT_BUCKETS
+from epd_lab.transfer import TransferEngine
+from epd_lab.transfer.errors import AuthenticationError
 from helpers import free_port, read_line, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "epd-lab.json"
 SECRET = "prometheus-test-secret-0123456789"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
+OTHER_SECRET = "another-deployment-secret-987654"
 CHATS = 8
 IMAGE = data_uri(random_png(3, (64, 64)))
 # what each role must export: vLLM's families where the meaning lives, this project's own beside them
@@ -216,7 +221,9 @@ def _refused(url: str, reason: str) -> float:
 
 
 def test_a_refusal_is_counted_by_the_role_that_refused(launched):
-    """A request without the secret (401) and a body over the limit (413, refused from its declared length)."""
+    """A request without the secret (401), a body over the limit (413, refused from its declared length), a KV
+    side-channel ask without the secret's tag and a transfer-engine writer with another secret, each counted by the
+    role that refused it."""
     topology, _, _ = launched
     for url in _role_urls(topology).values():
         before = _refused(url, "unauthorized")
@@ -230,6 +237,22 @@ def test_a_refusal_is_counted_by_the_role_that_refused(launched):
                      f"Content-Type: application/json\r\nContent-Length: {200 << 20}\r\n\r\n".encode())
         assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
     assert _refused(proxy, "body_too_large") == before + 1
+    prefill = topology["prefills"][0]
+    health = httpx.get(prefill + "/health", headers=AUTH, timeout=10).json()
+    before = _refused(prefill, "kv_unauthenticated")
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as ask:  # an ask with no tag of the secret: answered refused
+        ask.setsockopt(zmq.LINGER, 0)
+        ask.connect(health["kv_url"])
+        ask.send(b"not a tagged ask")
+        assert ask.poll(10_000) and ask.recv_multipart()
+    assert _refused(prefill, "kv_unauthenticated") == before + 1
+    before = _refused(prefill, "transfer_auth")
+    src = np.zeros(64, dtype=np.uint8)
+    with TransferEngine(protocol="tcp", secret=OTHER_SECRET) as writer:  # another secret: refused, nothing written
+        writer.register_buffer(src)
+        with pytest.raises(AuthenticationError):
+            writer.write_buffer(health["session_id"], src, 1 << 40)
+    wait_for(lambda: _refused(prefill, "transfer_auth") == before + 1, 10, "the engine did not count the writer")
 
 
 def test_the_grafana_dashboard_queries_only_families_the_roles_export(launched):
