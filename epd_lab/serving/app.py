@@ -189,9 +189,10 @@ def error_response(exc: ServingError, error_body: Callable[[ServingError], Any])
 def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
              error_body: Callable[[ServingError], Any] = _detail_body, secret: bytes | str | None = None,
              gate: Callable[[Any, Any], ServingError | None] | None = None) -> Any:
-    """A FastAPI app for `role` (``epd_lab:{role}_...`` metrics, in a registry of its own). `factory` builds the role's object at start-up,
-    in a thread; if it has ``async def run()``, that runs as a task for the server's life (sweepers).
-    `routes` are the role's own paths (the request counter's labels); `error_body` shapes an error's JSON.
+    """A FastAPI app for `role` (``epd_lab:{role}_...`` metrics, in a registry of its own). `factory` builds the
+    role's object at start-up, in a thread; if it has ``async def run()``, that runs as a task for the server's
+    life (sweepers). `routes` are the role's own paths (the request counter's labels); `error_body` shapes an
+    error's JSON.
     `secret`: with one (None takes ``EPD_SECRET`` from the environment), every route but ``/health`` needs it as
     a bearer token (`RequireBearer`), and ``/health`` shows only ``status`` without it. `gate(server, scope)`: a
     refusal before routing (`Gate`), inside the secret's check and the request counter."""
@@ -251,11 +252,11 @@ def role_app(role: str, factory: Callable[[], Role], routes: Iterable[str],
         report.setdefault("http", http_info())
         return json_response(report, code)
 
-    # routes are annotated `Any` (a module-level name): an annotation naming a class imported inside this
-    # function cannot be resolved by FastAPI, and /openapi.json would answer 500
     registry = CollectorRegistry()  # this server's own: several servers may share a process (tests)
     registry.register(_FloorCollector(app, role))
 
+    # routes are annotated `Any` (a module-level name): an annotation naming a class imported inside this
+    # function cannot be resolved by FastAPI, and /openapi.json would answer 500
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Any:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
