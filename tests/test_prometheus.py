@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd_lab.noise import data_uri, random_png
 from epd_lab.serving.metrics import TTFT_BUCKETS
+from epd_lab.serving.prometheus_config import launch_targets, write_scrape_config
 from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.errors import AuthenticationError
 from helpers import free_port, read_line, wait_for
@@ -296,3 +298,19 @@ def test_a_monolithic_server_exports_vllms_families_and_counts_a_prompt_its_kv_p
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_floor_of_replicas_is_scraped_as_monolithic_and_front_jobs(tmp_path):
+    """`launch_targets` of monolithic replicas behind a front, without a secret: two jobs, no authorization; a
+    lone monolithic server is its own entry point, listed once."""
+    floor = SimpleNamespace(encoder_urls=[], prefill_urls=[], decode_urls=[], proxy_url="http://127.0.0.1:9000",
+                            monolithic_urls=["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    path = write_scrape_config(tmp_path / "p.yml", launch_targets(floor), interval_s=0.5)
+    spec = json.loads(path.read_text())
+    assert spec["global"]["scrape_interval"] == "500ms"
+    assert {j["job_name"]: j["static_configs"][0]["targets"] for j in spec["scrape_configs"]} == {
+        "epd-lab-monolithic": ["127.0.0.1:9001", "127.0.0.1:9002"], "epd-lab-front": ["127.0.0.1:9000"]}
+    assert not any("authorization" in j for j in spec["scrape_configs"])
+    lone = SimpleNamespace(**{**vars(floor), "proxy_url": "http://127.0.0.1:9001",
+                              "monolithic_urls": ["http://127.0.0.1:9001"]})
+    assert launch_targets(lone) == {"encoder": [], "prefill": [], "decode": [], "monolithic": ["http://127.0.0.1:9001"]}

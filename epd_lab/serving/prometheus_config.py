@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from epd_lab import security
+
 __all__ = ["FLAG", "SCRAPE_INTERVAL_S", "launch_targets", "pop_flag", "scrape_config", "write_launch_config",
            "write_scrape_config"]
 
@@ -72,9 +74,7 @@ def write_launch_config(path: str | os.PathLike, cluster: Any, secret: bytes | N
     """The scrape config of `cluster` (`launch_targets`) written to `path`. With a `secret`, the jobs read it from
     ``EPD_SECRET_FILE``; a secret given otherwise is not written out, and stderr says that the scrapes will be
     refused (401) until it is in a file."""
-    from epd_lab import security
-
-    credentials = os.environ.get(security.ENV_SECRET_FILE) or None if secret is not None else None
+    credentials = (os.environ.get(security.ENV_SECRET_FILE) or None) if secret is not None else None
     if secret is not None and credentials is None:
         print(f"{FLAG}: the shared secret is not in a file ({security.ENV_SECRET_FILE}): Prometheus's scrapes will "
               f"be refused (401) until its config names one as credentials_file", file=sys.stderr)
