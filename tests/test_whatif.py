@@ -4,6 +4,7 @@ calibration fitted on a small recorded CPU run against a measured run of other r
 stage left out fails the same bounds)."""
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import replace
@@ -11,9 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import PIL.Image
 import pytest
 import simpy
 
+from epd_lab.bench.serve import load_requests
+from epd_lab.bench.serve import parser as serve_parser
 from epd_lab.bench.serve.arrivals import arrival_offsets
 from epd_lab.cli import main as cli
 from epd_lab.whatif import Calibration, Cluster, Link, SimRequest, compare, fit, predict, read_point, simulate, workload
@@ -103,15 +107,64 @@ def test_fit_linear_recovers_a_line_and_states_its_error():
 def test_the_workload_is_bench_serves_schedule_and_the_result_has_vllms_keys(tmp_path: Path):
     reqs = workload(20, 4.0, burstiness=1.0, seed=3, image_count=2, image_resolution="448x448")
     assert [r.arrival for r in reqs] == pytest.approx(list(arrival_offsets(20, 4.0, 1.0, 3)))
-    assert all(r.pixels == (448 * 448,) * 2 for r in reqs)
-    mm = workload(10, 2.0, random_mm={"base_items": 2, "items_range_ratio": 0.5,
-                                       "buckets": "{(224, 224, 1): 0.5, (448, 448, 1): 0.5}"}, output_len=8)
-    assert {len(r.pixels) for r in mm} <= {1, 2, 3} and len({r.pixels for r in mm}) > 1
+    assert all(r.pixels == (448 * 448,) * 2 and r.text_len == 64 for r in reqs)
     from test_bench_serve import VLLM_KEYS
     result = predict(_cal(), Cluster.parse("1e1p1d"), reqs, 4.0, {"ttft": 100})
-    assert set(VLLM_KEYS) <= set(result) | {"tokenizer_id", "max_output_tokens_per_s", "max_concurrent_requests"}
+    assert set(VLLM_KEYS) | {"queue_times", "rtfx"} <= set(result)
     assert result["completed"] == 20 and result["request_goodput"] <= result["request_throughput"]
+    # sent when due (no concurrency bound): no request waits in the client
+    assert result["queue_times"] == [0.0] * 20 and result["rtfx"] == 0.0 and result["tokenizer_id"] == "bytes"
+    assert 1 <= result["max_concurrent_requests"] <= 20 and result["max_output_tokens_per_s"] > 0
+    assert result["epd_lab"]["images"] == 40
     json.dumps(result)
+
+
+def _sizes(images: list) -> tuple[float, ...]:
+    """The pixels of each PNG image."""
+    return tuple(float(np.prod(PIL.Image.open(io.BytesIO(raw)).size)) for raw in images)
+
+
+@pytest.mark.parametrize("name", ["random-mm", "random", "image"])
+def test_the_same_seed_and_flags_draw_bench_serves_requests(name: str):
+    flags = ["--dataset-name", name, "--num-prompts", "12", "--seed", "5", "--random-input-len", "40",
+             "--random-output-len", "8", "--random-range-ratio", "0.3", "--random-prefix-len", "4",
+             "--random-mm-base-items-per-request", "2", "--random-mm-num-mm-items-range-ratio", "0.5",
+             "--random-mm-limit-mm-per-prompt", '{"image": 3, "video": 0}',
+             "--random-mm-bucket-config", '{"(64, 96, 1)": 0.3, "(112, 56, 1)": 0.7, "(720, 1280, 16)": 0.0}',
+             "--image-count", "2", "--image-resolution", "56x64"]
+    sent = load_requests(serve_parser().parse_args(flags))
+    mm = None if name == "image" else {
+        "range_ratio": 0.3, "prefix_len": 4, "base_items": 0 if name == "random" else 2, "items_range_ratio": 0.5,
+        "limit_items": '{"image": 3, "video": 0}',
+        "buckets": '{"(64, 96, 1)": 0.3, "(112, 56, 1)": 0.7, "(720, 1280, 16)": 0.0}'}
+    drawn = workload(12, 2.0, seed=5, image_count=2, image_resolution="56x64", input_len=40, output_len=8,
+                     random_mm=mm)
+    assert [r.text_len for r in drawn] == [r.prompt_len for r in sent]
+    assert [r.output_len for r in drawn] == [r.output_len for r in sent]
+    assert [r.pixels for r in drawn] == [_sizes(r.images) for r in sent]
+    if name == "random-mm":  # the draws vary: lengths, counts (at most the limit of 3) and sizes
+        assert len({r.text_len for r in drawn}) > 1 and {len(r.pixels) for r in drawn} == {1, 2, 3}
+        assert {p for r in drawn for p in r.pixels} == {64 * 96, 112 * 56}
+
+
+def test_whatif_run_takes_bench_serves_random_mm_flags(tmp_path: Path):
+    out = tmp_path / "pred"
+    cal = tmp_path / "cal.json"
+    _cal().save(cal)
+    assert cli(["whatif", "run", "--calibration", str(cal), "--topologies", "1e1p1d", "--rates", "2",
+                "--dataset-name", "random-mm", "--num-prompts", "8", "--input-len", "30", "--output-len", "4",
+                "--random-mm-limit-mm-per-prompt", '{"image": 2, "video": 0}', "--random-mm-base-items-per-request",
+                "2", "--random-mm-bucket-config", '{"(224, 224, 1)": 1.0}', "--out", str(out)]) == 0
+    result = json.loads((out / "1e1p1d" / "rate-2.json").read_text())
+    assert result["epd_lab"]["images"] == 16 and result["output_lens"] == [4] * 8
+    # 2 images of 64 tokens each (the text counts 0 tokens in `_cal`)
+    assert result["input_lens"] == [128] * 8 and result["queue_times"] == [0.0] * 8
+    meta = json.loads((out / "sweep.json").read_text())
+    assert (meta["random_input_len"], meta["tokenizer"], meta["random_mm"]["limit_items"]) == (30, "bytes",
+                                                                                          '{"image": 2, "video": 0}')
+    with pytest.raises(SystemExit):  # the limit in bench serve's JSON form only, as bench serve refuses the rest
+        cli(["whatif", "run", "--calibration", str(cal), "--rates", "2", "--dataset-name", "random-mm",
+             "--random-mm-limit-mm-per-prompt", '{"audio": 1}', "--out", str(out)])
 
 
 def test_a_calibration_saves_and_loads(tmp_path: Path):

@@ -76,7 +76,11 @@ class Calibration:
     client_ms: float
     ep_link: Link
     pd_link: Link
-    text_tokens_per_char: float = 1.8  # the prompt's text: tokens per character of the bench's random text
+    # the server's text tokens of a prompt (its chat template included) per unit of the runs' --random-input-len:
+    # a token of the bench's tokenizer, or a character in runs made while bench serve drew prompts in characters
+    # (every calibration under data/calibration/); for epd_lab's models, whose tokenizer reads one byte a token,
+    # the two units are the same
+    text_tokens_per_char: float = 1.8
     embed_bytes_per_token: int = 1536 * 2  # E→P: hidden × bf16 (2B)
     kv_bytes_per_token: int = 28 * 2 * 2 * 128 * 2  # P→D: layers × K,V × kv heads × head dim × bf16 (2B)
     decode_max_batch: int = 16
@@ -190,10 +194,10 @@ def _lowest(points: Iterable[Point]) -> list[Point]:
 def fit(points: Sequence[Point], machine: str, device_slots: float, host_on_device: bool,
         decode_max_batch: int = 16, input_len: int = 64, runtime_slope: float | None = None,
         **shape: float) -> Calibration:
-    """A `Calibration` from recorded points (see the module docstring); `input_len`: the runs' characters of text
-    per prompt (``--random-input-len``); `runtime_slope`: ms per request in a decode batch from `bench runtime`
-    (`runtime_slope`), else fitted from the points' TPOT; `shape`: model-shape overrides (``embed_bytes_per_token``,
-    ``kv_bytes_per_token``)."""
+    """A `Calibration` from recorded points (see the module docstring); `input_len`: the runs' ``--random-input-len``
+    (tokens; characters in runs made before `bench serve` counted prompts in tokens); `runtime_slope`: ms per request
+    in a decode batch from `bench runtime` (`runtime_slope`), else fitted from the points' TPOT; `shape`: model-shape
+    overrides (``embed_bytes_per_token``, ``kv_bytes_per_token``)."""
     low = _lowest(points)
     split = [p for p in low if p.topology != "monolithic" and p.spans]
     base = [p for p in low if p.spans]

@@ -6,6 +6,9 @@ ask the what-ifs.
     epd-lab whatif run --calibration data/calibration/cpu-intel-xeon.json --topologies monolithic,1e1p1d \\
         --rates 4,8,16 --num-prompts 48 --image-count 1 --image-resolution 224x224 --goodput ttft:100 tpot:10 \\
         --out out/predicted
+    epd-lab whatif run --calibration data/calibration/cpu-intel-xeon.json --topologies 1e1p1d --rates 2,4 \\
+        --dataset-name random-mm --random-mm-limit-mm-per-prompt '{"image": 3, "video": 0}' \\
+        --random-mm-bucket-config '{(224, 224, 1): 0.5, (448, 448, 1): 0.5}' --out out/predicted-mm
     epd-lab whatif compare out/predicted data/bench/goodput-cpu-tiny-1x224
     epd-lab whatif ask --calibration data/calibration/h200.json --out data/whatif/h200-whatifs
 """
@@ -16,7 +19,9 @@ import json
 import math
 from pathlib import Path
 
+from epd_lab.bench.serve import parser as serve_parser
 from epd_lab.bench.serve.metrics import parse_goodput
+from epd_lab.bench.serve.tokenizer import BYTES, get_tokenizer
 from epd_lab.bench.serve.topologies import parse_devices
 from epd_lab.whatif.calibration import Calibration, Link, fit, read_point, runtime_slope
 from epd_lab.machine import commit
@@ -35,6 +40,35 @@ def _points(paths: list[str]) -> tuple[list, int]:
             input_len = json.loads((path / "sweep.json").read_text()).get("random_input_len", input_len)
         points += [read_point(f) for f in files]
     return points, input_len
+
+
+# `bench serve`'s workload flags that `whatif run` takes, from bench serve's own parser (names, types, meanings,
+# help), with `sweep rates`' defaults where it has the flag and epd_lab's byte tokenizer (no server to ask for its
+# model's). Not taken: --max-concurrency (the model's client sends each request when due), and the image-repeat
+# (the model has no embedding cache) and jsonl datasets.
+WORKLOAD_FLAGS = ("num_prompts", "burstiness", "seed", "dataset_name", "tokenizer", "random_input_len",
+                  "random_output_len", "input_len", "output_len", "random_range_ratio", "random_prefix_len",
+                  "random_mm_base_items_per_request", "random_mm_num_mm_items_range_ratio",
+                  "random_mm_limit_mm_per_prompt", "random_mm_bucket_config", "image_count", "image_resolution",
+                  "goodput")
+WORKLOAD_DEFAULTS = {"num_prompts": 32, "dataset_name": "image", "random_input_len": 64, "random_output_len": 16,
+                     "tokenizer": BYTES}
+WHATIF_DATASETS = ("random", "random-mm", "image")
+
+
+def _bench_serve_flags(target: argparse.ArgumentParser) -> None:
+    """`WORKLOAD_FLAGS` added to `target` as `bench serve`'s parser defines them, with `WORKLOAD_DEFAULTS`."""
+    actions = {action.dest: action for action in serve_parser()._actions}
+    for dest in WORKLOAD_FLAGS:
+        a = actions[dest]
+        kw = {"dest": dest, "nargs": a.nargs, "type": a.type, "choices": a.choices, "metavar": a.metavar,
+              "default": WORKLOAD_DEFAULTS.get(dest, a.default), "help": a.help}
+        if dest == "dataset_name":
+            kw["choices"] = WHATIF_DATASETS
+        if dest == "tokenizer":
+            kw["help"] = ("the tokenizer prompt lengths are drawn in, as bench serve's --tokenizer: a Hugging Face "
+                          f"name or directory, or {BYTES} (epd_lab's models)")
+        target.add_argument(*a.option_strings, **{k: v for k, v in kw.items() if v is not None or k == "default"})
 
 
 def _link(text: str | None) -> Link | None:
@@ -70,20 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--calibration", required=True)
     run.add_argument("--topologies", default="monolithic,1e1p1d,2e1p1d")
     run.add_argument("--rates", required=True, help="requests/s, comma-separated")
-    run.add_argument("--num-prompts", type=int, default=32)
-    run.add_argument("--dataset-name", choices=("image", "random-mm"), default="image")
-    run.add_argument("--image-count", type=int, default=1)
-    run.add_argument("--image-resolution", default="448x448")
-    run.add_argument("--random-input-len", type=int, default=64)
-    run.add_argument("--random-output-len", type=int, default=16)
-    run.add_argument("--random-range-ratio", type=float, default=0.0)
-    run.add_argument("--random-mm-base-items-per-request", type=int, default=1)
-    run.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
-    run.add_argument("--random-mm-limit-mm-per-prompt", type=int, default=8)
-    run.add_argument("--random-mm-bucket-config", default=None)
-    run.add_argument("--burstiness", type=float, default=1.0)
-    run.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
-    run.add_argument("--seed", type=int, default=0)
+    _bench_serve_flags(run)
     run.add_argument("--placement", type=parse_devices, default={}, metavar="ROLE=DEVICE[,...]",
                      help="roles' devices (encoder=gpu1, or encoder1=gpu2); the rest share one device")
     run.add_argument("--ep-link", default=None, metavar="MS[:GBPS]", help="E→P link (default: the calibration's)")
@@ -133,18 +154,26 @@ def main(argv: list[str] | None = None) -> int:
             rates = [float(r) for r in args.rates.split(",")]
         except ValueError as exc:
             ap.error(str(exc))
+        if args.input_len is not None:  # vLLM's aliases, as bench serve takes them
+            args.random_input_len = args.input_len
+        if args.output_len is not None:
+            args.random_output_len = args.output_len
         mm = None
-        if args.dataset_name == "random-mm":
-            mm = {"base_items": args.random_mm_base_items_per_request,
+        if args.dataset_name in ("random", "random-mm"):  # bench serve's `load_requests`: random is random-mm's text
+            mm = {"range_ratio": args.random_range_ratio, "prefix_len": args.random_prefix_len,
+                  "base_items": 0 if args.dataset_name == "random" else args.random_mm_base_items_per_request,
                   "items_range_ratio": args.random_mm_num_mm_items_range_ratio,
-                  "limit_items": args.random_mm_limit_mm_per_prompt, "buckets": args.random_mm_bucket_config,
-                  "range_ratio": args.random_range_ratio}
+                  "limit_items": args.random_mm_limit_mm_per_prompt, "buckets": args.random_mm_bucket_config}
         options = {"placement": args.placement, "ep_link": _link(args.ep_link), "pd_link": _link(args.pd_link),
                    "encoder_tp": args.encoder_tp}
-        table = predict_sweep(c, args.topologies.split(","), rates, args.out, slos, options,
-                              num_prompts=args.num_prompts, burstiness=args.burstiness, seed=args.seed,
-                              image_count=args.image_count, image_resolution=args.image_resolution,
-                              input_len=args.random_input_len, output_len=args.random_output_len, random_mm=mm)
+        try:
+            table = predict_sweep(c, args.topologies.split(","), rates, args.out, slos, options,
+                                  burstiness=args.burstiness, num_prompts=args.num_prompts, seed=args.seed,
+                                  image_count=args.image_count, image_resolution=args.image_resolution,
+                                  input_len=args.random_input_len, output_len=args.random_output_len, random_mm=mm,
+                                  tokenizer=get_tokenizer(args.tokenizer))
+        except ValueError as exc:
+            ap.error(str(exc))
         print(table.to_string(index=False))
         return 0
     if args.what == "ask":

@@ -34,15 +34,18 @@ MS = 1e-3
 
 @dataclass(frozen=True)
 class SimRequest:
-    """One request of the workload: when it arrives (s), its images' pixels, text characters and output tokens."""
+    """One request of the workload: when it arrives (s), its images' pixels, its text's length as the dataset drew
+    it (``--random-input-len``'s unit: tokens of the bench's tokenizer) and its output tokens."""
 
     arrival: float
     pixels: tuple[float, ...]
-    text_chars: int
+    text_len: int
     output_len: int
 
     def prompt_tokens(self, cal: Calibration) -> int:
-        return round(self.text_chars * cal.text_tokens_per_char + sum(p / TOKEN_PIXELS for p in self.pixels))
+        """The prompt as the server counts it: the text by the calibration's ratio (its chat template included),
+        then the images' tokens."""
+        return round(self.text_len * cal.text_tokens_per_char + sum(p / TOKEN_PIXELS for p in self.pixels))
 
 
 @dataclass
