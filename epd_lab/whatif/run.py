@@ -25,7 +25,7 @@ from epd_lab.bench.serve import datasets
 from epd_lab.bench.serve.arrivals import arrival_offsets
 from epd_lab.bench.serve.metrics import calculate_metrics
 from epd_lab.bench.serve.rates import point_row
-from epd_lab.bench.serve.run import ServeConfig, _vllm_fields
+from epd_lab.bench.serve.run import ServeConfig, vllm_fields
 from epd_lab.bench.serve.tokenizer import BYTES, ByteTokenizer, Tokenizer
 from epd_lab.machine import commit
 from epd_lab.whatif.calibration import Calibration
@@ -90,7 +90,7 @@ def predict(cal: Calibration, cluster: Cluster, requests: Sequence[SimRequest], 
             slos: Mapping[str, float] | None = None, burstiness: float = 1.0,
             percentiles: Sequence[float] = (50, 90, 99), label: str = "", tokenizer_id: str | None = None) -> dict:
     """One predicted run as a `bench serve` result: vLLM's keys (`metrics.calculate_metrics`, then `bench serve`'s
-    own per-request lists and peaks, `run._vllm_fields`, from the model's outputs), ours under ``epd_lab``.
+    own per-request lists and peaks, `run.vllm_fields`, from the model's outputs), ours under ``epd_lab``.
     `tokenizer_id`: the tokenizer the prompt lengths were drawn in (none: epd_lab's bytes). The client sends every
     request when due (no ``--max-concurrency``), so each ``queue_times`` entry is 0."""
     outputs = simulate(cal, cluster, requests)
@@ -100,7 +100,7 @@ def predict(cal: Calibration, cluster: Cluster, requests: Sequence[SimRequest], 
     result = calculate_metrics(outputs, duration, dict(slos or {}), ("ttft", "tpot", "itl", "e2el"), percentiles)
     client = ServeConfig("http://whatif", cal.machine, request_rate=rate, burstiness=burstiness,
                          slos=dict(slos or {}), label=label or None)
-    result |= _vllm_fields(outputs, duration, client)
+    result |= vllm_fields(outputs, duration, client)
     first = requests[0].arrival if requests else 0.0
     result |= {
         "backend": "whatif", "endpoint_type": "whatif", "tokenizer_id": tokenizer_id or BYTES,

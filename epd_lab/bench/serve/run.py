@@ -208,7 +208,7 @@ def benchmark(requests: Sequence[SampleRequest], config: ServeConfig, server_spa
         (m in ("client_queue_time", "e2el_including_client_queue") and config.max_concurrency is None)
         or (m == "e2el_including_client_queue" and math.isinf(config.request_rate)))]
     result = calculate_metrics(outputs, duration, config.slos, selected, config.metric_percentiles)
-    result |= _vllm_fields(outputs, duration, config)
+    result |= vllm_fields(outputs, duration, config)
     ok = [o for o in outputs if o.success]
     lags = [max(0.0, o.start_time - o.scheduled) for o in outputs]
     result["epd_lab"] = {
@@ -250,7 +250,7 @@ def _fresh(req: SampleRequest) -> SampleRequest:
     return SampleRequest(req.prompt, images, req.output_len, req.prompt_len)
 
 
-def _vllm_fields(outputs: list[RequestOutput], duration: float, config: ServeConfig) -> dict:
+def vllm_fields(outputs: list[RequestOutput], duration: float, config: ServeConfig) -> dict:
     """The per-request lists and run settings of vLLM's result JSON, and its peak concurrency and tokens/s."""
     ok = [o for o in outputs if o.success]
     events = sorted([(o.start_time, 1) for o in ok] + [(o.start_time + o.latency, -1) for o in ok])
