@@ -49,7 +49,7 @@ def check_ray_options(key: str, values: Mapping[str, Any]) -> None:
         raise ValueError(f"{where}['label_selector'] must map label names to strings, got {labels!r}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)  # keyword-only: a Topology's positional options stay its own
 class RaySettings:
     """Where on a Ray cluster a topology's processes go: the cluster, one placement group or none, the address
     each role binds, and each role's or process's actor options. `epd_lab.launch.Topology` is one (its ``--ray``
