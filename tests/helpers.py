@@ -1,18 +1,23 @@
 """Helpers shared by the tests: a free loopback port, a polling wait, a child's next line, a process's state (alive,
-frozen), a circle in a graph, a /metrics text and its samples, one chat through an OpenAI-compatible endpoint.
+frozen), a circle in a graph, a /metrics text and its samples, one chat through an OpenAI-compatible endpoint,
+`epd-lab launch`'s JSON lines and its stop, closed-loop clients of short greedy chats.
 
 Random-noise test images come from `epd_lab.noise`; the `one_thread` and `model` fixtures live in ``conftest.py``.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import json
 import os
 import re
 import select
 import signal
 import socket
 import subprocess
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 def free_port() -> int:
@@ -42,6 +47,66 @@ def read_line(proc: subprocess.Popen, timeout: float, what: str) -> str:
     line = proc.stdout.readline()
     assert line, f"pid {proc.pid} exited with {proc.wait(10)} before {what}"
     return line
+
+
+def launch_event(launch: subprocess.Popen, timeout: float) -> dict:
+    """The next JSON line `epd-lab launch` (`launch`, its stdout a text pipe) prints within `timeout` s: its topology
+    first, then one an event."""
+    if not select.select([launch.stdout], [], [], timeout)[0]:
+        raise AssertionError(f"launch printed nothing within {timeout} s")
+    line = launch.stdout.readline()
+    assert line, f"launch exited: {launch.stderr.read()[-3000:]}"
+    return json.loads(line)
+
+
+def stop_launch(launch: subprocess.Popen) -> None:
+    """Ctrl-C to `epd-lab launch` (started with its own session), SIGKILL to its session after 60 s."""
+    if launch.poll() is None:
+        os.killpg(launch.pid, signal.SIGINT)
+        try:
+            launch.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
+
+
+def short_chat(http: Any, proxy: str, i: int) -> tuple[float, float, int, str, int]:
+    """One greedy text chat of four tokens, ``request {i % 3}``, through `proxy` with the httpx client `http`:
+    (sent at, took, status (0: no answer), text or error, i)."""
+    import httpx
+
+    t0 = time.monotonic()
+    try:
+        r = http.post(proxy + "/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": f"request {i % 3}"}]})
+        text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+        return t0, time.monotonic() - t0, r.status_code, text, i
+    except httpx.HTTPError as exc:
+        return t0, time.monotonic() - t0, 0, repr(exc), i
+
+
+@contextlib.contextmanager
+def closed_loop(http: Any, proxy: str, clients: int = 2) -> Iterator[list[tuple[float, float, int, str, int]]]:
+    """`clients` threads sending `short_chat`s back to back while the block runs; yields the list their results
+    go to, complete once the block has left."""
+    results: list[tuple[float, float, int, str, int]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            results.append(short_chat(http, proxy, i))
+            i += 1
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        loads = [pool.submit(load) for _ in range(clients)]
+        try:
+            yield results
+        finally:
+            stop.set()
+            for f in loads:
+                f.result()
 
 
 def proc_state(pid: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import socket
@@ -31,7 +30,7 @@ from epd_lab.serving.metrics import TTFT_BUCKETS
 from epd_lab.serving.prometheus_config import launch_targets, write_scrape_config
 from epd_lab.transfer import TransferEngine
 from epd_lab.transfer.errors import AuthenticationError
-from helpers import free_port, read_line, wait_for
+from helpers import free_port, launch_event, read_line, stop_launch, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "epd-lab.json"
@@ -65,24 +64,6 @@ REASONS = {  # every refusal reason each role counts, zeros included
 }
 
 
-def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    if not select.select([proc.stdout], [], [], timeout)[0]:
-        raise AssertionError(f"launch printed nothing within {timeout} s")
-    line = proc.stdout.readline()
-    assert line, f"launch exited: {proc.stderr.read()}"
-    return json.loads(line)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """`epd-lab launch` of 1E1P1D with a proxy, its secret in a file, its scrape config written: (topology line,
@@ -97,9 +78,9 @@ def launched(tmp_path_factory):
                              "--decodes", "1", "--proxy", "--timeout", "20", "--prometheus-config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
-        yield _line(proc, 240), config, secret_file
+        yield launch_event(proc, 240), config, secret_file
     finally:
-        _stop(proc)
+        stop_launch(proc)
 
 
 def _families(url: str) -> dict[str, object]:

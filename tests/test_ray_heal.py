@@ -9,15 +9,11 @@ network namespaces cannot be made (no CAP_NET_ADMIN).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import secrets
-import select
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -26,6 +22,7 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 from epd_lab.campaign import netns  # noqa: E402
+from helpers import closed_loop, launch_event, short_chat, stop_launch  # noqa: E402
 
 NODES = ("a", "b", "c")
 PINS = {"encoder0": "b", "prefill0": "b", "decode0": "b", "proxy": "b", "encoder1": "c", "prefill1": "c",
@@ -64,36 +61,15 @@ def test_a_client_without_the_token_is_refused_by_ray(cluster, tmp_path):
     assert "Authentication token is missing or incorrect" in run.stderr, run.stderr[-2000:]
 
 
-def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    if not select.select([proc.stdout], [], [], timeout)[0]:
-        raise AssertionError(f"launch printed nothing within {timeout} s")
-    line = proc.stdout.readline()
-    assert line, f"launch exited: {proc.stderr.read()[-3000:]}"
-    return json.loads(line)
-
-
 def _events_until(proc: subprocess.Popen, done, timeout: float) -> list[dict]:
     """The events `proc` prints until `done(events)` holds, or `timeout` s."""
     until, out = time.monotonic() + timeout, []
     while not done(out) and time.monotonic() < until:
         try:
-            out.append(_line(proc, until - time.monotonic()))
+            out.append(launch_event(proc, until - time.monotonic()))
         except AssertionError:
             break
     return out
-
-
-def _chat(http: httpx.Client, proxy: str, i: int) -> tuple[float, float, int, str, int]:
-    """One greedy chat of four tokens: (sent, took, status, text, i)."""
-    t0 = time.monotonic()
-    try:
-        r = http.post(proxy + "/v1/chat/completions", json={
-            "model": "tiny", "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": f"request {i % 3}"}]})
-        text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
-        return t0, time.monotonic() - t0, r.status_code, text, i
-    except httpx.HTTPError as exc:
-        return t0, time.monotonic() - t0, 0, repr(exc), i
 
 
 def _status(hosts: netns.Hosts, url: str, env: dict[str, str]) -> list[dict]:
@@ -114,7 +90,7 @@ def test_a_lost_host_s_roles_come_back_and_the_proxy_s_loss_ends_launch(cluster)
     launch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True, **kw)
     try:
-        topology = _line(launch, 300)
+        topology = launch_event(launch, 300)
         # each role runs on, and binds, its pinned host's address
         assert topology["nodes"] == {name: hosts.address(host) for name, host in PINS.items()}
         proxy, status = topology["proxy"], topology["status"]
@@ -123,18 +99,8 @@ def test_a_lost_host_s_roles_come_back_and_the_proxy_s_loss_ends_launch(cluster)
             if any("epd_lab.servers." in a for a in p.info["cmdline"] or ()):
                 assert not {"RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"} & set(p.environ()), p.info["cmdline"]
         with httpx.Client(timeout=60) as http:
-            expected = {i: _chat(http, proxy, i)[3] for i in range(3)}
-            results: list[tuple[float, float, int, str, int]] = []
-            stop = threading.Event()
-
-            def load() -> None:
-                i = 0
-                while not stop.is_set():
-                    results.append(_chat(http, proxy, i))
-                    i += 1
-
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                loads = [pool.submit(load) for _ in range(2)]
+            expected = {i: short_chat(http, proxy, i)[3] for i in range(3)}
+            with closed_loop(http, proxy) as results:
                 time.sleep(1.0)
                 killed_at = time.monotonic()
                 hosts.kill_processes("c")
@@ -158,16 +124,13 @@ def test_a_lost_host_s_roles_come_back_and_the_proxy_s_loss_ends_launch(cluster)
                 assert all(e["url"] == topology[role + "s"][1] and e["node"] == hosts.address("c")
                            for role, e in ((e["process"][:-1], e) for e in restarted.values())), restarted
                 time.sleep(3.0)  # requests after the return too
-                stop.set()
-                for f in loads:
-                    f.result()
             after = [r for r in results if r[0] >= killed_at]
             right = [r for r in after if r[2] == 200 and r[3] == expected[r[4] % 3]]
             assert len(after) >= 20 and len(right) >= 0.99 * len(after), [r for r in after if r not in right]
             assert all(took < 6 * TIMEOUT_S for _, took, *_ in results)
             rows = {r["process"]: r for r in _status(hosts, status, env)}
             assert all(r["state"] == "up" for r in rows.values()) and rows["prefill1"]["restarts"] == 1
-            served = [_chat(http, proxy, i) for i in range(8)]  # round robin: c's replicas take some of these
+            served = [short_chat(http, proxy, i) for i in range(8)]  # round robin: c's replicas take some of these
             assert [s[3] for s in served] == [expected[i % 3] for i in range(8)]
             code = f"import httpx; print(httpx.get({status + '/metrics'!r}).text)"
             cmd, kw = _in(hosts, "a", sys.executable, "-c", code, env=env)
@@ -182,10 +145,4 @@ def test_a_lost_host_s_roles_come_back_and_the_proxy_s_loss_ends_launch(cluster)
         err = launch.stderr.read()
         assert "entry point is down" in err and hosts.address("b") in err, err[-3000:]
     finally:
-        if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGINT)
-            try:
-                launch.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(launch.pid, signal.SIGKILL)
-                launch.wait()
+        stop_launch(launch)

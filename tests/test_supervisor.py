@@ -3,20 +3,17 @@ on its old KV side channels too), the requests sent meanwhile are answered right
 runs on; with its proxy gone for good it says why and exits non-zero."""
 from __future__ import annotations
 
-import concurrent.futures
-import json
-import os
-import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 
 import httpx
 import psutil
 import pytest
+
+from helpers import closed_loop, launch_event, short_chat, stop_launch
 
 RESTART_WITHIN_S = 60.0  # the stated bound: backoff 0.5 s, then a prefill's start and /health on 2 busy vCPUs
 TIMEOUT_S = 5.0  # the topology's --timeout: a request's deadline at the proxy is 6x it at most
@@ -27,21 +24,12 @@ def _launch(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    """The next JSON line `proc` prints within `timeout` s."""
-    if not select.select([proc.stdout], [], [], timeout)[0]:
-        raise AssertionError(f"launch printed nothing within {timeout} s")
-    line = proc.stdout.readline()
-    assert line, f"launch exited: {proc.stderr.read()}"
-    return json.loads(line)
-
-
 def _events(proc: subprocess.Popen, until: float) -> list[dict]:
     """The events `proc` prints until one says a process was restarted, or the monotonic time `until`."""
     out: list[dict] = []
     while time.monotonic() < until and (not out or out[-1]["event"] != "restarted"):
         try:
-            out.append(_line(proc, until - time.monotonic()))
+            out.append(launch_event(proc, until - time.monotonic()))
         except AssertionError:
             break
     return out
@@ -59,60 +47,24 @@ def _listener(launch: subprocess.Popen, url: str) -> psutil.Process:
     raise AssertionError(f"no process of the topology listens on {url}")
 
 
-def _stop(launch: subprocess.Popen) -> None:
-    if launch.poll() is None:
-        os.killpg(launch.pid, signal.SIGINT)
-        try:
-            launch.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(launch.pid, signal.SIGKILL)
-            launch.wait()
-
-
-def _chat(http: httpx.Client, proxy: str, i: int) -> tuple[float, float, int, str]:
-    """One greedy chat of four tokens: (sent, took, status, text)."""
-    t0 = time.monotonic()
-    try:
-        r = http.post(proxy + "/v1/chat/completions", json={
-            "model": "tiny", "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": f"request {i % 3}"}]})
-        text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
-        return t0, time.monotonic() - t0, r.status_code, text
-    except httpx.HTTPError as exc:
-        return t0, time.monotonic() - t0, 0, repr(exc)
-
-
 def test_a_killed_prefill_is_started_again_and_the_topology_serves_on():
     """2E2P2D behind the proxy; prefill1 SIGKILLed while requests flow: at least 99% of the requests sent after the
     kill get the answer they got before it, none takes past its deadline, prefill1 answers on its old URL and side
     channels within `RESTART_WITHIN_S` and serves requests again, and launch still runs."""
     launch = _launch("--encoders", "2", "--prefills", "2", "--decodes", "2", "--proxy")
     try:
-        topology = _line(launch, 180)
+        topology = launch_event(launch, 180)
         proxy, prefill1 = topology["proxy"], topology["prefills"][1]
         with httpx.Client(timeout=60) as http:
             side_channels = http.get(prefill1 + "/health").json()["kv_urls"]
-            expected = {i: _chat(http, proxy, i)[3] for i in range(3)}
-            results: list[tuple[float, float, int, str, int]] = []
-            stop = threading.Event()
-
-            def load() -> None:
-                i = 0
-                while not stop.is_set():
-                    results.append((*_chat(http, proxy, i), i))
-                    i += 1
-
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                loads = [pool.submit(load) for _ in range(2)]
+            expected = {i: short_chat(http, proxy, i)[3] for i in range(3)}
+            with closed_loop(http, proxy) as results:
                 time.sleep(1.0)
                 killed_at = time.monotonic()
                 _listener(launch, prefill1).send_signal(signal.SIGKILL)
                 events = _events(launch, killed_at + RESTART_WITHIN_S)
                 back_after = time.monotonic() - killed_at
                 time.sleep(2.0)  # requests after the restart too
-                stop.set()
-                for f in loads:
-                    f.result()
             assert [e["event"] for e in events] == ["exited", "restarted"], events
             assert events[1]["process"] == "prefill1" and events[1]["url"] == prefill1
             assert back_after < RESTART_WITHIN_S
@@ -122,7 +74,7 @@ def test_a_killed_prefill_is_started_again_and_the_topology_serves_on():
             right = [r for r in after if r[2] == 200 and r[3] == expected[r[4] % 3]]
             assert len(after) >= 20 and len(right) >= 0.99 * len(after), [r for r in after if r not in right]
             assert all(took < 6 * TIMEOUT_S for _, took, *_ in results)
-            served = [_chat(http, proxy, i) for i in range(6)]  # round robin: prefill1 takes some of these
+            served = [short_chat(http, proxy, i) for i in range(6)]  # round robin: prefill1 takes some of these
             assert all(s[2] == 200 for s in served)
             assert http.get(prefill1 + "/health").json()["counters"].get("requests_ok", 0) > 0
             # what an operator reads: launch's /status and /metrics, and `epd-lab status`
@@ -140,14 +92,14 @@ def test_a_killed_prefill_is_started_again_and_the_topology_serves_on():
             ["prefill1", "prefill", "up", "local", "1"]]
         assert launch.poll() is None
     finally:
-        _stop(launch)
+        stop_launch(launch)
 
 
 def test_launch_exits_when_its_proxy_is_gone_for_good():
     """With restarts off, the proxy killed: launch says why on stderr and exits 1 within a few seconds."""
     launch = _launch("--prefills", "1", "--decodes", "1", "--proxy", "--restarts", "0")
     try:
-        topology = _line(launch, 180)
+        topology = launch_event(launch, 180)
         _listener(launch, topology["proxy"]).send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         assert launch.wait(30) == 1
@@ -155,7 +107,7 @@ def test_launch_exits_when_its_proxy_is_gone_for_good():
         err = launch.stderr.read()
         assert "entry point is down" in err, err
     finally:
-        _stop(launch)
+        stop_launch(launch)
 
 
 @pytest.mark.parametrize("urls,dp_rank,base", [(["tcp://127.0.0.1:7001"], 3, 6998),
