@@ -134,11 +134,6 @@ class Supervisor:
                    "down_s": round(time.monotonic() - (watch.down_since or 0.0), 3)})
         watch.down_since, watch.reason = None, ""
 
-    @property
-    def restarted(self) -> int:
-        """Restarts that brought a process back, over all processes."""
-        return sum(w.restarted for w in self.watches)
-
     def _rows(self, alive: list[bool]) -> list[dict[str, Any]]:
         """Per process: name, role, url, node, state (up, down, waiting or gave_up), restarts and reason."""
         rows = []
