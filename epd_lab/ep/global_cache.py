@@ -286,8 +286,7 @@ class GlobalEmbeddingCache:
                  f"L3 puts dropped: {MAX_PENDING_PUTS} were waiting already"),
                 ("mm_cache_l3_bytes_put_total", "counter", c.l3_bytes_put, "embedding bytes this encoder put into L3"),
             ]
-        return [(metrics.counter if kind == "counter" else metrics.gauge)(name.removesuffix("_total"), help_, value)
-                for name, kind, value, help_ in rows]
+        return [metrics.of(name.removesuffix("_total"), kind, help_, value) for name, kind, value, help_ in rows]
 
     def close(self) -> None:
         """Stop the puts waiting, close the L3 client (its segment leaves the pool)."""

@@ -381,7 +381,7 @@ class DecodeServer:
             m.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     h["used_blocks"] / h["num_blocks"]),
             m.counter("vllm:generation_tokens", "Number of generation tokens processed.", c["tokens_generated"]),
-            *((m.counter if kind == "counter" else m.gauge)(name, help_, value) for name, kind, value, help_ in (
+            *(m.of(name, kind, help_, value) for name, kind, value, help_ in (
                 ("kv_blocks_free", "gauge", h["free_blocks"], "KV blocks free"),
                 ("kv_blocks_used", "gauge", h["used_blocks"], "KV blocks held (receiving, generating or quarantined)"),
                 ("kv_blocks_quarantined", "gauge", h["quarantined_blocks"], "blocks of timed-out transfers, resting"),

@@ -805,8 +805,7 @@ class MMEncoder:
         """The encoder's ``/metrics`` families: its queue, ViT and E→P transfer times, held embeddings, bytes sent,
         the embedding cache (each level), its admission and engine."""
         m = self.metrics
-        return [*m.instruments(), *((m.counter if kind == "counter" else m.gauge)(name, help_, value)
-                                    for name, kind, value, help_ in (
+        return [*m.instruments(), *(m.of(name, kind, help_, value) for name, kind, value, help_ in (
             ("embeddings_held", "gauge", len(self.held), "embeddings waiting for /send"),
             ("embeddings_expired", "counter", self.embeddings_expired, "embeddings released by the TTL"),
             ("embeddings_released", "counter", self.embeddings_released, "embeddings dropped by /release"),

@@ -432,7 +432,7 @@ class PrefillServer:
                     self.admission.queued),
             m.gauge("vllm:kv_cache_usage_perc", "KV-cache usage (blocks held until decode takes them). 1 means 100 "
                     "percent usage.", self.blocks.num_used_blocks / self.blocks.num_blocks),
-            *((m.counter if kind == "counter" else m.gauge)(name, help_, value) for name, kind, value, help_ in (
+            *(m.of(name, kind, help_, value) for name, kind, value, help_ in (
                 ("kv_blocks_free", "gauge", self.blocks.num_free_blocks, "KV blocks free"),
                 ("kv_blocks_used", "gauge", self.blocks.num_used_blocks, "KV blocks held (waiting for decode)"),
                 ("inflight", "gauge", len(self._inflight), "prefills running"),

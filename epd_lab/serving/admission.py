@@ -296,8 +296,7 @@ class Admission:
         """Named by `metrics` after `prefix`: ``admitted``, ``running``, ``queue_length``, ``workers``,
         ``max_queued``, ``service_seconds``, ``predicted_wait_seconds``, ``queued_total``,
         ``queue_wait_seconds_total`` and ``refused_total{reason}``."""
-        return [(metrics.counter if kind == "counter" else metrics.gauge)(self.prefix + name.removesuffix("_total"),
-                                                                            help_, value)
+        return [metrics.of(self.prefix + name.removesuffix("_total"), kind, help_, value)
                 for name, kind, value, help_ in (
             ("admitted", "gauge", self.admitted, "requests running or waiting for a worker"),
             ("running", "gauge", self.running, "requests running (at most workers)"),

@@ -60,13 +60,14 @@ class RoleMetrics:
 
     def gauge(self, name: str, help_: str, value: float | Mapping[Any, float], label: str = "") -> Metric:
         """A gauge of one `value`, or one sample per key of `value` under `label`."""
-        return self._of(name, "gauge", help_, value, label)
+        return self.of(name, "gauge", help_, value, label)
 
     def counter(self, name: str, help_: str, value: float | Mapping[Any, float], label: str = "") -> Metric:
         """A counter (``_total`` is added to the name) of one `value`, or one sample per key under `label`."""
-        return self._of(name, "counter", help_, value, label)
+        return self.of(name, "counter", help_, value, label)
 
-    def _of(self, name: str, kind: str, help_: str, value: float | Mapping[Any, float], label: str) -> Metric:
+    def of(self, name: str, kind: str, help_: str, value: float | Mapping[Any, float], label: str = "") -> Metric:
+        """A `counter` or `gauge` as `kind` says (what a table of rows of both kinds builds its families with)."""
         if isinstance(value, Mapping):
             return self.family(name, kind, help_, (label,), (((k,), v) for k, v in sorted(value.items())))
         return self.family(name, kind, help_, (), (((), value),))
@@ -117,8 +118,8 @@ def engine_metrics(metrics: RoleMetrics, *engines: Any) -> list[Metric]:
         by_path.update({k.removeprefix("bytes_out_"): v for k, v in s.items() if k.startswith("bytes_out_")})
     paths = metrics.counter("engine_bytes_out", "bytes the role's engines wrote to peers, by the path they took "
                             "(tcp, shm, verbs)", dict(by_path), "path")
-    return [paths, *((metrics.counter if kind == "counter" else metrics.gauge)(
-        f"engine_{key}", help_, sum(s.get(key, 0) for s in stats)) for key, kind, help_ in (
+    return [paths, *(metrics.of(f"engine_{key}", kind, help_, sum(s.get(key, 0) for s in stats))
+                     for key, kind, help_ in (
         ("regions", "gauge", "memory regions registered with the role's transfer engines"),
         ("writes_in_flight", "gauge", "incoming one-sided writes placing bytes now (each pins its registration)"),
         ("managed_buffers", "gauge", "buffers the engines allocated (receive pools)"),
